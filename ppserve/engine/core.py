@@ -1,0 +1,240 @@
+"""The engine step loop: schedule until the pipeline is full, take back the oldest microbatch, stream.
+
+Single-threaded by design. Concurrency comes from the executor (Ray futures); the engine keeps at
+most `pp_size` microbatches in flight so every stage has work while requests exist.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppserve.config import EngineConfig
+from ppserve.engine.detokenizer import IncrementalDetokenizer
+from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
+from ppserve.request import FinishReason, Request, SamplingParams
+from ppserve.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one request gained in one step: for streaming to a client."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    token_times: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detok: IncrementalDetokenizer | None
+    token_times: list[float] = field(default_factory=list)
+    stop_check_from: int = 0  # text before this cannot contain a stop string start any more
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, clock: Any = time.perf_counter) -> None:
+        self.config = config
+        self.clock = clock
+        self.init_model_source()
+        self.init_tokenizer()
+        self.init_executor()
+        self.init_scheduler()
+        self.tracked: dict[str, _Tracked] = {}
+        self.work = WorkTracker()
+        self.engine_spans: list[Span] = []
+        self._ids = itertools.count()
+
+    # ---- construction ----------------------------------------------------------------------------
+    def init_model_source(self) -> None:
+        from ppserve.model.loader import read_hf_config, resolve_model
+
+        self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
+        self.hf_config = read_hf_config(self.model_dir)
+        from ppserve.model.llama import LlamaArch
+
+        self.arch = LlamaArch.from_hf_config(self.hf_config)
+        self.max_model_len = self.config.model.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"model.max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.arch.max_position_embeddings}"
+            )
+
+    def init_tokenizer(self) -> None:
+        self.tokenizer = None
+        if any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.eos_token_ids = tuple(self.arch.eos_token_ids)
+
+    def init_executor(self) -> None:
+        par = self.config.parallel
+        kind = par.executor
+        if kind == "auto":
+            kind = "inproc" if par.world_size == 1 else "ray"
+        if kind == "inproc":
+            if par.world_size != 1:
+                raise ValueError("parallel.executor=inproc runs one stage; use ray for pp or tp > 1")
+            from ppserve.engine.executor import InProcExecutor
+
+            self.executor = InProcExecutor(self.config, str(self.model_dir), self.hf_config)
+        else:
+            from ppserve.engine.ray_executor import RayExecutor
+
+            self.executor = RayExecutor(self.config, str(self.model_dir), self.hf_config)
+
+    def init_scheduler(self) -> None:
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            num_blocks=self.executor.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            max_model_len=self.max_model_len,
+            max_in_flight=self.config.parallel.pipeline_parallel_size,
+            clock=self.clock,
+        )
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass prompts as lists of token ids")
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return ids
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:5]}")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; ValueError (bad input) or OverflowError (queue full)."""
+        sampling = sampling or SamplingParams()
+        ids = self.tokenize(prompt)
+        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        self.tracked[rid] = _Tracked(req, detok)
+        self.work.update(True, time.perf_counter_ns())
+        return rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel now: KV blocks are freed at once, no token is streamed afterwards."""
+        ok = self.scheduler.cancel(request_id)
+        self.tracked.pop(request_id, None)
+        return ok
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        """Fill the pipeline, wait for the oldest microbatch, and return what each request gained."""
+        sched = self.scheduler
+        while True:
+            t0 = time.perf_counter_ns()
+            out = sched.schedule()
+            if out is None:
+                break
+            self.engine_spans.append(
+                Span("schedule", t0, time.perf_counter_ns(), ENGINE_STAGE, 0, out.step_id,
+                     out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order))
+            )
+            self.executor.submit(out)
+        if not sched.in_flight:
+            self.work.update(sched.has_unfinished, time.perf_counter_ns())
+            return []
+        result = self.executor.collect()
+        now = self.clock()
+        updates = sched.update_from_output(sched.in_flight[0], result)
+        deltas = [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
+        self.work.update(sched.has_unfinished, time.perf_counter_ns())
+        return deltas
+
+    def _process(self, rid: str, token_ids: tuple[int, ...], reason: FinishReason | None, now: float) -> TokenDelta | None:
+        tr = self.tracked.get(rid)
+        if tr is None:
+            return None
+        tr.token_times.extend([now] * len(token_ids))
+        text = ""
+        if tr.detok is not None:
+            for t in token_ids:
+                text += tr.detok.add(t)
+            if reason is not None:
+                text += tr.detok.flush()
+            stop_at = self._find_stop(tr)
+            if stop_at is not None:
+                # Truncate at the stop string (not included in the output) and finish the request.
+                emitted_before = len(tr.detok.text) - len(text)
+                text = tr.detok.text[emitted_before:stop_at] if stop_at > emitted_before else ""
+                tr.detok.text = tr.detok.text[:stop_at]
+                if reason is None:
+                    self.scheduler.finish_request(rid, FinishReason.STOP)
+                reason = FinishReason.STOP
+        finished = reason is not None
+        if finished:
+            del self.tracked[rid]
+        return TokenDelta(rid, token_ids, text, tuple([now] * len(token_ids)), finished,
+                          reason.value if reason else None)
+
+    def _find_stop(self, tr: _Tracked) -> int | None:
+        stops = tr.request.sampling.stop
+        if not stops or tr.detok is None:
+            return None
+        text = tr.detok.text
+        longest = max(len(s) for s in stops)
+        start = max(0, tr.stop_check_from - longest + 1)
+        hits = [i for s in stops if (i := text.find(s, start)) >= 0]
+        tr.stop_check_from = len(text)
+        return min(hits) if hits else None
+
+    def request_state(self, rid: str) -> _Tracked | None:
+        return self.tracked.get(rid)
+
+    # ---- observability -------------------------------------------------------------------------
+    def collect_spans(self) -> list[Span]:
+        spans = [Span.from_dict(d) for d in self.executor.drain_spans()]
+        spans.extend(self.engine_spans)
+        self.engine_spans = []
+        return spans
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "in_flight": len(s.in_flight),
+            "kv_blocks_used": s.blocks.num_used,
+            "kv_blocks_total": s.blocks.num_blocks,
+            "num_preemptions": s.num_preemptions,
+        }
+
+    def shutdown(self) -> None:
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            ex.shutdown()

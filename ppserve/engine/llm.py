@@ -1,0 +1,151 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ppserve.config import EngineConfig, load_config
+from ppserve.engine.core import Engine
+from ppserve.metrics.bubbles import BubbleReport, bubble_report
+from ppserve.metrics.spans import Span
+from ppserve.metrics.trace import save_chrome_trace
+from ppserve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Keyword arguments of LLM(...) and the config field each sets.
+_SHORTCUTS = {
+    "model": ("model", "model"),
+    "dtype": ("model", "dtype"),
+    "cache_dir": ("model", "cache_dir"),
+    "max_model_len": ("model", "max_model_len"),
+    "token_budget": ("scheduler", "token_budget"),
+    "policy": ("scheduler", "policy"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "layer_partition": ("parallel", "layer_partition"),
+    "partition_mode": ("parallel", "partition_mode"),
+    "ray_address": ("parallel", "ray_address"),
+    "executor": ("parallel", "executor"),
+    "block_size": ("cache", "block_size"),
+    "num_kv_blocks": ("cache", "num_blocks"),
+    "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "trace": ("trace", "enabled"),
+}
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | str | Path | None = None,
+        overrides: list[str] | tuple[str, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        kwargs["model"] = model
+        extra: dict[str, dict[str, Any]] = {}
+        for key, value in kwargs.items():
+            if key not in _SHORTCUTS:
+                raise TypeError(f"LLM() got an unexpected keyword {key!r}; known: {sorted(_SHORTCUTS)}")
+            if value is None and key == "model":
+                continue
+            section, name = _SHORTCUTS[key]
+            extra.setdefault(section, {})[name] = value
+        if isinstance(config, EngineConfig):
+            if extra or overrides:
+                raise ValueError("pass either a built EngineConfig or keyword overrides, not both")
+            self.config = config
+        else:
+            self.config = load_config(config, overrides, extra)
+        self.engine = Engine(self.config)
+        self._spans: list[Span] = []
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist: list[str | list[int]] = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(plist):
+                raise ValueError(f"{len(sampling_params)} SamplingParams for {len(plist)} prompts")
+            sps = sampling_params
+        else:
+            sps = [sampling_params or SamplingParams()] * len(plist)
+        eng = self.engine
+        ids: list[str] = []
+        try:
+            for p, sp in zip(plist, sps, strict=True):
+                ids.append(eng.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # bad input loses nothing else: withdraw what this call queued
+                eng.cancel(rid)
+            raise
+        states = {rid: eng.request_state(rid) for rid in ids}
+        results: dict[str, dict[str, Any]] = {rid: {"text": "", "reason": None} for rid in ids}
+        pending = set(ids)
+        while pending:
+            for d in eng.step():
+                if d.request_id in results:
+                    results[d.request_id]["text"] += d.text
+                    if d.finished:
+                        results[d.request_id]["reason"] = d.finish_reason
+                        pending.discard(d.request_id)
+            if not eng.has_unfinished and pending:
+                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+        outs = []
+        for rid in ids:
+            tr = states[rid]
+            assert tr is not None
+            req = tr.request
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    token_ids=list(req.output_token_ids),
+                    text=results[rid]["text"],
+                    finish_reason=results[rid]["reason"],
+                    arrival_time=req.arrival_time,
+                    first_scheduled_time=req.first_scheduled_time,
+                    token_times=list(tr.token_times),
+                )
+            )
+        return outs
+
+    # ---- bubbles and traces ------------------------------------------------------------------
+    def spans(self) -> list[Span]:
+        self._spans.extend(self.engine.collect_spans())
+        return list(self._spans)
+
+    def work_intervals(self) -> list[tuple[int, int]]:
+        import time
+
+        return self.engine.work.intervals(time.perf_counter_ns())
+
+    def bubble_stats(self, window: str | tuple[int, int] = "active") -> BubbleReport:
+        return bubble_report(self.spans(), self.work_intervals(), window=window)
+
+    def save_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals())
+        return path
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

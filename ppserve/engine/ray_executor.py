@@ -1,0 +1,281 @@
+"""The Ray pipeline: one actor per (stage, tp rank), torch.distributed between them.
+
+Hidden states travel stage to stage over torch.distributed p2p (gloo on CPU, NCCL on GPU), never
+through the Ray object store. The small SchedulerOutput goes to every actor through Ray; Ray runs
+an actor's calls from one caller in order, so every stage sees microbatches in the same order.
+The last stage's TP rank 0 returns the StepResult.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections import deque
+from typing import Any
+
+from ppserve.config import EngineConfig
+from ppserve.metrics.spans import estimate_offset
+from ppserve.model.partition import StageCostModel, partition_layers
+from ppserve.sched.output import SchedulerOutput, StepResult
+
+logger = logging.getLogger(__name__)
+
+RAY_GET_TIMEOUT_S = 600.0  # no ray.get waits forever: a dead stage must surface as an error
+
+
+class StageActor:
+    """Ray actor body: owns a StageWorker and the p2p links to its neighbours."""
+
+    def __init__(self, spec: Any, rank: int, world_size: int, prev_rank: int | None, next_rank: int | None) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.worker: Any = None
+        self._pending_send: Any = None
+        self._send_buf: Any = None
+
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port: int = s.getsockname()[1]
+            return port
+
+    def clock_ns(self) -> int:
+        return time.perf_counter_ns()
+
+    def init_distributed(self, master: str, port: int, tp_groups: list[list[int]]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from ppserve.model.parallel import TPContext
+        from ppserve.worker.stage_worker import StageWorker
+
+        if self.spec.num_threads:
+            torch.set_num_threads(self.spec.num_threads)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=self.rank,
+                                world_size=self.world_size)
+        my_group = None
+        for ranks in tp_groups:  # every rank must create every group, in the same order
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                my_group = g
+        tp = TPContext(rank=self.spec.tp_rank, size=self.spec.tp_size, group=my_group)
+        self.worker = StageWorker(self.spec, tp)
+        self.device = self.worker.device
+
+    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
+        n: int = self.worker.num_blocks_for_memory(kv_cache_memory)
+        return n
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
+        import torch
+        import torch.distributed as dist
+
+        rec = self.worker.recorder
+        hidden_in = None
+        if self.prev_rank is not None:
+            # Stage s > 0: the token count is known from the SchedulerOutput, so the buffer is exact.
+            hidden_in = torch.empty(out.total_tokens, self.worker.arch.hidden_size, dtype=self.worker.dtype,
+                                    device=self.device)
+            with rec.span("recv_wait", out.step_id):
+                dist.recv(hidden_in, src=self.prev_rank)
+        result = self.worker.execute(out, hidden_in)
+        if isinstance(result, StepResult):
+            return result if self.spec.tp_rank == 0 else None
+        assert self.next_rank is not None
+        with rec.span("send", out.step_id):
+            if self._pending_send is not None:
+                self._pending_send.wait()  # at most one send outstanding; keeps its buffer alive until done
+            self._send_buf = result.contiguous()
+            self._pending_send = dist.isend(self._send_buf, dst=self.next_rank)
+        return None
+
+    def drain_spans(self) -> list[dict[str, Any]]:
+        spans: list[dict[str, Any]] = self.worker.drain_spans()
+        return spans
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self._pending_send is not None:
+            try:
+                self._pending_send.wait()
+            except Exception:  # the peer may be gone already; shutting down anyway
+                pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any]) -> None:
+        import ray
+
+        self.config = config
+        par = config.parallel
+        self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.init_ray()
+        self.ranges = self.compute_partition(hf_config)
+        self.init_actors(model_dir, hf_config)
+        self.init_clock_offsets()
+        blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory) for a in self.actors]
+        fitted = min(ray.get(blocks, timeout=RAY_GET_TIMEOUT_S))
+        self.num_kv_blocks = config.cache.num_blocks or fitted
+        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        self.in_flight: deque[tuple[int, list[Any]]] = deque()
+
+    # ---- construction ----------------------------------------------------------------------------
+    def init_ray(self) -> None:
+        import ray
+
+        par = self.config.parallel
+        self.owns_ray = False
+        if ray.is_initialized():
+            return
+        if par.ray_address:
+            ray.init(address=par.ray_address, log_to_driver=True)
+        else:
+            # Embedded local instance: loopback only, no dashboard. Logical CPUs may exceed physical
+            # ones so a 2-core machine can host a 4-stage pipeline.
+            need = int(par.world_size * max(par.cpus_per_worker, 1.0))
+            ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=True)
+            self.owns_ray = True
+
+    def compute_partition(self, hf_config: dict[str, Any]) -> list[tuple[int, int]]:
+        par = self.config.parallel
+        num_layers = int(hf_config["num_hidden_layers"])
+        cost = None
+        if par.partition_mode == "cost":
+            from ppserve.model.llama import LlamaArch
+
+            a = LlamaArch.from_hf_config(hf_config)
+            cost = StageCostModel.for_llama(a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                                            a.vocab_size, logits_fraction=1.0)
+        return partition_layers(num_layers, self.pp, par.layer_partition, par.partition_mode, cost)
+
+    def init_actors(self, model_dir: str, hf_config: dict[str, Any]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from ppserve.worker.stage_worker import StageSpec
+
+        par, cfg = self.config.parallel, self.config
+        world = self.pp * self.tp
+        bundle = {"CPU": par.cpus_per_worker}
+        if par.gpus_per_worker:
+            bundle["GPU"] = par.gpus_per_worker
+        # One placement group per stage: its TP ranks packed on one node; stages go where resources allow.
+        self.placement_groups = [placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
+                                 for _ in range(self.pp)]
+        ray.get([pg.ready() for pg in self.placement_groups], timeout=RAY_GET_TIMEOUT_S)
+        actor_cls = ray.remote(StageActor)
+        self.actors: list[Any] = []
+        self.layout: list[dict[str, Any]] = []
+        for s, (start, end) in enumerate(self.ranges):
+            for r in range(self.tp):
+                rank = s * self.tp + r
+                spec = StageSpec(
+                    model_dir=model_dir, hf_config=hf_config, stage=s, num_stages=self.pp, layer_start=start,
+                    layer_end=end, tp_rank=r, tp_size=self.tp, dtype=cfg.model.dtype,
+                    block_size=cfg.cache.block_size, attention_backend=cfg.model.attention_backend,
+                    num_threads=par.num_threads or max(1, int(par.cpus_per_worker)), trace=cfg.trace.enabled,
+                )
+                actor = actor_cls.options(
+                    num_cpus=par.cpus_per_worker, num_gpus=par.gpus_per_worker,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_groups[s], placement_group_bundle_index=r),
+                ).remote(spec, rank, world, rank - self.tp if s > 0 else None,
+                         rank + self.tp if s < self.pp - 1 else None)
+                self.actors.append(actor)
+                self.layout.append({"stage": s, "tp_rank": r, "layers": [start, end]})
+        infos = ray.get([a.node_info.remote() for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        for lay, info in zip(self.layout, infos, strict=True):
+            lay.update(info)
+        master = infos[0]["node_ip"]
+        port = ray.get(self.actors[0].free_port.remote(), timeout=RAY_GET_TIMEOUT_S)
+        tp_groups = [[s * self.tp + r for r in range(self.tp)] for s in range(self.pp)]
+        ray.get([a.init_distributed.remote(master, port, tp_groups) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        for lay in self.layout:
+            logger.info("stage %d tp %d: layers %s on node %s (pid %s)", lay["stage"], lay["tp_rank"],
+                        lay["layers"], lay["node_ip"], lay["pid"])
+        self.last_actor = self.actors[(self.pp - 1) * self.tp]
+
+    def init_clock_offsets(self, pings: int = 5) -> None:
+        """Each actor's offset to the engine clock: half the round trip of the fastest of a few pings."""
+        import ray
+
+        self.offsets: list[int] = []
+        for a in self.actors:
+            samples = []
+            for _ in range(pings):
+                t0 = time.perf_counter_ns()
+                remote = ray.get(a.clock_ns.remote(), timeout=RAY_GET_TIMEOUT_S)
+                samples.append((t0, remote, time.perf_counter_ns()))
+            self.offsets.append(estimate_offset(samples))
+
+    # ---- the hot path --------------------------------------------------------------------------
+    def submit(self, out: SchedulerOutput) -> None:
+        refs = [a.execute.remote(out) for a in self.actors]
+        self.in_flight.append((out.step_id, refs))
+
+    def collect(self, timeout_s: float | None = None) -> StepResult:
+        import ray
+
+        step_id, refs = self.in_flight.popleft()
+        results = ray.get(refs, timeout=timeout_s or RAY_GET_TIMEOUT_S)
+        result = results[(self.pp - 1) * self.tp]
+        if not isinstance(result, StepResult) or result.step_id != step_id:
+            raise RuntimeError(f"stage pipeline returned {result!r} for step {step_id}")
+        return result
+
+    def drain_spans(self) -> list[dict[str, Any]]:
+        import ray
+
+        batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        out = []
+        for offset, spans in zip(self.offsets, batches, strict=True):
+            for d in spans:
+                d = dict(d)
+                d["start_ns"] += offset
+                d["end_ns"] += offset
+                out.append(d)
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [dict(lay) for lay in self.layout]
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not getattr(self, "actors", None):
+            return
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
+        except Exception as e:  # a dead actor must not block the rest of the teardown
+            logger.warning("stage shutdown: %s", e)
+        for a in self.actors:
+            ray.kill(a)
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.actors = []
+        if self.owns_ray:
+            ray.shutdown()

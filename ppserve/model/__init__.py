@@ -1,0 +1,1 @@
+"""Llama-family model code: parallel layers, paged attention, the stage-aware decoder and its weight loader."""

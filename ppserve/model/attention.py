@@ -1,0 +1,256 @@
+"""Paged attention over a flattened mixed batch of prefill chunks and decodes (SDPA and flash-attn backends).
+
+A step's tokens from all sequences are concatenated without padding: q/k/v are [T, heads, head_dim].
+Each layer's KV cache is one tensor [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V);
+a sequence's tokens live in the blocks listed in its row of the block table.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and which cached tokens each sequence's queries may see."""
+
+    slot_mapping: Tensor  # [T] int64: block_id * block_size + offset for each new token
+    query_lens: list[int]  # per sequence: tokens computed this step
+    context_lens: list[int]  # per sequence: KV length after this step (earlier tokens + query_len)
+    block_tables: Tensor  # [S, max_blocks] int64, padded with 0
+    block_size: int
+    # Derived by build(); kept as fields so backends do no Python work per layer.
+    cu_query_lens: list[int]  # [S + 1] token offsets of each sequence in the flat batch
+    decode_seqs: list[int]  # sequences with query_len == 1 (decodes, or 1-token prefill chunks)
+    prefill_seqs: list[int]  # sequences with query_len > 1
+    decode_token_idx: Tensor  # [Nd] int64: flat token index of each decode's query
+    decode_context_lens: Tensor  # [Nd] int64
+    decode_block_tables: Tensor  # [Nd, blocks needed by the longest decode] int64
+    cu_query_lens_t: Tensor  # [S + 1] int32, for flash-attn
+    cu_context_lens_t: Tensor  # [S + 1] int32, for flash-attn
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cu_query_lens[-1]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def build(cls, query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+              block_size: int, device: torch.device | str = "cpu",
+              slot_mapping: Tensor | None = None) -> AttentionMetadata:
+        """Build metadata from per-sequence lists; computes the slot mapping unless one is given."""
+        query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
+        if not (len(query_lens) == len(context_lens) == len(block_tables)):
+            raise ValueError(f"per-sequence lists differ in length: {len(query_lens)}, "
+                             f"{len(context_lens)}, {len(block_tables)}")
+        for i, (q, c, bt) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
+            if q < 1 or c < q:
+                raise ValueError(f"sequence {i}: query_len {q} must be >= 1 and <= context_len {c}")
+            if len(bt) * block_size < c:
+                raise ValueError(f"sequence {i}: {len(bt)} blocks of {block_size} cannot hold {c} tokens")
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        cu_ctx = [0]
+        for c in context_lens:
+            cu_ctx.append(cu_ctx[-1] + c)
+        if slot_mapping is None:
+            slots: list[int] = []
+            for q, c, bt in zip(query_lens, context_lens, block_tables, strict=True):
+                slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c - q, c))
+            slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        width = max((len(bt) for bt in block_tables), default=0)
+        padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
+        tables = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width)
+        decodes = [i for i, q in enumerate(query_lens) if q == 1]
+        prefills = [i for i, q in enumerate(query_lens) if q > 1]
+        dec_ctx = [context_lens[i] for i in decodes]
+        dec_blocks = -(-max(dec_ctx, default=0) // block_size)
+        dec_index = torch.tensor(decodes, dtype=torch.int64, device=device)
+        return cls(
+            slot_mapping=slot_mapping,
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            block_size=block_size,
+            cu_query_lens=cu,
+            decode_seqs=decodes,
+            prefill_seqs=prefills,
+            decode_token_idx=torch.tensor([cu[i] for i in decodes], dtype=torch.int64, device=device),
+            decode_context_lens=torch.tensor(dec_ctx, dtype=torch.int64, device=device),
+            decode_block_tables=tables.index_select(0, dec_index)[:, :dec_blocks],
+            cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=device),
+            cu_context_lens_t=torch.tensor(cu_ctx, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+        )
+
+    def context_slots(self) -> Tensor:
+        """[sum(context_lens)] int64: cache slots of every sequence's whole context, in sequence order."""
+        device = self.block_tables.device
+        ctx = self.cu_context_lens_t.diff().to(torch.int64)  # [S]
+        seq_of = torch.repeat_interleave(torch.arange(len(ctx), device=device), ctx)  # [sum ctx]
+        pos = torch.arange(seq_of.numel(), device=device) - self.cu_context_lens_t[:-1].to(torch.int64)[seq_of]
+        block = self.block_tables[seq_of, pos // self.block_size]
+        return block * self.block_size + pos % self.block_size
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def kv_cache_bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                             num_layers: int = 1) -> int:
+    """Bytes one block costs over `num_layers` layers (K and V)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * block_size * num_kv_heads * head_dim * elem * num_layers
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str) -> list[Tensor]:
+    """One zeroed cache tensor per layer. Zeros, not empty: masked-out slots are still multiplied by 0
+    inside attention, and uninitialised memory may hold NaN bit patterns that would survive that."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter this step's k/v [T, Hkv, D] into the cache at their flat slots."""
+    _, _, _, hkv, d = kv_cache.shape
+    kv_cache[0].view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class AttentionBackend(ABC):
+    """Writes the step's K/V into the paged cache, then computes causal attention for every token."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                scale: float) -> Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+
+
+class SdpaBackend(AttentionBackend):
+    """torch SDPA: all decodes in one padded call with a key-padding mask, prefill chunks one by one."""
+
+    name = "sdpa"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                scale: float) -> Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        if meta.decode_seqs:
+            out.index_copy_(0, meta.decode_token_idx, self._decodes(q, kv_cache, meta, scale, gqa))
+        for i in meta.prefill_seqs:
+            start, end = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
+            out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale, gqa)
+        return out
+
+    @staticmethod
+    def _decodes(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, gqa: bool) -> Tensor:
+        tables = meta.decode_block_tables  # [Nd, nb]
+        nd, nb = tables.shape
+        _, _, bs, hkv, d = kv_cache.shape
+        # Gather only the blocks the decodes use: [Nd, nb, bs, Hkv, D] -> [Nd, Hkv, nb * bs, D]
+        keys = kv_cache[0][tables].reshape(nd, nb * bs, hkv, d).transpose(1, 2)
+        values = kv_cache[1][tables].reshape(nd, nb * bs, hkv, d).transpose(1, 2)
+        valid = torch.arange(nb * bs, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [Nd, L]
+        query = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [Nd, Hq, 1, D]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :],
+                                             scale=scale, enable_gqa=gqa)
+        return out.squeeze(2)  # [Nd, Hq, D]
+
+    @staticmethod
+    def _chunk(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,
+               scale: float, gqa: bool) -> Tensor:
+        ql, ctx = meta.query_lens[seq], meta.context_lens[seq]
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
+        if ctx == ql:
+            # No earlier context: this step's own k/v are the whole context, no cache read needed.
+            keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            values = v.transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            _, _, bs, hkv, d = kv_cache.shape
+            nb = -(-ctx // bs)
+            blocks = meta.block_tables[seq, :nb]
+            # [nb, bs, Hkv, D] -> [1, Hkv, ctx, D]
+            keys = kv_cache[0].index_select(0, blocks).reshape(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            values = kv_cache[1].index_select(0, blocks).reshape(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            # Query i sits at position ctx - ql + i and sees keys 0..that position (bottom-right causal).
+            q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [ql, ctx]
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)  # [ql, Hq, D]
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn varlen kernel over the whole mixed batch in one call.
+
+    Upstream flash-attn 2 reads a paged cache directly (`block_table=`) only when the block size is a
+    multiple of 256; for smaller blocks this backend gathers each sequence's context through the block
+    table into a contiguous varlen K/V first. flash-attn needs fp16/bf16: float32 batches go to SDPA.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func  # imported here: optional GPU-only dependency
+
+        self._varlen = flash_attn_varlen_func
+        self._fallback = SdpaBackend()
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                scale: float) -> Tensor:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return self._fallback.forward(q, k, v, kv_cache, meta, scale)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        common = dict(cu_seqlens_q=meta.cu_query_lens_t, cu_seqlens_k=meta.cu_context_lens_t,
+                      max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
+                      softmax_scale=scale, causal=True)  # flash-attn >= 2.1 aligns causal bottom-right
+        if meta.block_size % 256 == 0:
+            return self._varlen(q, kv_cache[0], kv_cache[1],
+                                block_table=meta.block_tables.to(torch.int32), **common)
+        _, _, _, hkv, d = kv_cache.shape
+        slots = meta.context_slots()  # [sum ctx]
+        keys = kv_cache[0].view(-1, hkv, d).index_select(0, slots)  # [sum ctx, Hkv, D]
+        values = kv_cache[1].view(-1, hkv, d).index_select(0, slots)
+        return self._varlen(q, keys, values, **common)
+
+
+def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
+    """'auto' picks flash-attn on CUDA when importable, SDPA otherwise; 'sdpa'/'flash_attn' force one."""
+    on_cuda = torch.device(device).type == "cuda"
+    if prefer == "sdpa":
+        return SdpaBackend()
+    if prefer in ("flash_attn", "flash"):
+        if not (on_cuda and flash_attn_available()):
+            raise ValueError("attention backend 'flash_attn' needs a CUDA device and the flash-attn package")
+        return FlashAttnBackend()
+    if prefer != "auto":
+        raise ValueError(f"unknown attention backend {prefer!r} (auto, sdpa, flash_attn)")
+    if on_cuda and flash_attn_available():
+        return FlashAttnBackend()
+    return SdpaBackend()

@@ -1,0 +1,287 @@
+"""Building-block layers of a Llama-family decoder that know their tensor-parallel shard.
+
+Every parallel layer takes the FULL Hugging Face tensor in `weight_loader` and keeps only the slice
+its TP rank owns, so the loader never needs to know how a layer is sharded. At TP size 1 each layer
+is an ordinary dense layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ppserve.model.parallel import TPContext
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Weights are always overwritten by the loader, so skip the cost of a random init.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def _copy_checked(param: nn.Parameter, shard: Tensor, what: str) -> None:
+    if param.shape != shard.shape:
+        raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(shard.shape)}")
+    with torch.no_grad():
+        param.copy_(shard)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty((hidden_size,), dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        in_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(in_dtype)
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        _copy_checked(param, full, "RMSNorm.weight")
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------------------------
+
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
+    """Llama 3.1 frequency rescaling: long wavelengths divided by `factor`, short kept, smooth between."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+    """Inverse frequencies [head_dim // 2] for the HF rope variants ppserve supports."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        # Linear interpolation divides positions by `factor`; dividing frequencies is the same thing.
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (HF "rotate_half") rotary embedding applied at explicit token positions."""
+
+    def __init__(self, head_dim: int, base: float, scaling: dict | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # float32 buffer, not a parameter: it is derived from the config, never loaded.
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling).to(device), persistent=False)
+
+    def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = emb.cos()[:, None, :]  # [T, 1, D], broadcast over heads
+        sin = emb.sin()[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel linear layers
+# ---------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over TP ranks; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPContext = TPContext(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.out_start, self.out_end = tp.shard_range(out_features)
+        self.weight = _empty((self.out_end - self.out_start, in_features), dtype, device)
+        self.bias = _empty((self.out_end - self.out_start,), dtype, device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        _copy_checked(param, full[self.out_start:self.out_end], "ColumnParallelLinear")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one GEMM (gate and up).
+
+    Each rank's weight is [shard of proj 0; shard of proj 1; ...] so the output splits locally.
+    """
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
+                 tp: TPContext = TPContext(), dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__(in_features, sum(out_sizes), bias, tp, dtype, device)
+        self.out_sizes = list(out_sizes)
+        self.local_sizes = [s // tp.size for s in out_sizes]
+        for s in out_sizes:
+            tp.shard_range(s)  # validates divisibility of each part
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int):
+            raise ValueError(f"MergedColumnParallelLinear needs an integer shard_id, got {shard_id!r}")
+        start, end = self.tp.shard_range(self.out_sizes[shard_id])
+        offset = sum(self.local_sizes[:shard_id])
+        _copy_checked_slice(param, offset, full[start:end], f"merged part {shard_id}")
+
+
+def _copy_checked_slice(param: nn.Parameter, offset: int, shard: Tensor, what: str) -> None:
+    dst = param.data.narrow(0, offset, shard.shape[0])
+    if dst.shape != shard.shape:
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(shard.shape)}")
+    with torch.no_grad():
+        dst.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k and v projections (one GEMM); each rank holds its own query and key/value heads.
+
+    When there are fewer KV heads than TP ranks, KV heads are replicated: rank r uses KV head
+    r * num_kv_heads // tp.size, which keeps each rank's query heads paired with the right KV head.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPContext = TPContext(), dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        if num_heads % tp.size != 0:
+            raise ValueError(f"num_heads {num_heads} is not divisible by TP size {tp.size}")
+        if num_kv_heads >= tp.size and num_kv_heads % tp.size != 0:
+            raise ValueError(f"num_kv_heads {num_kv_heads} is not divisible by TP size {tp.size}")
+        if num_kv_heads < tp.size and tp.size % num_kv_heads != 0:
+            raise ValueError(f"TP size {tp.size} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.num_heads_local = num_heads // tp.size
+        self.num_kv_heads_local = max(1, num_kv_heads // tp.size)
+        local_out = (self.num_heads_local + 2 * self.num_kv_heads_local) * head_dim
+        # Build as a plain layer of the local size; the base class's even split is not used here.
+        super().__init__(hidden_size, local_out * tp.size, bias, tp, dtype, device)
+        self.q_size = self.num_heads_local * head_dim
+        self.kv_size = self.num_kv_heads_local * head_dim
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            start = self.tp.rank * self.num_heads_local * d
+            _copy_checked_slice(param, 0, full[start:start + self.q_size], "q_proj")
+            return
+        if shard_id not in ("k", "v"):
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        if self.num_kv_heads >= self.tp.size:
+            first_head = self.tp.rank * self.num_kv_heads_local
+        else:
+            first_head = self.tp.rank * self.num_kv_heads // self.tp.size
+        start = first_head * d
+        offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+        _copy_checked_slice(param, offset, full[start:start + self.kv_size], f"{shard_id}_proj")
+
+    def split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """[T, (Hq + 2 Hkv) D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (local heads)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = qkv.shape[0]
+        return (q.reshape(t, self.num_heads_local, self.head_dim),
+                k.reshape(t, self.num_kv_heads_local, self.head_dim),
+                v.reshape(t, self.num_kv_heads_local, self.head_dim))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over TP ranks; partial sums are all-reduced here."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPContext = TPContext(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_start, self.in_end = tp.shard_range(in_features)
+        self.weight = _empty((out_features, self.in_end - self.in_start), dtype, device)
+        # The bias is replicated and added once, after the reduction.
+        self.bias = _empty((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)  # the one collective inside a decoder layer's forward
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        if param is self.bias:
+            _copy_checked(param, full, "RowParallelLinear.bias")
+        else:
+            _copy_checked(param, full[:, self.in_start:self.in_end], "RowParallelLinear.weight")
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary-parallel embedding and LM head
+# ---------------------------------------------------------------------------------------------
+
+class _VocabShard(nn.Module):
+    """Shared sharding of a [vocab, hidden] matrix: vocab padded to a multiple of tp.size, split evenly."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)  # ceil division
+        self.vocab_start = tp.rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, vocab_size)
+        self.weight = _empty((self.per_rank, hidden_size), dtype, device)
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+        if full.shape[0] != self.vocab_size:
+            raise ValueError(f"vocab matrix has {full.shape[0]} rows, expected {self.vocab_size}")
+        with torch.no_grad():
+            param.zero_()  # padding rows stay zero
+        _copy_checked_slice(param, 0, full[self.vocab_start:self.vocab_end], "vocab shard")
+
+
+class VocabParallelEmbedding(_VocabShard):
+    """Token embedding with the vocabulary split over TP ranks; ranks sum their partial lookups."""
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = (input_ids - self.vocab_start) * owned  # ids of other ranks read row 0, masked below
+        out = F.embedding(local_ids, self.weight) * owned[:, None].to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(_VocabShard):
+    """LM head with the vocabulary split over TP ranks; logits are gathered back to the full vocab."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """[N, H] -> [N, vocab] float32 logits over the whole vocabulary."""
+        local = F.linear(hidden, self.weight)  # [N, per_rank]
+        full = self.tp.all_gather_last_dim(local)  # [N, per_rank * tp.size]
+        return full[:, :self.vocab_size].float()

@@ -1,0 +1,76 @@
+"""What crosses the scheduler/worker boundary: frozen dataclasses of ids, ints and tuples.
+
+New requests travel in full once; requests the workers already hold travel as diffs (new block ids,
+newly sampled tokens). Results come back as plain builtins too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppserve.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers do not hold yet (first schedule, or rescheduled after preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt followed by every output token known so far
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (0 after preemption)
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A diff for a request the workers already hold."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # output tokens sampled since the workers last heard of it
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One microbatch. `order` is the order of requests in the flattened token batch."""
+
+    step_id: int
+    order: tuple[str, ...]
+    num_scheduled_tokens: tuple[int, ...]  # aligned with `order`
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    sample_request_ids: tuple[str, ...]  # requests whose next token is due at the end of this step
+    released_request_ids: tuple[str, ...] = ()  # workers drop their state for these (finished or preempted)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.order
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the last stage returns for one microbatch: sampled tokens by request id, plus spans."""
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    spans: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What the scheduler reports back to the engine for one request after a step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: FinishReason | None = None

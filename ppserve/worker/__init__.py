@@ -1,0 +1,1 @@
+"""Stage workers: per-stage model shard, KV cache, input preparation and sampling."""

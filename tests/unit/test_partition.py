@@ -1,0 +1,64 @@
+"""Layer partition: even, explicit, cost-aware (pure Python)."""
+
+import pytest
+
+from ppserve.model.partition import StageCostModel, partition_layers, stage_costs
+
+
+def test_even():
+    assert partition_layers(30, 2) == [(0, 15), (15, 30)]
+    assert partition_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]
+    assert partition_layers(5, 5) == [(i, i + 1) for i in range(5)]
+
+
+def test_explicit():
+    assert partition_layers(30, 2, explicit=[14, 16]) == [(0, 14), (14, 30)]
+    with pytest.raises(ValueError, match="summing to 30"):
+        partition_layers(30, 2, explicit=[14, 15])
+    with pytest.raises(ValueError, match="positive"):
+        partition_layers(4, 2, explicit=[0, 4])
+
+
+def test_too_many_stages():
+    with pytest.raises(ValueError, match="every stage needs a layer"):
+        partition_layers(2, 3)
+
+
+def test_cost_aware_moves_layers_off_the_head_stage():
+    # SmolLM2-135M shapes: the tied head weighs ~8 layers per decode token.
+    cost = StageCostModel.for_llama(576, 1536, 9, 3, 49152, logits_fraction=1.0)
+    assert 7.5 < cost.lm_head < 8.5
+    ranges = partition_layers(30, 2, mode="cost", cost=cost)
+    assert ranges == [(0, 19), (19, 30)]
+    costs = stage_costs(ranges, 30, cost)
+    even_costs = stage_costs(partition_layers(30, 2), 30, cost)
+    assert max(costs) < max(even_costs)
+
+
+def test_cost_aware_without_head_cost_is_even():
+    assert partition_layers(12, 3, mode="cost", cost=StageCostModel()) == [(0, 4), (4, 8), (8, 12)]
+
+
+def test_cost_partition_is_optimal_by_brute_force():
+    import itertools
+
+    cost = StageCostModel(layer=1.0, embedding=0.5, lm_head=2.7)
+    for n, p in [(7, 3), (9, 2), (6, 4)]:
+        best = min(
+            max(stage_costs(_ranges(c), n, cost))
+            for cuts in itertools.combinations(range(1, n), p - 1)
+            for c in [_counts(cuts, n)]
+        )
+        got = max(stage_costs(partition_layers(n, p, mode="cost", cost=cost), n, cost))
+        assert got == pytest.approx(best)
+
+
+def _counts(cuts, n):
+    b = [0, *cuts, n]
+    return [b[i + 1] - b[i] for i in range(len(b) - 1)]
+
+
+def _ranges(counts):
+    from ppserve.model.partition import ranges_from_counts
+
+    return ranges_from_counts(counts)
