@@ -48,10 +48,18 @@ class ParallelConfig:
     cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
     gpus_per_worker: float = 0.0  # Ray GPUs per actor; 0 on CPU machines
     num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
+    stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
 
     def __post_init__(self) -> None:
         if self.layer_partition is not None:
             object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
+        if self.stage_resources is not None:
+            object.__setattr__(self, "stage_resources", tuple(self.stage_resources))
+            if len(self.stage_resources) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"parallel.stage_resources {list(self.stage_resources)} needs one resource name per stage "
+                    f"({self.pipeline_parallel_size})"
+                )
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"parallel.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size!r}")
         if self.tensor_parallel_size < 1:

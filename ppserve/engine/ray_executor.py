@@ -181,9 +181,14 @@ class RayExecutor:
         bundle = {"CPU": par.cpus_per_worker}
         if par.gpus_per_worker:
             bundle["GPU"] = par.gpus_per_worker
-        # One placement group per stage: its TP ranks packed on one node; stages go where resources allow.
-        self.placement_groups = [placement_group([dict(bundle) for _ in range(self.tp)], strategy="STRICT_PACK")
-                                 for _ in range(self.pp)]
+        # One placement group per stage: its TP ranks packed on one node; stages go where resources allow,
+        # or onto the nodes labelled with the stage's custom resource (launch/ scripts set those labels).
+        self.placement_groups = []
+        for s in range(self.pp):
+            b = dict(bundle)
+            if par.stage_resources:
+                b[par.stage_resources[s]] = 0.01
+            self.placement_groups.append(placement_group([dict(b) for _ in range(self.tp)], strategy="STRICT_PACK"))
         ray.get([pg.ready() for pg in self.placement_groups], timeout=RAY_GET_TIMEOUT_S)
         actor_cls = ray.remote(StageActor)
         self.actors: list[Any] = []

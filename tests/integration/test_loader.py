@@ -75,11 +75,21 @@ def test_gguf_direct_read_matches_converted_safetensors(model_dir: Path) -> None
         torch.testing.assert_close(direct[name], tensor, atol=1e-6, rtol=0, msg=name)
 
 
-def test_default_model_logits_match_transformers(model_dir: Path, chat_ids: list[int]) -> None:
+@pytest.fixture(scope="module")
+def our_model(model_dir: Path) -> LlamaForCausalLM:
+    return load_stage_model(model_dir, 0, 30)
+
+
+def test_default_model_logits_match_transformers(model_dir: Path, our_model: LlamaForCausalLM,
+                                                 chat_ids: list[int]) -> None:
+    # The converted directory holds exactly the tensors transformers dequantized from the GGUF file.
     ref = hf_logits(hf_model(model_dir), chat_ids)
-    whole = PagedRunner([load_stage_model(model_dir, 0, 30)], block_size=16).run_chunked(0, chat_ids, 8)
-    torch.testing.assert_close(whole, ref, atol=2e-4, rtol=0)
-    # Two stages fed straight from the GGUF file (no converted copy involved).
+    ours = PagedRunner([our_model], block_size=16).run_chunked(0, chat_ids, 8)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
+
+
+def test_two_stages_fed_straight_from_gguf_match_converted(model_dir: Path, our_model: LlamaForCausalLM,
+                                                           chat_ids: list[int]) -> None:
     arch = LlamaArch.from_hf_config(read_hf_config(model_dir))
     stages = []
     for a, b in ((0, 13), (13, 30)):
@@ -87,14 +97,16 @@ def test_default_model_logits_match_transformers(model_dir: Path, chat_ids: list
         stage.load_weights(iter_gguf_weights(find_default_gguf(), a, b, need_embed=a == 0, need_head=b == 30))
         stages.append(stage)
     split = PagedRunner(stages, block_size=16).run_chunked(0, chat_ids, 13)
-    torch.testing.assert_close(split, ref, atol=2e-4, rtol=0)
+    whole = PagedRunner([our_model], block_size=16).run_chunked(0, chat_ids, 13)
+    torch.testing.assert_close(split, whole, atol=1e-4, rtol=0)
 
 
-def test_default_model_answers_the_chat_prompt(model_dir: Path, chat_ids: list[int]) -> None:
+def test_default_model_answers_the_chat_prompt(model_dir: Path, our_model: LlamaForCausalLM,
+                                               chat_ids: list[int]) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    out = PagedRunner([load_stage_model(model_dir, 0, 30)], block_size=16).greedy(0, chat_ids, 8, chunk=16)
+    out = PagedRunner([our_model], block_size=16).greedy(0, chat_ids, 8, chunk=16)
     assert tok.decode(out).startswith("The capital of France is Paris.")
 
 

@@ -1,0 +1,154 @@
+"""`ppserve serve | generate | stats`: run the gRPC server, stream a completion, print server statistics.
+
+Heavy imports (torch, ray, grpc) happen inside the run functions so `ppserve --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) on a pipeline")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+    p.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: server.port, 50051; 0 picks a free one)")
+    p.add_argument(
+        "--ray-address", help="attach to this Ray cluster (e.g. auto or HEAD:6379) instead of starting one"
+    )
+    p.set_defaults(func=run_serve)
+
+    g = sub.add_parser("generate", help="stream one completion from a running server")
+    g.add_argument("prompt")
+    g.add_argument("--server", default="127.0.0.1:50051", help="host:port of the server")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.set_defaults(func=run_generate)
+
+    s = sub.add_parser("stats", help="print a running server's statistics")
+    s.add_argument("--server", default="127.0.0.1:50051", help="host:port of the server")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=run_stats)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ppserve.config import load_config
+    from ppserve.server.server import run_server
+
+    overrides = list(args.overrides)
+    if args.ray_address:
+        overrides.append(f"parallel.ray_address={args.ray_address}")
+    if args.host:
+        overrides.append(f"server.host={args.host}")
+    if args.port is not None:
+        overrides.append(f"server.port={args.port}")
+    config = load_config(args.config, overrides)
+    return run_server(config, config.server.host, config.server.port)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from ppserve.request import SamplingParams
+    from ppserve.server.client import PPServeClient
+
+    kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    for name in ("top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    sampling = SamplingParams(**kwargs)
+    with PPServeClient(args.server) as client:
+        try:
+            if args.chat:
+                stream = client.stream(
+                    messages=[{"role": "user", "content": args.prompt}],
+                    sampling=sampling,
+                    timeout=args.timeout,
+                )
+            else:
+                stream = client.stream(args.prompt, sampling=sampling, timeout=args.timeout)
+            last = None
+            for chunk in stream:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as e:
+            print(f"\nppserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            stream.cancel()
+            raise
+    print()
+    if last is not None and last.metrics is not None:
+        m = last.metrics
+        print(
+            f"[{last.num_output_tokens} tokens, {last.finish_reason}; queue {m['queue_time_s'] * 1e3:.1f} ms, "
+            f"TTFT {m['ttft_s'] * 1e3:.1f} ms, mean TBT {m['mean_tbt_s'] * 1e3:.1f} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    """GetStats as a human-readable table."""
+    c = s["config"]
+    lines = [
+        f"model        {c['model']}",
+        f"parallel     pp={c['pipeline_parallel_size']} tp={c['tensor_parallel_size']}   "
+        f"policy {c['policy']}, token budget {c['token_budget']}, block size {c['block_size']}, "
+        f"max_model_len {c['max_model_len']}",
+        f"requests     running {s['running']}  waiting {s['waiting']}  in-flight microbatches "
+        f"{s['in_flight_microbatches']}  finished {s['requests_finished']}",
+        f"kv blocks    {s['kv_blocks_used']} / {s['kv_blocks_total']} used   preemptions {s['num_preemptions']}",
+        f"throughput   {s['tokens_per_s']:.1f} tok/s over the last {s['window_s']:.1f} s   "
+        f"({s['tokens_generated']} tokens since start, up {s['uptime_s']:.0f} s)",
+        "",
+        f"{'stage':>5} {'busy%':>7} {'bubble%':>8} {'starve%':>8}",
+    ]
+    for st in s["stages"]:
+        lines.append(
+            f"{st['stage']:>5} {st['busy_fraction'] * 100:>6.1f}% {st['bubble_fraction'] * 100:>7.1f}% "
+            f"{st['starvation_fraction'] * 100:>7.1f}%"
+        )
+    if not s["stages"]:
+        lines.append("  (no stage activity in the window)")
+    lines.append(f" mean bubble {s['mean_bubble_fraction'] * 100:.1f}% (window: last {s['window_s']:.1f} s)")
+    lines += ["", f"{'stage':>5} {'tp':>3} {'layers':>9}  {'node_ip':<15} {'pid':>8}  node_id"]
+    for w in s["workers"]:
+        lines.append(
+            f"{w['stage']:>5} {w['tp_rank']:>3} {w['layer_start']:>4}-{w['layer_end']:<4}  "
+            f"{w['node_ip']:<15} {w['pid']:>8}  {w['node_id'][:16]}"
+        )
+    return "\n".join(lines)
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    import json
+
+    import grpc
+
+    from ppserve.server.client import PPServeClient
+
+    with PPServeClient(args.server) as client:
+        try:
+            s = client.stats()
+        except grpc.RpcError as e:
+            print(f"ppserve stats: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(s, indent=2) if args.json else format_stats(s))
+    return 0

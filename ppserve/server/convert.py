@@ -1,0 +1,245 @@
+"""Conversion between ppserve.v1 protobuf messages and ppserve's own types, and errors to status codes.
+
+Pure translation: no engine, no torch. Validation of sampling values is SamplingParams' job (its
+ValueError names the field); this module only adds the checks that exist because of the wire format
+(which prompt field was used, token ids as int64).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from ppserve.request import SamplingParams
+from ppserve.server.gen import ppserve_pb2 as pb
+
+_FINISH_TO_PROTO = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+# Largest id a proto int64 may carry that still makes sense as a Python int for the engine.
+_INT64_MAX = (1 << 63) - 1
+
+
+class PipelineUnavailable(RuntimeError):
+    """The pipeline is starting, being rebuilt, failed or shutting down: retry later (UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """What the client asked to complete: exactly one of text, token ids or chat messages."""
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Build SamplingParams; unset optional fields keep ppserve's defaults. ValueError names the field."""
+    kwargs: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    kwargs["stop"] = tuple(msg.stop)
+    kwargs["stop_token_ids"] = tuple(int(t) for t in msg.stop_token_ids)
+    kwargs["ignore_eos"] = bool(msg.ignore_eos)
+    return SamplingParams(**kwargs)
+
+
+def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        max_tokens=sp.max_tokens,
+        stop=list(sp.stop),
+        stop_token_ids=list(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) -> PromptInput:
+    """Pick the one prompt field that was set; ValueError naming the field otherwise."""
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(req.prompt)),
+            ("prompt_token_ids", len(req.prompt_token_ids) > 0),
+            ("messages", len(req.messages) > 0),
+        )
+        if present
+    ]
+    if not given:
+        raise ValueError("prompt is empty: set one of prompt, prompt_token_ids or messages")
+    if len(given) > 1:
+        raise ValueError(f"set only one of prompt, prompt_token_ids or messages; got {', '.join(given)}")
+    if req.prompt:
+        return PromptInput(text=req.prompt)
+    if req.messages:
+        for i, m in enumerate(req.messages):
+            if not m.role:
+                raise ValueError(f"messages[{i}].role is empty")
+        return PromptInput(messages=tuple((m.role, m.content) for m in req.messages))
+    ids = tuple(int(t) for t in req.prompt_token_ids)
+    upper = vocab_size if vocab_size is not None else _INT64_MAX
+    for i, t in enumerate(ids):
+        if not 0 <= t < upper:
+            raise ValueError(f"prompt_token_ids[{i}]={t} is out of range [0, {upper})")
+    return PromptInput(token_ids=ids)
+
+
+def generate_request_to_proto(
+    prompt: str | Sequence[int] | None = None,
+    sampling: SamplingParams | None = None,
+    *,
+    messages: Sequence[dict[str, str]] | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """The client side: text, token ids or chat messages (dicts with role and content)."""
+    req = pb.GenerateRequest(request_id=request_id)
+    if messages is not None:
+        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+    elif isinstance(prompt, str):
+        req.prompt = prompt
+    elif prompt is not None:
+        req.prompt_token_ids.extend(int(t) for t in prompt)
+    if sampling is not None:
+        req.sampling.CopyFrom(sampling_to_proto(sampling))
+    return req
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def finish_reason_to_proto(reason: str | None) -> int:
+    return int(_FINISH_TO_PROTO[reason])
+
+
+def finish_reason_from_proto(value: int) -> str | None:
+    return _FINISH_FROM_PROTO.get(value)  # type: ignore[call-overload, no-any-return]
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """Engine-clock times of one request, for its closing metrics."""
+
+    arrival: float
+    first_scheduled: float | None
+    token_times: Sequence[float]
+
+
+def request_metrics_to_proto(t: RequestTimes) -> pb.RequestMetrics:
+    m = pb.RequestMetrics()
+    if t.first_scheduled is not None:
+        m.queue_time_s = max(0.0, t.first_scheduled - t.arrival)
+    if t.token_times:
+        m.ttft_s = t.token_times[0] - t.arrival
+        m.e2e_s = t.token_times[-1] - t.arrival
+        if len(t.token_times) >= 2:
+            m.mean_tbt_s = (t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+    return m
+
+
+def to_unix_times(engine_times: Sequence[float], engine_to_unix: float) -> list[float]:
+    """Engine clock (monotonic seconds) to Unix seconds, by the offset measured at start-up."""
+    return [t + engine_to_unix for t in engine_times]
+
+
+def engine_to_unix_offset(engine_clock: Any = time.perf_counter) -> float:
+    return time.time() - float(engine_clock())
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def error_to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map ppserve's exceptions to the API's status codes (DESIGN.md §9)."""
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OverflowError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, PipelineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+# ---- stats ---------------------------------------------------------------------------------------
+def stats_to_proto(s: dict[str, Any]) -> pb.Stats:
+    """From AsyncEngine.stats()' plain dict to the wire message."""
+    msg = pb.Stats(
+        running=s.get("running", 0),
+        waiting=s.get("waiting", 0),
+        in_flight_microbatches=s.get("in_flight", 0),
+        kv_blocks_used=s.get("kv_blocks_used", 0),
+        kv_blocks_total=s.get("kv_blocks_total", 0),
+        tokens_per_s=s.get("tokens_per_s", 0.0),
+        window_s=s.get("window_s", 0.0),
+        mean_bubble_fraction=s.get("mean_bubble_fraction", 0.0),
+        num_preemptions=s.get("num_preemptions", 0),
+        requests_finished=s.get("requests_finished", 0),
+        tokens_generated=s.get("tokens_generated", 0),
+        uptime_s=s.get("uptime_s", 0.0),
+    )
+    for st in s.get("stages", []):
+        msg.stages.add(
+            stage=st["stage"],
+            busy_fraction=st["busy_fraction"],
+            bubble_fraction=st["bubble_fraction"],
+            starvation_fraction=st["starvation_fraction"],
+        )
+    for w in s.get("workers", []):
+        layers = w.get("layers", [0, 0])
+        msg.workers.add(
+            stage=w.get("stage", 0),
+            tp_rank=w.get("tp_rank", 0),
+            layer_start=layers[0],
+            layer_end=layers[1],
+            node_ip=str(w.get("node_ip", "")),
+            node_id=str(w.get("node_id", "")),
+            pid=int(w.get("pid", 0)),
+        )
+    cfg = s.get("config")
+    if cfg:
+        msg.config.CopyFrom(pb.ServingConfig(**cfg))
+    return msg
+
+
+def stats_from_proto(msg: pb.Stats) -> dict[str, Any]:
+    """The wire message back to a plain dict (the client hands dicts, not protobuf, to callers)."""
+    out: dict[str, Any] = {
+        f.name: getattr(msg, f.name)
+        for f in msg.DESCRIPTOR.fields
+        if f.name not in ("stages", "workers", "config")
+    }
+    out["stages"] = [{f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields} for st in msg.stages]
+    out["workers"] = [{f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in msg.workers]
+    out["config"] = {f.name: getattr(msg.config, f.name) for f in msg.config.DESCRIPTOR.fields}
+    return out
+
+
+def chunk_from_proto(msg: pb.GenerateResponse) -> dict[str, Any]:
+    """One streamed message as a plain dict; metrics only on the last one."""
+    reason = finish_reason_from_proto(msg.finish_reason)
+    out: dict[str, Any] = {
+        "request_id": msg.request_id,
+        "token_ids": list(msg.token_ids),
+        "text": msg.text,
+        "num_prompt_tokens": msg.num_prompt_tokens,
+        "num_output_tokens": msg.num_output_tokens,
+        "token_times": list(msg.token_times),
+        "finish_reason": reason,
+        "metrics": None,
+    }
+    if reason is not None:
+        out["metrics"] = {f.name: getattr(msg.metrics, f.name) for f in msg.metrics.DESCRIPTOR.fields}
+    return out

@@ -1,0 +1,83 @@
+"""The ppserve.v1.PPServe servicer: validates requests, streams engine output, maps errors to status codes."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from ppserve.server import convert
+from ppserve.server.async_engine import AsyncEngine, StreamChunk
+from ppserve.server.gen import ppserve_pb2 as pb
+from ppserve.server.gen import ppserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PPServeServicer(pb_grpc.PPServeServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        # Validation happens here, before anything is queued: a bad request costs the engine nothing.
+        try:
+            prompt = convert.prompt_from_proto(request, self.engine.vocab_size)
+            sampling = convert.sampling_from_proto(request.sampling)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        try:
+            stream = await self.engine.add_request(prompt, sampling, rid)
+        except (ValueError, OverflowError, convert.PipelineUnavailable) as e:
+            code, message = convert.error_to_status(e)
+            await context.abort(code, message)
+        offset = self.engine.engine_to_unix
+        finished = False
+        try:
+            async for chunk in stream:
+                finished = chunk.finished
+                yield _response(chunk, stream.num_prompt_tokens, offset)
+        finally:
+            # Runs on every exit: normal end, client cancel / deadline (grpc.aio raises CancelledError
+            # here, which propagates untouched), or server shutdown. Never awaits, so it cannot be
+            # interrupted half way.
+            if not finished:
+                self.engine.cancel_nowait(rid)
+            self.engine.release(rid)
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        try:
+            ok = await self.engine.cancel(request.request_id)
+        except convert.PipelineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.CancelResponse(cancelled=ok)
+
+    async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:
+        try:
+            stats = await self.engine.stats()
+        except convert.PipelineUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine did not answer in time")
+        return convert.stats_to_proto(stats)
+
+
+def _response(chunk: StreamChunk, num_prompt_tokens: int, engine_to_unix: float) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=chunk.num_output_tokens,
+        token_times=convert.to_unix_times(chunk.token_times, engine_to_unix),
+        finish_reason=convert.finish_reason_to_proto(chunk.finish_reason if chunk.finished else None),
+    )
+    if chunk.finished and chunk.times is not None:
+        msg.metrics.CopyFrom(convert.request_metrics_to_proto(chunk.times))
+    return msg

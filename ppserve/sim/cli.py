@@ -1,0 +1,138 @@
+"""`ppserve simulate`: run a workload through the simulated pipeline and print bubbles, latency, throughput.
+
+Also `--fit-from TRACE --profile-out P.json` fits a per-stage profile from spans measured on the real
+pipeline (a Chrome trace or spans JSONL), to pass back as `--hardware P.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("simulate", help="discrete-event simulation of the pipeline with ppserve's scheduler")
+    p.add_argument("--config", help="engine YAML config (scheduler / cache / parallel sections are used)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--hardware", default="a100", help="a100 | h100 | a hardware YAML | a fitted profile .json")
+    p.add_argument("--model", default="gpt3-175b", help="gpt3-175b | llama2-70b | llama3-8b | smollm2-135m | YAML")
+    p.add_argument("--pp", type=int, help="pipeline stages (default: config, or the profile's stage count)")
+    p.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: config)")
+    p.add_argument("--workload", default="splitwise_conv.csv",
+                   help="trace CSV path or a name in ../shared/traces (arrived_at, num_prefill_tokens, num_decode_tokens)")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s (default: the trace's own)")
+    p.add_argument("--at-once", action="store_true", help="all requests arrive at 0 (offline throughput)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-scale", type=float, default=1.0)
+    p.add_argument("--decode-scale", type=float, default=1.0)
+    p.add_argument("--policy", help="sarathi | vllm | orca | static (default: config)")
+    p.add_argument("--token-budget", type=int, help="tokens per microbatch (default: config)")
+    p.add_argument("--max-num-seqs", type=int, help="requests running at once (default: config)")
+    p.add_argument("--seq-cap", action="store_true", help="cap requests per microbatch at max_num_seqs / pp")
+    p.add_argument("--overhead-ms", type=float, default=0.2, help="engine overhead per returned microbatch")
+    p.add_argument("--window", default="active", help="bubble window: active | all | steady")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace here (open with `ppserve timeline`)")
+    p.add_argument("--json", dest="json_out", help="write the summary as JSON here")
+    p.add_argument("--check", action="store_true", help="check scheduler invariants after every step (slow)")
+    p.add_argument("--fit-from", help="fit a profile from this trace / spans JSONL instead of simulating")
+    p.add_argument("--profile-out", default="profile.json", help="where --fit-from writes the profile")
+    p.set_defaults(func=run)
+
+
+def _load_spans(path: str) -> list[Any]:
+    from ppserve.metrics.spans import read_jsonl
+    from ppserve.metrics.trace import load_chrome_trace
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no such file: {path}")
+    if path.endswith(".jsonl"):
+        return read_jsonl(path)
+    return load_chrome_trace(path)[0]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ppserve.config import SchedulerConfig, load_config
+    from ppserve.sim.cost_model import (
+        Profile,
+        ProfileCostModel,
+        RooflineCostModel,
+        fit_profile,
+        kv_cache_blocks,
+        load_hardware,
+        load_model_spec,
+    )
+    from ppserve.sim.simulator import SimConfig, simulate
+    from ppserve.sim.workload import at_once as all_at_once
+    from ppserve.sim.workload import clip_to_context, default_trace_path, read_trace, with_poisson_arrivals
+
+    if args.fit_from:
+        prof = fit_profile(_load_spans(args.fit_from), note=f"fitted from {args.fit_from}")
+        prof.save(args.profile_out)
+        for i, s in enumerate(prof.stages):
+            print(f"stage {i}: {s.a * 1e3:.4f} ms + {s.b * 1e6:.4f} us/prefill token + {s.c * 1e6:.4f} us/decode "
+                  f"token ({s.num_samples} microbatches, rms residual {s.rms_residual_s * 1e3:.4f} ms)")
+        print(f"transfer {prof.transfer_s * 1e3:.4f} ms -> {args.profile_out}")
+        return 0
+
+    cfg = load_config(args.config, args.overrides)
+    sc = cfg.scheduler
+    sched = SchedulerConfig(
+        policy=args.policy or sc.policy,
+        token_budget=args.token_budget or sc.token_budget,
+        max_num_seqs=args.max_num_seqs or sc.max_num_seqs,
+        per_microbatch_seq_cap=args.seq_cap or sc.per_microbatch_seq_cap,
+        max_waiting=max(sc.max_waiting, args.num_requests),
+    )
+    model = load_model_spec(args.model)
+    tp = args.tp or cfg.parallel.tensor_parallel_size
+    block_size = cfg.cache.block_size
+    if args.hardware.endswith(".json"):
+        cost: Any = ProfileCostModel(Profile.load(args.hardware))
+        if args.pp and args.pp != cost.num_stages:
+            raise ValueError(f"--pp {args.pp} but the profile {args.hardware} has {cost.num_stages} stages")
+        num_blocks = cfg.cache.num_blocks or 1_000_000
+    else:
+        pp = args.pp or cfg.parallel.pipeline_parallel_size
+        hw = load_hardware(args.hardware)
+        cost = RooflineCostModel(model, hw, pp, tp)
+        num_blocks = cfg.cache.num_blocks or kv_cache_blocks(model, hw, pp, tp, block_size)
+    max_len = cfg.model.max_model_len or model.max_model_len
+
+    path = Path(args.workload)
+    if not path.exists():
+        path = default_trace_path(args.workload)
+    wl = read_trace(path, args.num_requests, args.prefill_scale, args.decode_scale)
+    if args.rate:
+        wl = with_poisson_arrivals(wl, args.rate, args.seed)
+    if args.at_once:
+        wl = all_at_once(wl)
+    wl = clip_to_context(wl, max_len)
+
+    res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, max_len, args.overhead_ms * 1e-3,
+                                       check_invariants=args.check))
+    summary = res.summary(args.window)
+    settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
+                "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
+                "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
+                "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
+                "prefill_scale": args.prefill_scale, "decode_scale": args.decode_scale,
+                "overhead_ms": args.overhead_ms}
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    print(res.bubble_report(args.window).format_text())
+    thr, lat = summary["throughput"], summary["latency"]
+    print(f"finished {res.num_finished} requests ({len(res.rejected)} rejected), {res.num_microbatches} microbatches, "
+          f"{res.num_preemptions} preemptions in {thr['duration_s']:.3f} s simulated: "
+          f"{thr['requests_per_s']:.3f} req/s, {thr['output_tokens_per_s']:.1f} output tok/s")
+    for name in ("ttft_s", "tbt_s", "scheduling_delay_s"):
+        st = lat[name]
+        if st["count"]:
+            print(f"{name[:-2]:>16}: p50 {st['p50'] * 1e3:.2f} ms  p99 {st['p99'] * 1e3:.2f} ms")
+    if args.trace:
+        print(f"trace: {res.save_trace(args.trace)}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"settings": settings, **summary}, indent=2) + "\n")
+        print(f"json: {args.json_out}")
+    return 0

@@ -1,0 +1,472 @@
+"""Step-time cost models for the simulator: how long one microbatch takes on one pipeline stage.
+
+Three interchangeable models share one small interface (`stage_time`, `transfer_time`, `num_stages`):
+- `RooflineCostModel`: analytic, from a model table and a hardware table (configs/models, configs/hardware).
+  Per decoder layer: linear layers at max(FLOPs / achievable FLOP/s, weight bytes / achievable
+  bandwidth) with tensor parallelism dividing both; attention from each request's chunk and context
+  (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache); two ring all-reduces per layer
+  over NVLink when tp > 1. The last stage adds the LM head for sampled tokens; the embedding is
+  ignored (a gather). Stage-to-stage transfer is the hidden state over the inter-node link.
+- `ProfileCostModel`: per stage a + b*prefill_tokens + c*decode_tokens, fitted by `fit_profile` from
+  spans measured on the real pipeline and stored as JSON.
+- `ConstantCostModel`: every microbatch costs the same on every stage (test oracle).
+
+Pure Python (pyyaml for the tables): no torch, numpy optional and unused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from ppserve.metrics.spans import Span
+from ppserve.model.partition import even_partition
+
+__all__ = [
+    "BatchShape",
+    "CostModel",
+    "ConstantCostModel",
+    "HardwareSpec",
+    "ModelSpec",
+    "Profile",
+    "ProfileCostModel",
+    "RooflineCostModel",
+    "fit_profile",
+    "load_hardware",
+    "load_model_spec",
+    "kv_cache_blocks",
+    "CONFIG_DIR",
+]
+
+# configs/ at the repository root (the tables are data, not code).
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a microbatch looks like to a cost model
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The shape of one microbatch: per request (new tokens, tokens already in its KV cache)."""
+
+    chunks: tuple[tuple[int, int], ...]
+    num_sampled: int = 0  # requests that get logits at the end (decodes and last prefill chunks)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @classmethod
+    def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:
+        """A shape with one prefill chunk and `num_decode_tokens` decodes of `context` each (tests, tools)."""
+        chunks = ((num_prefill_tokens, 0),) if num_prefill_tokens else ()
+        chunks += ((1, context),) * num_decode_tokens
+        return cls(chunks, num_decode_tokens, num_prefill_tokens, num_decode_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.chunks)
+
+
+class CostModel(Protocol):
+    num_stages: int
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        """Seconds stage `stage` computes this microbatch."""
+        ...
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        """Seconds to move this microbatch's hidden states from one stage to the next."""
+        ...
+
+
+@dataclass(frozen=True)
+class ConstantCostModel:
+    """Every microbatch costs `step_s` on every stage and `transfer_s` between stages."""
+
+    num_stages: int
+    step_s: float
+    transfer_s: float = 0.0
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        return self.step_s
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        return self.transfer_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _resolve(kind: str, name_or_path: str | os.PathLike[str]) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml", ".json") or p.exists():
+        if not p.exists():
+            raise FileNotFoundError(f"{kind} file {str(p)!r} does not exist")
+        return p
+    candidate = CONFIG_DIR / kind / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        known = sorted(q.stem for q in (CONFIG_DIR / kind).glob("*.yaml"))
+        raise ValueError(f"unknown {kind} {str(name_or_path)!r}; known: {known} (or pass a file path)")
+    return candidate
+
+
+def _from_mapping(cls: type, data: dict[str, Any], source: str) -> Any:
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    # YAML 1.1 reads "312.0e12" (no exponent sign) as a string: coerce numbers by the field's type.
+    types = {f.name: f.type for f in fields(cls)}
+    coerced: dict[str, Any] = {}
+    for k, v in data.items():
+        try:
+            coerced[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else v
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: {k} must be a number, got {v!r}") from None
+    return cls(**coerced)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator and its links; see configs/hardware/*.yaml for values and sources."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    mem_bw: float  # HBM bytes/s
+    mem_bytes: float  # HBM capacity
+    nvlink_bw: float  # intra-node bytes/s per direction per GPU
+    inter_node_bw: float  # bytes/s per GPU between nodes
+    nvlink_latency_s: float = 8e-6
+    inter_node_latency_s: float = 10e-6
+    mfu_eff: float = 0.65
+    attn_eff: float = 0.5
+    bw_eff: float = 0.8
+    link_eff: float = 0.7
+    kv_mem_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"hardware {self.name}: {f.name} must be a finite number >= 0, got {v!r}")
+        for name in ("peak_flops", "mem_bw", "mfu_eff", "attn_eff", "bw_eff"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"hardware {self.name}: {name} must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer; see configs/models/*.yaml."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    mlp: str = "swiglu"  # swiglu (3 matrices) | gelu (2 matrices)
+    max_model_len: int = 4096
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: heads do not divide hidden_size / num_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's matmuls (norms and biases are negligible)."""
+        h = self.hidden_size
+        attn = h * (h + 2 * self.kv_dim) + h * h  # fused qkv, then the output projection
+        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
+        return attn + mlp
+
+    @property
+    def num_params(self) -> int:
+        head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size + head
+
+
+def load_hardware(name_or_path: str | os.PathLike[str]) -> HardwareSpec:
+    path = _resolve("hardware", name_or_path)
+    data = yaml.safe_load(path.read_text()) or {}
+    spec: HardwareSpec = _from_mapping(HardwareSpec, data, str(path))
+    return spec
+
+
+def load_model_spec(name_or_path: str | os.PathLike[str]) -> ModelSpec:
+    path = _resolve("models", name_or_path)
+    spec: ModelSpec = _from_mapping(ModelSpec, yaml.safe_load(path.read_text()) or {}, str(path))
+    return spec
+
+
+def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, pp: int, tp: int, block_size: int) -> int:
+    """KV blocks that fit on the tightest GPU: memory after this GPU's weight shard, times the KV fraction.
+
+    Every stage holds KV for every token of a request, so the scheduler's block count is what the
+    most loaded stage (the one with the most layers) can hold.
+    """
+    layers = max(b - a for a, b in even_partition(model.num_layers, pp))
+    weights = model.num_params * model.dtype_bytes / (pp * tp)
+    kv_per_token = 2 * layers * model.kv_dim * model.dtype_bytes / tp
+    free = (hw.mem_bytes - weights) * hw.kv_mem_fraction
+    if free <= 0:
+        raise ValueError(
+            f"{model.name} does not fit on {pp * tp} x {hw.name}: {weights / 1e9:.1f} GB of weights per GPU"
+        )
+    return max(1, int(free // (kv_per_token * block_size)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic roofline model
+
+
+def _roofline(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+    # A kernel is bound by whichever resource it exhausts first.
+    return max(flops / flops_per_s, nbytes / bytes_per_s)
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Analytic per-stage step time for `model` split over pp stages (even layers) and tp ranks."""
+
+    model: ModelSpec
+    hw: HardwareSpec
+    pp: int
+    tp: int
+    layer_counts: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.model.num_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide {self.model.name}'s {self.model.num_heads} heads")
+        if not self.layer_counts:
+            counts = tuple(b - a for a, b in even_partition(self.model.num_layers, self.pp))
+            object.__setattr__(self, "layer_counts", counts)
+        if len(self.layer_counts) != self.pp or sum(self.layer_counts) != self.model.num_layers:
+            raise ValueError(f"layer_counts {list(self.layer_counts)} must split {self.model.num_layers} over {self.pp}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp
+
+    # The pieces, per layer and per tp rank; public so tests and tools can look at them.
+    def linear_time(self, num_tokens: int) -> float:
+        m, hw = self.model, self.hw
+        if num_tokens == 0:
+            return 0.0
+        flops = 2.0 * num_tokens * m.layer_params / self.tp
+        # Weights dominate the bytes; activations in and out of each matmul matter only for huge chunks.
+        act = 4.0 * num_tokens * (m.hidden_size + m.intermediate_size / self.tp) * m.dtype_bytes
+        nbytes = m.layer_params * m.dtype_bytes / self.tp + act
+        return _roofline(flops, nbytes, hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
+
+    def attention_time(self, chunks: Sequence[tuple[int, int]]) -> float:
+        m, hw = self.model, self.hw
+        heads_dim = m.hidden_size / self.tp  # query heads x head_dim on this rank
+        kv_dim = m.kv_dim / self.tp
+        flops_s, bytes_s = hw.peak_flops * hw.attn_eff, hw.mem_bw * hw.bw_eff
+        t = 0.0
+        dec_flops = dec_bytes = 0.0
+        for new, ctx in chunks:
+            # Causal attention: token i of the chunk sees ctx + i + 1 keys; QK^T and PV are 2 FLOPs
+            # per multiply-add each, hence 4 * keys * heads_dim per query token.
+            keys = new * ctx + new * (new + 1) / 2
+            flops = 4.0 * keys * heads_dim
+            nbytes = 2.0 * (ctx + new) * kv_dim * m.dtype_bytes + 2.0 * new * heads_dim * m.dtype_bytes
+            if new == 1:
+                # Decodes share one batched kernel: add them up, bound by reading all their KV.
+                dec_flops += flops
+                dec_bytes += nbytes
+            else:
+                t += _roofline(flops, nbytes, flops_s, bytes_s)
+        if dec_bytes:
+            t += _roofline(dec_flops, dec_bytes, flops_s, bytes_s)
+        return t
+
+    def allreduce_time(self, num_tokens: int) -> float:
+        """One ring all-reduce of the [tokens, hidden] activation over the stage's tp ranks."""
+        if self.tp == 1 or num_tokens == 0:
+            return 0.0
+        hw = self.hw
+        msg = num_tokens * self.model.hidden_size * self.model.dtype_bytes
+        return hw.nvlink_latency_s + 2.0 * (self.tp - 1) / self.tp * msg / (hw.nvlink_bw * hw.link_eff)
+
+    def lm_head_time(self, num_sampled: int) -> float:
+        m, hw = self.model, self.hw
+        if num_sampled == 0:
+            return 0.0
+        params = m.vocab_size * m.hidden_size / self.tp
+        return _roofline(2.0 * num_sampled * params, params * m.dtype_bytes,
+                         hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
+
+    def layer_time(self, shape: BatchShape) -> float:
+        n = shape.num_tokens
+        return self.linear_time(n) + self.attention_time(shape.chunks) + 2 * self.allreduce_time(n)
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        t = self.layer_counts[stage] * self.layer_time(shape)
+        if stage == self.pp - 1:
+            t += self.lm_head_time(shape.num_sampled)
+        return t
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        if self.pp == 1:
+            return 0.0
+        hw = self.hw
+        # Every tp rank holds the full (all-reduced) hidden state and sends it over its own NIC in parallel.
+        nbytes = shape.num_tokens * self.model.hidden_size * self.model.dtype_bytes
+        return hw.inter_node_latency_s + nbytes / (hw.inter_node_bw * hw.link_eff)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles fitted from measured spans
+
+PROFILE_FORMAT = "ppserve-sim-profile"
+
+
+@dataclass(frozen=True)
+class StageFit:
+    """compute seconds = a + b * prefill_tokens + c * decode_tokens, for one stage."""
+
+    a: float
+    b: float
+    c: float
+    num_samples: int = 0
+    rms_residual_s: float = 0.0
+
+    def predict(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
+        return max(0.0, self.a + self.b * num_prefill_tokens + self.c * num_decode_tokens)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-stage linear fits plus a stage-to-stage transfer time, as measured on a real pipeline."""
+
+    stages: tuple[StageFit, ...]
+    transfer_s: float = 0.0
+    note: str = ""
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        data = {"format": PROFILE_FORMAT, "version": 1, "transfer_s": self.transfer_s, "note": self.note,
+                "stages": [asdict(s) for s in self.stages]}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{path} is not a ppserve simulator profile (format {data.get('format')!r})")
+        stages = tuple(StageFit(**s) for s in data["stages"])
+        if not stages:
+            raise ValueError(f"profile {path} has no stages")
+        return cls(stages, float(data.get("transfer_s", 0.0)), str(data.get("note", "")))
+
+
+@dataclass(frozen=True)
+class ProfileCostModel:
+    profile: Profile
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.profile.stages)
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        return self.profile.stages[stage].predict(shape.num_prefill_tokens, shape.num_decode_tokens)
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        return self.profile.transfer_s
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        scale = max(abs(x) for row in m for x in row[:n]) or 1.0
+        if abs(m[piv][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _least_squares(rows: Sequence[tuple[float, float, float]], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Fit y = a + b*p + c*d; columns that never vary (all zero) are left out (coefficient 0)."""
+    cols = [0] + [k for k in (1, 2) if any(r[k] for r in rows)]
+    while True:
+        ata = [[math.fsum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
+        aty = [math.fsum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in cols]
+        sol = _solve(ata, aty)
+        if sol is not None or len(cols) == 1:
+            break
+        cols.pop()  # collinear (e.g. every microbatch the same size): drop the last variable
+    coef = [0.0, 0.0, 0.0]
+    for k, v in zip(cols, sol or [math.fsum(ys) / len(ys)], strict=True):
+        coef[k] = v
+    return coef[0], coef[1], coef[2]
+
+
+def fit_profile(spans: Iterable[Span], note: str = "") -> Profile:
+    """Fit per-stage compute time = a + b*prefill_tokens + c*decode_tokens from compute spans.
+
+    A microbatch's time on a stage is the longest of its tp ranks (the stage waits for all of them).
+    Spans carry token counts but not context lengths, so attention's growth with context is folded
+    into b and c (a known limitation: fit on a workload like the one you simulate).
+    The transfer time is the smallest gap between a microbatch leaving stage s and starting stage
+    s+1: that gap is pure transfer whenever the next stage was already idle.
+    """
+    per: dict[int, dict[int, Span]] = defaultdict(dict)
+    durations: dict[tuple[int, int], int] = {}
+    first_start: dict[tuple[int, int], int] = {}
+    last_end: dict[tuple[int, int], int] = {}
+    for s in spans:
+        if s.kind != "compute" or s.stage < 0:
+            continue
+        key = (s.stage, s.step_id)
+        per[s.stage][s.step_id] = s
+        durations[key] = max(durations.get(key, 0), s.duration_ns)
+        first_start[key] = min(first_start.get(key, s.start_ns), s.start_ns)
+        last_end[key] = max(last_end.get(key, s.end_ns), s.end_ns)
+    if not per:
+        raise ValueError("fit_profile needs compute spans")
+    if sorted(per) != list(range(len(per))):
+        raise ValueError(f"compute spans cover stages {sorted(per)}; expected 0..{len(per) - 1}")
+    stages = []
+    for stage in range(len(per)):
+        rows = [(1.0, float(s.num_prefill_tokens), float(s.num_decode_tokens)) for s in per[stage].values()]
+        ys = [durations[(stage, step)] * 1e-9 for step in per[stage]]
+        a, b, c = _least_squares(rows, ys)
+        resid = [y - (a + b * r[1] + c * r[2]) for r, y in zip(rows, ys, strict=True)]
+        rms = math.sqrt(math.fsum(e * e for e in resid) / len(resid))
+        stages.append(StageFit(a, b, c, len(rows), rms))
+    gaps = [
+        first_start[(st + 1, step)] - last_end[(st, step)]
+        for (st, step) in last_end
+        if (st + 1, step) in first_start
+    ]
+    transfer = max(0, min(gaps)) * 1e-9 if gaps else 0.0
+    return Profile(tuple(stages), transfer, note)

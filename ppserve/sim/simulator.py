@@ -1,0 +1,259 @@
+"""Discrete-event simulation of the pipeline engine: ppserve's own scheduler over a step-time cost model.
+
+The loop mirrors `ppserve.engine.core.Engine.step` exactly, with time taken from a cost model instead
+of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
+until `pp` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
+stage, hands its result to the scheduler after a fixed overhead, and decides again. Stage s starts
+microbatch j at max(stage s free, j done on stage s-1 + transfer time); stage 0 gets it when it is
+scheduled. The scheduler classes are used unchanged; only its clock is the simulated one.
+
+Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
+schedule on the engine track), work intervals, per-request token times — so `bubble_report`, the
+Chrome trace and the timeline tool work on a simulated run unchanged. Times are integer nanoseconds
+internally so hand-computed timelines (and the GPipe oracle) come out exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppserve.config import SchedulerConfig
+from ppserve.metrics.bubbles import BubbleReport, Window, bubble_report
+from ppserve.metrics.latency import RequestTiming, summarize
+from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkInterval, WorkTracker
+from ppserve.metrics.trace import save_chrome_trace
+from ppserve.request import Request, SamplingParams
+from ppserve.sched import Scheduler, SchedulerOutput, StepResult
+from ppserve.sim.cost_model import BatchShape, CostModel
+from ppserve.sim.workload import WorkloadRequest
+
+__all__ = ["SimConfig", "SimResult", "simulate", "batch_shape"]
+
+logger = logging.getLogger(__name__)
+
+# The token every simulated step "samples": any id that is not an eos works, requests stop at max_tokens.
+SIM_TOKEN = 7
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the simulated engine is set up (the cost model says how fast it runs)."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_blocks: int = 100_000  # KV blocks the scheduler may hand out
+    block_size: int = 16
+    max_model_len: int = 4096
+    schedule_overhead_s: float = 0.0  # from the last stage's result to the next schedule() (engine + RPC)
+    record_send: bool = True  # zero-length send spans after each non-last stage, like the real workers
+    check_invariants: bool = False  # debug: scheduler.check_invariants() after every schedule and update
+    max_microbatches: int = 10_000_000  # guard against a run that never ends
+
+    def __post_init__(self) -> None:
+        if self.schedule_overhead_s < 0:
+            raise ValueError(f"schedule_overhead_s must be >= 0, got {self.schedule_overhead_s!r}")
+
+
+@dataclass
+class SimResult:
+    """Everything one simulated run produced."""
+
+    spans: list[Span]
+    work_intervals: list[WorkInterval]
+    timings: dict[str, RequestTiming]
+    num_stages: int
+    num_microbatches: int
+    num_preemptions: int
+    end_s: float
+    rejected: dict[str, str] = field(default_factory=dict)  # request id -> why add_request refused it
+
+    def bubble_report(self, window: Window = "active") -> BubbleReport:
+        return bubble_report(self.spans, self.work_intervals, window)
+
+    def latency(self) -> dict[str, Any]:
+        return summarize(self.timings.values())
+
+    @property
+    def num_finished(self) -> int:
+        return len(self.timings)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t.token_times_s) for t in self.timings.values())
+
+    def throughput(self) -> dict[str, float]:
+        """Requests and output tokens per second from the first arrival to the last token."""
+        if not self.timings:
+            return {"requests_per_s": 0.0, "output_tokens_per_s": 0.0, "duration_s": 0.0}
+        t0 = min(t.arrival_s for t in self.timings.values())
+        t1 = max(t.token_times_s[-1] for t in self.timings.values() if t.token_times_s)
+        dur = max(t1 - t0, 1e-12)
+        return {"requests_per_s": self.num_finished / dur, "output_tokens_per_s": self.num_output_tokens / dur,
+                "duration_s": dur}
+
+    def save_trace(self, path: str | os.PathLike[str]) -> str:
+        save_chrome_trace(path, self.spans, self.work_intervals)
+        return str(path)
+
+    def summary(self, window: Window = "active") -> dict[str, Any]:
+        rep = self.bubble_report(window)
+        per_req = list(rep.per_request_bubble_ns.values())
+        return {
+            "num_requests": self.num_finished,
+            "num_rejected": len(self.rejected),
+            "num_microbatches": self.num_microbatches,
+            "num_preemptions": self.num_preemptions,
+            "throughput": self.throughput(),
+            "latency": self.latency(),
+            "bubbles": {
+                "window": rep.window,
+                "mean_bubble_fraction": rep.mean_bubble_fraction,
+                "mean_busy_fraction": rep.mean_busy_fraction,
+                "mean_starvation_fraction": rep.mean_starvation_fraction,
+                "per_request_bubble_p50_s": _s(rep.per_request_bubble_p50_ns),
+                "per_request_bubble_p90_s": _s(rep.per_request_bubble_p90_ns),
+                "per_request_bubble_p99_s": _s(rep.per_request_bubble_p99_ns),
+                "per_request_bubble_mean_s": sum(per_req) * 1e-9 / len(per_req) if per_req else None,
+                "microbatch_token_cv": rep.microbatch_token_cv,
+                "microbatch_token_mean": rep.microbatch_token_mean,
+            },
+        }
+
+
+def _s(ns: float | None) -> float | None:
+    return None if ns is None else ns * 1e-9
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def batch_shape(out: SchedulerOutput) -> BatchShape:
+    """What the cost model needs from a microbatch: each request's new tokens and prior context."""
+    computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
+    computed.update({r.request_id: r.num_computed_tokens for r in out.cached_requests})
+    chunks = tuple((n, computed[rid]) for rid, n in zip(out.order, out.num_scheduled_tokens, strict=True))
+    return BatchShape(chunks, len(out.sample_request_ids), out.num_prefill_tokens, out.num_decode_tokens)
+
+
+class _Pipeline:
+    """The stages' timelines: when each is free, and the spans it has recorded."""
+
+    def __init__(self, cost: CostModel, record_send: bool) -> None:
+        self.cost = cost
+        self.free_ns = [0] * cost.num_stages
+        self.record_send = record_send
+        self.spans: list[Span] = []
+
+    def run(self, out: SchedulerOutput, submit_ns: int) -> int:
+        """Push one microbatch through every stage; returns when the last stage finishes it."""
+        shape = batch_shape(out)
+        tags = {"num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
+                "request_ids": tuple(out.order)}
+        transfer = _ns(self.cost.transfer_time(shape))
+        ready = submit_ns  # stage 0's input is the scheduler output itself
+        end = submit_ns
+        last = self.cost.num_stages - 1
+        for s in range(self.cost.num_stages):
+            if s > 0 and ready > max(self.free_ns[s], submit_ns):
+                # The worker got the scheduler output at submit time, then blocks on the hidden states.
+                self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0, out.step_id))
+            start = max(self.free_ns[s], ready)
+            end = start + _ns(self.cost.stage_time(s, shape))
+            self.spans.append(Span("compute", start, end, s, 0, out.step_id, **tags))
+            if s < last and self.record_send:
+                # Sends are asynchronous (isend): the stage is free at once, the link carries the data.
+                self.spans.append(Span("send", end, end, s, 0, out.step_id))
+            self.free_ns[s] = end
+            ready = end + transfer
+        return end
+
+
+def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:
+    """Run the workload through the simulated engine until every admitted request finishes."""
+    cfg = config or SimConfig()
+    pp = cost.num_stages
+    now_ns = 0
+    sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
+                      max_in_flight=pp, clock=lambda: now_ns * 1e-9)
+    pipe = _Pipeline(cost, cfg.record_send)
+    work = WorkTracker()
+    arrivals = sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)), key=lambda x: (x[0], x[1]))
+    next_arrival = 0
+    requests: dict[str, Request] = {}
+    token_times: dict[str, list[float]] = {}
+    rejected: dict[str, str] = {}
+    in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (microbatch, last stage end ns)
+    num_mb = 0
+
+    def admit_until(t_ns: int) -> None:
+        nonlocal next_arrival
+        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= t_ns:
+            arr_ns, k, w = arrivals[next_arrival]
+            next_arrival += 1
+            rid = f"r{k}"
+            req = Request(rid, [SIM_TOKEN] * w.prompt_len,
+                          SamplingParams(max_tokens=w.output_len, ignore_eos=True), arrival_time=arr_ns * 1e-9)
+            try:
+                sched.add_request(req)
+            except (ValueError, OverflowError) as e:
+                rejected[rid] = str(e)
+                continue
+            requests[rid] = req
+            token_times[rid] = []
+            work.update(True, arr_ns)
+
+    def check() -> None:
+        if cfg.check_invariants:
+            sched.check_invariants()
+
+    while True:
+        admit_until(now_ns)
+        # Fill the pipeline: every microbatch formed now enters stage 0 now.
+        while (out := sched.schedule()) is not None:
+            num_mb += 1
+            if num_mb > cfg.max_microbatches:
+                raise RuntimeError(f"simulation exceeded {cfg.max_microbatches} microbatches")
+            check()
+            pipe.spans.append(Span("schedule", now_ns, now_ns, ENGINE_STAGE, 0, out.step_id,
+                                   out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)))
+            in_flight.append((out, pipe.run(out, now_ns)))
+        if in_flight:
+            # Wait for the oldest microbatch (the engine collects in order), then the engine's overhead.
+            out, done_ns = in_flight.popleft()
+            now_ns = max(now_ns, done_ns) + _ns(cfg.schedule_overhead_s)
+            admit_until(now_ns)  # requests that arrived meanwhile are queued before the engine looks
+            result = StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids})
+            for u in sched.update_from_output(out, result):
+                token_times[u.request_id].extend([done_ns * 1e-9] * len(u.new_token_ids))
+            check()
+            work.update(sched.has_unfinished, now_ns)
+        elif sched.has_unfinished:
+            raise RuntimeError(
+                f"simulation stuck at {now_ns * 1e-9:.6f} s: {len(sched.waiting)} waiting, "
+                f"{len(sched.running)} running, nothing schedulable (KV cache too small?)"
+            )
+        elif next_arrival < len(arrivals):
+            work.update(False, now_ns)
+            now_ns = max(now_ns, arrivals[next_arrival][0])  # idle until the next request arrives
+        else:
+            break
+
+    timings = {
+        rid: RequestTiming(req.arrival_time, req.first_scheduled_time, token_times[rid])
+        for rid, req in requests.items()
+    }
+    return SimResult(
+        spans=pipe.spans,
+        work_intervals=work.intervals(now_ns),
+        timings=timings,
+        num_stages=pp,
+        num_microbatches=num_mb,
+        num_preemptions=sched.num_preemptions,
+        end_s=now_ns * 1e-9,
+        rejected=rejected,
+    )

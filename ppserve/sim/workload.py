@@ -1,0 +1,152 @@
+"""Workloads: lists of `WorkloadRequest(arrival_s, prompt_len, output_len)` for the simulator and benchmarks.
+
+Sources: request-length traces (CSV with arrived_at, num_prefill_tokens, num_decode_tokens, e.g. the
+Splitwise traces in ../shared/traces), synthetic lengths (uniform, zipf, fixed P:D ratio). Arrivals:
+the trace's own, Poisson at a given rate (seeded), or all at once. Pure Python, seeded, deterministic.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+__all__ = [
+    "WorkloadRequest",
+    "DEFAULT_TRACE",
+    "default_trace_path",
+    "read_trace",
+    "poisson_arrivals",
+    "with_poisson_arrivals",
+    "at_once",
+    "uniform_lengths",
+    "zipf_lengths",
+    "fixed_ratio",
+    "clip_to_context",
+]
+
+DEFAULT_TRACE = "splitwise_conv.csv"
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(f"a request needs prompt_len >= 1 and output_len >= 1, got {self}")
+        if not (self.arrival_s >= 0 and math.isfinite(self.arrival_s)):
+            raise ValueError(f"arrival_s must be finite and >= 0, got {self.arrival_s!r}")
+
+
+def default_trace_path(name: str = DEFAULT_TRACE) -> Path:
+    """The trace in ../shared/traces relative to the repository root (the CI layout), else /work/shared."""
+    repo = Path(__file__).resolve().parents[2]
+    for base in (repo.parent / "shared" / "traces", Path("/work/shared/traces")):
+        if (base / name).exists():
+            return base / name
+    raise FileNotFoundError(f"trace {name} not found in {repo.parent / 'shared' / 'traces'}; pass a path")
+
+
+def read_trace(
+    path: str | os.PathLike[str],
+    limit: int | None = None,
+    prefill_scale: float = 1.0,
+    decode_scale: float = 1.0,
+    start: int = 0,
+) -> list[WorkloadRequest]:
+    """Rows `start .. start+limit` of a trace CSV, lengths scaled (rounded, at least 1), arrivals
+    shifted so the first selected request arrives at 0."""
+    if prefill_scale <= 0 or decode_scale <= 0:
+        raise ValueError(f"scale factors must be > 0, got prefill {prefill_scale} decode {decode_scale}")
+    out: list[WorkloadRequest] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        need = {"arrived_at", "num_prefill_tokens", "num_decode_tokens"}
+        if not reader.fieldnames or not need <= set(reader.fieldnames):
+            raise ValueError(f"{path}: expected columns {sorted(need)}, got {reader.fieldnames}")
+        t0: float | None = None
+        for i, row in enumerate(reader):
+            if i < start:
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            t = float(row["arrived_at"])
+            t0 = t if t0 is None else t0
+            out.append(
+                WorkloadRequest(
+                    arrival_s=max(0.0, t - t0),
+                    prompt_len=max(1, round(int(row["num_prefill_tokens"]) * prefill_scale)),
+                    output_len=max(1, round(int(row["num_decode_tokens"]) * decode_scale)),
+                )
+            )
+    return out
+
+
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """n arrival times of a Poisson process of `rate` requests/s, the first at 0."""
+    if rate <= 0:
+        raise ValueError(f"Poisson rate must be > 0 requests/s, got {rate!r}")
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def with_poisson_arrivals(reqs: Sequence[WorkloadRequest], rate: float, seed: int = 0) -> list[WorkloadRequest]:
+    """Keep the lengths, replace the arrivals with a seeded Poisson process."""
+    return [replace(r, arrival_s=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, seed), strict=True)]
+
+
+def at_once(reqs: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
+    """Everything arrives at 0 (offline batch throughput)."""
+    return [replace(r, arrival_s=0.0) for r in reqs]
+
+
+def uniform_lengths(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0
+) -> list[WorkloadRequest]:
+    """Prompt and output lengths uniform in the inclusive ranges; all arrive at 0."""
+    rng = random.Random(seed)
+    return [WorkloadRequest(0.0, rng.randint(*prompt), rng.randint(*output)) for _ in range(n)]
+
+
+def _zipf(rng: random.Random, lo: int, hi: int, theta: float) -> int:
+    # Inverse-CDF sampling over the finite support lo..hi with P(k) ~ 1 / (k - lo + 1)^theta.
+    weights = [1.0 / (k - lo + 1) ** theta for k in range(lo, hi + 1)]
+    return lo + rng.choices(range(hi - lo + 1), weights=weights)[0]
+
+
+def zipf_lengths(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], theta: float = 0.6, seed: int = 0
+) -> list[WorkloadRequest]:
+    """Zipf-distributed lengths (short ones most common) over the inclusive ranges; all arrive at 0."""
+    rng = random.Random(seed)
+    return [WorkloadRequest(0.0, _zipf(rng, *prompt, theta), _zipf(rng, *output, theta)) for _ in range(n)]
+
+
+def fixed_ratio(n: int, total_tokens: int, pd_ratio: float) -> list[WorkloadRequest]:
+    """n identical requests of `total_tokens` tokens with prompt:decode = pd_ratio (as in Sarathi's sweeps)."""
+    if pd_ratio <= 0 or total_tokens < 2:
+        raise ValueError(f"need pd_ratio > 0 and total_tokens >= 2, got {pd_ratio}, {total_tokens}")
+    decode = max(1, round(total_tokens / (pd_ratio + 1)))
+    return [WorkloadRequest(0.0, max(1, total_tokens - decode), decode) for _ in range(n)]
+
+
+def clip_to_context(reqs: Sequence[WorkloadRequest], max_model_len: int) -> list[WorkloadRequest]:
+    """Shorten requests so prompt + output fits the context: the prompt to at most max_model_len - 1,
+    then the output to what is left."""
+    out = []
+    for r in reqs:
+        prompt = min(r.prompt_len, max_model_len - 1)
+        out.append(replace(r, prompt_len=prompt, output_len=max(1, min(r.output_len, max_model_len - prompt))))
+    return out

@@ -1,0 +1,51 @@
+"""Shared fixtures: one Ray instance for the session, tiny random checkpoints, the default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Keep CPU tests deterministic and polite on a 2-core machine.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for every test that builds a pipeline (starting Ray costs seconds)."""
+    import ray
+
+    if not ray.is_initialized():
+        # Logical CPUs may exceed physical ones: a 2-core machine hosts 4-actor pipelines.
+        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from tests.model_helpers import make_tiny_llama_dir
+
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama", num_layers=4, hidden=64, heads=4, kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted once into the user cache (tests share it)."""
+    from ppserve.model.loader import resolve_model
+
+    return resolve_model(None)

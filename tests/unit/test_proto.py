@@ -1,0 +1,302 @@
+"""Proto <-> Python conversion (no server, no torch) and the freshness of the generated modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ppserve.request import SamplingParams
+from ppserve.server import convert
+from ppserve.server.codegen import GEN_DIR, OUTPUTS, generate
+from ppserve.server.gen import ppserve_pb2 as pb
+
+
+def test_sampling_round_trip() -> None:
+    sp = SamplingParams(
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=123,
+        stop=("\n\n", "END"),
+        stop_token_ids=(2, 5),
+        ignore_eos=True,
+    )
+    assert convert.sampling_from_proto(convert.sampling_to_proto(sp)) == sp
+
+
+def test_unset_sampling_fields_keep_defaults() -> None:
+    assert convert.sampling_from_proto(pb.SamplingParams()) == SamplingParams()
+    only = convert.sampling_from_proto(pb.SamplingParams(max_tokens=3))
+    assert only == SamplingParams(max_tokens=3)
+    # Explicit zero temperature is present (greedy), not "unset".
+    assert convert.sampling_from_proto(pb.SamplingParams(temperature=0.0)).temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_sampling_names_the_field(fields: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        convert.sampling_from_proto(pb.SamplingParams(**fields))
+
+
+def test_prompt_fields() -> None:
+    assert convert.prompt_from_proto(pb.GenerateRequest(prompt="hi")).text == "hi"
+    assert convert.prompt_from_proto(pb.GenerateRequest(prompt_token_ids=[1, 2]), 10).token_ids == (1, 2)
+    msgs = convert.prompt_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="x")]))
+    assert msgs.messages == (("user", "x"),)
+    with pytest.raises(ValueError, match="prompt"):
+        convert.prompt_from_proto(pb.GenerateRequest())
+    with pytest.raises(ValueError, match="only one"):
+        convert.prompt_from_proto(pb.GenerateRequest(prompt="a", prompt_token_ids=[1]))
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]=10"):
+        convert.prompt_from_proto(pb.GenerateRequest(prompt_token_ids=[1, 10]), 10)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]=-1"):
+        convert.prompt_from_proto(pb.GenerateRequest(prompt_token_ids=[-1]))
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        convert.prompt_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(content="x")]))
+
+
+def test_client_request_builder() -> None:
+    req = convert.generate_request_to_proto([5, 6], SamplingParams(max_tokens=2), request_id="r1")
+    assert list(req.prompt_token_ids) == [5, 6] and req.request_id == "r1" and req.sampling.max_tokens == 2
+    chat = convert.generate_request_to_proto(messages=[{"role": "user", "content": "hello"}])
+    assert chat.messages[0].content == "hello" and not chat.prompt
+
+
+def test_errors_map_to_status_codes() -> None:
+    assert convert.error_to_status(ValueError("temperature bad"))[0] is grpc.StatusCode.INVALID_ARGUMENT
+    assert convert.error_to_status(OverflowError("full"))[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        convert.error_to_status(convert.PipelineUnavailable("rebuilding"))[0] is grpc.StatusCode.UNAVAILABLE
+    )
+    code, msg = convert.error_to_status(RuntimeError("boom"))
+    assert code is grpc.StatusCode.INTERNAL and "boom" in msg
+
+
+def test_finish_reasons_and_metrics() -> None:
+    for reason in (None, "stop", "length", "cancelled", "error"):
+        assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) == reason
+    m = convert.request_metrics_to_proto(convert.RequestTimes(10.0, 10.5, [11.0, 11.2, 11.6]))
+    assert m.queue_time_s == pytest.approx(0.5)
+    assert m.ttft_s == pytest.approx(1.0)
+    assert m.mean_tbt_s == pytest.approx(0.3)
+    assert m.e2e_s == pytest.approx(1.6)
+
+
+def test_stats_round_trip() -> None:
+    s = {
+        "running": 2,
+        "waiting": 1,
+        "in_flight": 2,
+        "kv_blocks_used": 7,
+        "kv_blocks_total": 100,
+        "tokens_per_s": 12.5,
+        "window_s": 30.0,
+        "mean_bubble_fraction": 0.25,
+        "num_preemptions": 3,
+        "requests_finished": 9,
+        "tokens_generated": 400,
+        "uptime_s": 60.0,
+        "stages": [{"stage": 0, "busy_fraction": 0.7, "bubble_fraction": 0.2, "starvation_fraction": 0.1}],
+        "workers": [
+            {"stage": 0, "tp_rank": 0, "layers": [0, 15], "node_ip": "10.0.0.1", "node_id": "abc", "pid": 42}
+        ],
+        "config": {
+            "model": "m",
+            "pipeline_parallel_size": 2,
+            "tensor_parallel_size": 1,
+            "policy": "sarathi",
+            "token_budget": 512,
+            "max_num_seqs": 256,
+            "max_waiting": 4096,
+            "block_size": 16,
+            "max_model_len": 8192,
+            "config_json": "{}",
+        },
+    }
+    back = convert.stats_from_proto(convert.stats_to_proto(s))
+    assert back["in_flight_microbatches"] == 2 and back["tokens_generated"] == 400
+    assert back["workers"][0] == {
+        "stage": 0,
+        "tp_rank": 0,
+        "layer_start": 0,
+        "layer_end": 15,
+        "node_ip": "10.0.0.1",
+        "node_id": "abc",
+        "pid": 42,
+    }
+    assert back["stages"][0]["bubble_fraction"] == pytest.approx(0.2)
+    assert back["config"]["policy"] == "sarathi"
+
+
+def test_server_package_keeps_torch_out() -> None:
+    # The protobuf edge is importable by light clients; torch loads only with the engine.
+    import subprocess
+
+    code = "import sys, ppserve.server.client, ppserve.server.convert; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_generated_code_is_fresh(tmp_path: Path) -> None:
+    """The committed ppserve/server/gen/ equals a fresh `python -m ppserve.server.codegen` run."""
+    pytest.importorskip("grpc_tools")
+    generate(tmp_path)
+    for name in (*OUTPUTS, "__init__.py"):
+        fresh = (tmp_path / name).read_text()
+        committed = (GEN_DIR / name).read_text()
+        assert fresh == committed, (
+            f"ppserve/server/gen/{name} is stale: run `python -m ppserve.server.codegen`"
+        )
+
+
+# ---- the servicer and AsyncEngine over a fake engine (no model, no Ray) ------------------------------
+class FakeEngine:
+    """Just enough of Engine for AsyncEngine: one token per request per step, a bounded queue."""
+
+    def __init__(self, max_waiting: int = 2) -> None:
+        import time
+        from types import SimpleNamespace
+
+        from ppserve.config import EngineConfig, SchedulerConfig
+        from ppserve.metrics.spans import WorkTracker
+
+        self.config = EngineConfig(scheduler=SchedulerConfig(max_waiting=max_waiting))
+        self.arch = SimpleNamespace(vocab_size=100)
+        self.tokenizer = None
+        self.max_model_len = 64
+        self.clock = time.perf_counter
+        self.work = WorkTracker()
+        self.executor = SimpleNamespace(
+            describe=lambda: [{"stage": 0, "tp_rank": 0, "layers": [0, 2], "pid": 1}]
+        )
+        self.paused = False
+        self.left: dict[str, int] = {}
+        self.states: dict[str, object] = {}
+
+    def add_request(self, prompt, sampling, request_id):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+
+        if len(self.left) >= self.config.scheduler.max_waiting:
+            raise OverflowError(f"the waiting queue is full ({self.config.scheduler.max_waiting} requests)")
+        self.left[request_id] = sampling.max_tokens
+        req = SimpleNamespace(
+            num_prompt_tokens=len(prompt), arrival_time=self.clock(), first_scheduled_time=None
+        )
+        self.states[request_id] = SimpleNamespace(request=req)
+        return request_id
+
+    def request_state(self, rid):  # type: ignore[no-untyped-def]
+        return self.states.get(rid)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.left) and not self.paused
+
+    def step(self):  # type: ignore[no-untyped-def]
+        import time
+
+        from ppserve.engine.core import TokenDelta
+
+        time.sleep(0.002)
+        now, out = self.clock(), []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            out.append(TokenDelta(rid, (7,), "a", (now,), done, "length" if done else None))
+            if done:
+                del self.left[rid]
+        return out
+
+    def cancel(self, rid: str) -> bool:
+        return self.left.pop(rid, None) is not None
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.left),
+            "waiting": 0,
+            "in_flight": 0,
+            "kv_blocks_used": 0,
+            "kv_blocks_total": 8,
+            "num_preemptions": 0,
+        }
+
+    def collect_spans(self) -> list:
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _with_server(fake: FakeEngine, body):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    from ppserve.server.async_engine import AsyncEngine
+    from ppserve.server.client import AsyncPPServeClient
+    from ppserve.server.server import start_server
+
+    async def main():  # type: ignore[no-untyped-def]
+        running = await start_server(AsyncEngine(fake), "127.0.0.1", 0)
+        try:
+            async with AsyncPPServeClient(running.address) as client:
+                return await body(client)
+        finally:
+            await running.stop(1.0)
+
+    return asyncio.run(main())
+
+
+def test_queue_full_is_resource_exhausted() -> None:
+    import asyncio
+
+    fake = FakeEngine(max_waiting=2)
+    fake.paused = True  # nothing finishes, so the queue stays full
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        streams = [client.stream([1, 2], max_tokens=5) for _ in range(2)]
+        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        await asyncio.sleep(0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.generate([1, 2], max_tokens=5)
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+        return e.value
+
+    err = _with_server(fake, body)
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in err.details()
+
+
+def test_slow_client_gets_merged_chunks() -> None:
+    import asyncio
+
+    fake = FakeEngine()
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        chunks = []
+        async for c in client.stream([1, 2, 3], max_tokens=60):
+            chunks.append(c)
+            await asyncio.sleep(0.05)  # a slow reader: the engine must not wait for it
+        return chunks
+
+    chunks = _with_server(fake, body)
+    assert sum(len(c.token_ids) for c in chunks) == 60
+    assert "".join(c.text for c in chunks) == "a" * 60
+    assert len(chunks) < 60  # deltas were merged while the client was slow
+    assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 60
+    assert chunks[-1].num_prompt_tokens == 3
