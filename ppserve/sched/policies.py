@@ -44,11 +44,9 @@ class SarathiPolicy:
             if n == 0:
                 break
             b.add(req, n, may_preempt=True)
-        while b.waiting_head() is not None:
-            req = b.waiting_head()
-            assert req is not None
-            n = b.budget.chunk(req.num_uncomputed_tokens)
-            if n == 0 or not b.admit(req, n):
+        while (head := b.waiting_head()) is not None:
+            n = b.budget.chunk(head.num_uncomputed_tokens)
+            if n == 0 or not b.admit(head, n):
                 break
 
 
@@ -69,10 +67,10 @@ class VllmPolicy:
             if not (b.budget.can_fit(n) or alone):
                 break
             b.add(req, n, may_preempt=True, over_budget=alone)
-        while (req := b.waiting_head()) is not None:
-            n = req.num_uncomputed_tokens
+        while (head := b.waiting_head()) is not None:
+            n = head.num_uncomputed_tokens
             alone = _runs_alone(b, n)
-            if not (b.budget.can_fit(n) or alone) or not b.admit(req, n, over_budget=alone):
+            if not (b.budget.can_fit(n) or alone) or not b.admit(head, n, over_budget=alone):
                 break
         if b.budget.num_seqs > 0:
             return
@@ -105,8 +103,8 @@ class OrcaPolicy:
             if not b.budget.has_seat:
                 return
             b.add(req, req.num_uncomputed_tokens, may_preempt=True)
-        while (req := b.waiting_head()) is not None:
-            if not b.budget.has_seat or not b.admit(req, req.num_uncomputed_tokens):
+        while (head := b.waiting_head()) is not None:
+            if not b.budget.has_seat or not b.admit(head, head.num_uncomputed_tokens):
                 break
 
 
@@ -122,8 +120,8 @@ class StaticPolicy:
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:
-            while (req := b.waiting_head()) is not None:
-                if not b.budget.has_seat or not b.admit(req, req.num_uncomputed_tokens, reserve_full=True):
+            while (head := b.waiting_head()) is not None:
+                if not b.budget.has_seat or not b.admit(head, head.num_uncomputed_tokens, reserve_full=True):
                     break
             return
         for req in b.schedulable_running(decodes=False):

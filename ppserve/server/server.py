@@ -95,19 +95,22 @@ async def serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     if on_ready is not None:
         on_ready(running)
-    watcher = asyncio.ensure_future(_watch_engine(engine, stop))
+    watcher = asyncio.ensure_future(_watch_engine(running))
     await stop.wait()
     watcher.cancel()
     logger.info("shutting down: grace %.1f s", grace_s)
     await running.stop(grace_s)
 
 
-async def _watch_engine(engine: AsyncEngine, stop: asyncio.Event) -> None:
-    """A failed pipeline cannot serve: report it through health (NOT_SERVING happens on stop)."""
+async def _watch_engine(running: RunningServer) -> None:
+    """A failed pipeline cannot serve: say so through health; Generate answers UNAVAILABLE meanwhile."""
+    engine = running.engine
     while engine.is_running:
         await asyncio.sleep(1.0)
     if engine.failure is not None:
         logger.error("the pipeline failed: %s; new requests get UNAVAILABLE", engine.failure)
+        for name in ("", SERVICE_NAME):
+            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def run_server(config: EngineConfig, host: str, port: int) -> int:

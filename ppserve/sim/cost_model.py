@@ -66,7 +66,7 @@ class BatchShape:
     @classmethod
     def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:
         """A shape with one prefill chunk and `num_decode_tokens` decodes of `context` each (tests, tools)."""
-        chunks = ((num_prefill_tokens, 0),) if num_prefill_tokens else ()
+        chunks: tuple[tuple[int, int], ...] = ((num_prefill_tokens, 0),) if num_prefill_tokens else ()
         chunks += ((1, context),) * num_decode_tokens
         return cls(chunks, num_decode_tokens, num_prefill_tokens, num_decode_tokens)
 
@@ -76,7 +76,8 @@ class BatchShape:
 
 
 class CostModel(Protocol):
-    num_stages: int
+    @property
+    def num_stages(self) -> int: ...
 
     def stage_time(self, stage: int, shape: BatchShape) -> float:
         """Seconds stage `stage` computes this microbatch."""

@@ -40,11 +40,12 @@ def reproduce(
     path = Path(trace) if trace else default_trace_path()
     # Offline (everything queued at 0): throughput is then the pipeline's, not the arrival rate's.
     wl = clip_to_context(at_once(read_trace(path, num_requests)), model.max_model_len)
-    settings = {
+    num_blocks = kv_cache_blocks(model, hw, pp, tp, block_size)
+    settings: dict[str, Any] = {
         "model": model.name, "hardware": hw.name, "pp": pp, "tp": tp, "token_budget_sarathi": token_budget,
         "max_num_seqs": max_num_seqs, "per_microbatch_seq_cap": seq_cap,
         "requests_per_microbatch_cap": max_num_seqs // pp, "workload": f"{path.name}, first {len(wl)} rows, all at t=0",
-        "block_size": block_size, "num_blocks": kv_cache_blocks(model, hw, pp, tp, block_size),
+        "block_size": block_size, "num_blocks": num_blocks,
         "schedule_overhead_ms": overhead_ms,
     }
     runs: dict[str, Any] = {}
@@ -54,7 +55,7 @@ def reproduce(
         # and leave the other pp-1 slots of the pipeline empty.
         sched = SchedulerConfig(policy=policy, token_budget=token_budget, max_num_seqs=max_num_seqs,
                                 per_microbatch_seq_cap=seq_cap, max_waiting=max(4096, len(wl)))
-        res = simulate(wl, cost, SimConfig(sched, settings["num_blocks"], block_size, model.max_model_len,
+        res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, model.max_model_len,
                                            overhead_ms * 1e-3))
         if trace_dir:
             res.save_trace(Path(trace_dir) / f"gpt3_{policy}.json")

@@ -152,8 +152,7 @@ class _Pipeline:
     def run(self, out: SchedulerOutput, submit_ns: int) -> int:
         """Push one microbatch through every stage; returns when the last stage finishes it."""
         shape = batch_shape(out)
-        tags = {"num_prefill_tokens": out.num_prefill_tokens, "num_decode_tokens": out.num_decode_tokens,
-                "request_ids": tuple(out.order)}
+        pf, dc, rids = out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)
         transfer = _ns(self.cost.transfer_time(shape))
         ready = submit_ns  # stage 0's input is the scheduler output itself
         end = submit_ns
@@ -164,7 +163,7 @@ class _Pipeline:
                 self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0, out.step_id))
             start = max(self.free_ns[s], ready)
             end = start + _ns(self.cost.stage_time(s, shape))
-            self.spans.append(Span("compute", start, end, s, 0, out.step_id, **tags))
+            self.spans.append(Span("compute", start, end, s, 0, out.step_id, pf, dc, rids))
             if s < last and self.record_send:
                 # Sends are asynchronous (isend): the stage is free at once, the link carries the data.
                 self.spans.append(Span("send", end, end, s, 0, out.step_id))

@@ -266,37 +266,43 @@ def test_queue_full_is_resource_exhausted() -> None:
     fake.paused = True  # nothing finishes, so the queue stays full
 
     async def body(client):  # type: ignore[no-untyped-def]
-        streams = [client.stream([1, 2], max_tokens=5) for _ in range(2)]
-        tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        await asyncio.sleep(0.5)
+        req = convert.generate_request_to_proto([1, 2], SamplingParams(max_tokens=5))
+        calls = [client.stub.Generate(req) for _ in range(2)]
+        await asyncio.sleep(0.5)  # both are queued
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await client.generate([1, 2], max_tokens=5)
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
+        for call in calls:
+            call.cancel()
+        await asyncio.sleep(0.2)
         return e.value
 
     err = _with_server(fake, body)
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "queue is full" in err.details()
+    assert not fake.left  # the cancelled streams took their requests with them
 
 
-def test_slow_client_gets_merged_chunks() -> None:
+def test_slow_reader_gets_merged_chunks() -> None:
+    """The engine thread never waits for a reader: deltas pile up merged into one pending chunk."""
     import asyncio
 
-    fake = FakeEngine()
+    from ppserve.server.async_engine import AsyncEngine
 
-    async def body(client):  # type: ignore[no-untyped-def]
-        chunks = []
-        async for c in client.stream([1, 2, 3], max_tokens=60):
-            chunks.append(c)
-            await asyncio.sleep(0.05)  # a slow reader: the engine must not wait for it
-        return chunks
+    async def main():  # type: ignore[no-untyped-def]
+        eng = AsyncEngine(FakeEngine())
+        eng.start()
+        try:
+            stream = await eng.add_request(
+                convert.PromptInput(token_ids=(1, 2, 3)), SamplingParams(max_tokens=60)
+            )
+            await asyncio.sleep(0.5)  # 60 steps of ~2 ms happen meanwhile
+            return [c async for c in stream]
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, eng.stop)
 
-    chunks = _with_server(fake, body)
+    chunks = asyncio.run(main())
     assert sum(len(c.token_ids) for c in chunks) == 60
     assert "".join(c.text for c in chunks) == "a" * 60
-    assert len(chunks) < 60  # deltas were merged while the client was slow
+    assert len(chunks) <= 2  # merged while nobody was reading
     assert chunks[-1].finish_reason == "length" and chunks[-1].num_output_tokens == 60
-    assert chunks[-1].num_prompt_tokens == 3
+    assert chunks[-1].times is not None and len(chunks[-1].times.token_times) == 60

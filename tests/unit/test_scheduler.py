@@ -14,7 +14,7 @@ from tests.unit.sched_helpers import EOS, drive, fake_result, make_request, make
 
 
 def composition(out):
-    return dict(zip(out.order, out.num_scheduled_tokens))
+    return dict(zip(out.order, out.num_scheduled_tokens, strict=False))
 
 
 def test_sarathi_worked_example():
