@@ -153,7 +153,8 @@ class RayExecutor:
             # Embedded local instance: loopback only, no dashboard. Logical CPUs may exceed physical
             # ones so a 2-core machine can host a 4-stage pipeline.
             need = int(par.world_size * max(par.cpus_per_worker, 1.0))
-            ray.init(num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
+            # address="local" never attaches to a `ray start` cluster that happens to run on this machine.
+            ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
                      _node_ip_address="127.0.0.1", log_to_driver=True)
             self.owns_ray = True
 

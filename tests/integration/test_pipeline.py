@@ -1,0 +1,119 @@
+"""The Ray pipeline on CPU (real actors, gloo): equality with transformers, invariants, traces."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ppserve import LLM, SamplingParams
+from ppserve.metrics.bubbles import bubble_report
+from ppserve.metrics.trace import load_chrome_trace, validate_chrome_trace
+from tests.oracle import reference_greedy
+
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 90)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir, prompts):
+    return reference_greedy(tiny_llama_dir, prompts, MAX_NEW)
+
+
+def generate(model_dir, prompts, **kwargs):
+    with LLM(str(model_dir), **kwargs) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize(
+    "pp,tp,budget",
+    [(2, 2, 16), (1, 2, 7), (2, 1, 1), (4, 1, 64)],
+    ids=["pp2-tp2", "tp2", "pp2-budget1", "pp4"],
+)
+def test_pipeline_equals_transformers(ray_session, tiny_llama_dir, prompts, expected, pp, tp, budget):
+    got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                      token_budget=budget, block_size=4)
+    assert got == expected
+
+
+def test_pipeline_with_preemption(ray_session, tiny_llama_dir, prompts, expected):
+    # 40 blocks of 4 tokens: fewer than the six requests need together at the end.
+    got, preemptions = generate(tiny_llama_dir, prompts, pipeline_parallel_size=2, tensor_parallel_size=2,
+                                token_budget=32, block_size=4, num_kv_blocks=40)
+    assert preemptions > 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
+def test_policies_through_pipeline(ray_session, tiny_llama_dir, prompts, expected, policy):
+    got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=2, token_budget=24, policy=policy,
+                      block_size=4, max_num_seqs=4)
+    assert got == expected
+
+
+def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_path):
+    """Count in-flight microbatches and per-request membership from the stages' own spans."""
+    rng = random.Random(1)
+    pp = 3
+    with LLM(str(tiny_llama_dir), pipeline_parallel_size=pp, token_budget=20, block_size=4) as llm:
+        prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 80))] for _ in range(12)]
+        params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True) for _ in prompts]
+        outs = llm.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        trace_path = llm.save_trace(tmp_path / "trace.json")
+        stats = llm.bubble_stats(window="all")
+        spans = llm.spans()
+        assert llm.engine.scheduler.blocks.num_free == llm.engine.scheduler.blocks.num_blocks
+
+    compute = [s for s in spans if s.kind == "compute"]
+    sched = {s.step_id: s for s in spans if s.kind == "schedule"}
+    assert {s.stage for s in compute} == set(range(pp))
+    # A microbatch is in flight from its schedule span until the last stage finishes computing it.
+    last_end = {s.step_id: s.end_ns for s in compute if s.stage == pp - 1}
+    intervals = {sid: (sched[sid].start_ns, last_end[sid]) for sid in last_end}
+    assert set(intervals) == set(sched)
+    events = sorted([(a, 1) for a, _ in intervals.values()] + [(b, -1) for _, b in intervals.values()],
+                    key=lambda e: (e[0], e[1]))
+    depth = peak = 0
+    for _, d in events:
+        depth += d
+        peak = max(peak, depth)
+    assert 1 < peak <= pp
+    members = {s.step_id: set(s.request_ids) for s in compute if s.stage == 0}
+    ids = sorted(intervals)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            (a0, a1), (b0, b1) = intervals[a], intervals[b]
+            if a0 < b1 and b0 < a1:  # overlapping in time: no request may ride in both
+                assert not (members[a] & members[b]), (a, b, members[a] & members[b])
+    # Every stage computes every microbatch in the same order.
+    for s in range(pp):
+        order = [c.step_id for c in sorted((c for c in compute if c.stage == s), key=lambda c: c.start_ns)]
+        assert order == sorted(order)
+
+    trace = json.loads(trace_path.read_text())
+    assert validate_chrome_trace(trace) == []
+    for ev in trace["traceEvents"]:
+        assert {"ph", "ts", "pid", "tid"} <= ev.keys()
+        if ev["ph"] == "X":
+            assert ev["dur"] >= 0
+    flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
+    assert flows and len([e for e in flows if e["ph"] == "s"]) == len([e for e in flows if e["ph"] == "f"])
+    loaded_spans, work = load_chrome_trace(trace_path)
+    again = bubble_report(loaded_spans, work, window="all")
+    assert again.mean_bubble_fraction == pytest.approx(stats.mean_bubble_fraction, abs=1e-12)
+    for a, b in zip(again.stages, stats.stages, strict=True):
+        assert (a.busy_ns, a.bubble_ns, a.starvation_ns) == (b.busy_ns, b.bubble_ns, b.starvation_ns)
+
+
+def test_tracing_off_records_nothing(ray_session, tiny_llama_dir):
+    with LLM(str(tiny_llama_dir), pipeline_parallel_size=2, trace=False, block_size=4) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+        assert [s for s in llm.spans() if s.kind != "schedule"] == []
