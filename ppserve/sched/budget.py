@@ -1,13 +1,45 @@
-"""Token-budget accounting for one microbatch: grants chunks until the budget or the seat cap is spent."""
+"""Budget accounting for one microbatch, and the modes that decide how big that budget is.
+
+A policy consults one budget object per microbatch (`chunk`, `spend`, `can_fit`, `has_seat`,
+`tokens_left`). `TokenBudget` counts tokens (the default, DESIGN.md §3); `TimeBudget` also counts
+predicted seconds from an online step-cost model, so a chunk late in a long prompt, or a batch of
+long-context decodes, gets fewer tokens than one from an empty cache (DESIGN.md §4, beyond the anchors).
+
+A `BudgetMode` is the small object the scheduler owns that makes these budgets and takes feedback
+after each microbatch (`Scheduler.observe_step`): `FixedTokenBudget` (default, ignores feedback),
+`TimeBudgetMode` (calibrates its cost model from stage times), `AdaptiveTokenBudget` (the largest token
+budget whose full microbatches meet a time-between-tokens target, corrected by the measured p99).
+"""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from ppserve.config import SchedulerConfig
+from ppserve.metrics.latency import percentile
+from ppserve.sched.cost import LinearStepCost, StepCostModel, step_chunks
+from ppserve.sched.output import SchedulerOutput
+
+__all__ = [
+    "AdaptiveTokenBudget",
+    "BudgetFactory",
+    "BudgetMode",
+    "FixedTokenBudget",
+    "TimeBudget",
+    "TimeBudgetMode",
+    "TokenBudget",
+    "make_budget_mode",
+]
 
 
 class TokenBudget:
     """Grants tokens to requests for one microbatch.
 
     `token_budget=None` means no token limit (orca/static admit whole prompts); `max_seqs` caps the number
-    of requests in the microbatch.
+    of requests in the microbatch. `context` (tokens already in the request's KV cache) is ignored here;
+    subclasses that price attention use it.
     """
 
     def __init__(self, token_budget: int | None, max_seqs: int | None = None) -> None:
@@ -24,20 +56,274 @@ class TokenBudget:
     def has_seat(self) -> bool:
         return self.max_seqs is None or self.num_seqs < self.max_seqs
 
-    def can_fit(self, num_tokens: int) -> bool:
+    def can_fit(self, num_tokens: int, context: int = 0) -> bool:
         left = self.tokens_left
         return self.has_seat and (left is None or num_tokens <= left)
 
-    def chunk(self, wanted: int) -> int:
+    def chunk(self, wanted: int, context: int = 0) -> int:
         """How many of `wanted` tokens fit now (0 when no seat or no tokens are left)."""
         if not self.has_seat:
             return 0
         left = self.tokens_left
         return wanted if left is None else max(0, min(wanted, left))
 
-    def spend(self, num_tokens: int) -> None:
+    def spend(self, num_tokens: int, context: int = 0) -> None:
         left = self.tokens_left
         if num_tokens <= 0 or (left is not None and num_tokens > left) or not self.has_seat:
             raise AssertionError(f"budget overdrawn: {num_tokens} tokens with {left} left, seats {self.num_seqs}")
         self.tokens_used += num_tokens
         self.num_seqs += 1
+
+
+class TimeBudget(TokenBudget):
+    """A token budget that also keeps the microbatch's predicted time within `time_budget_s`.
+
+    The token count stays a hard cap. Until the cost model is calibrated it behaves exactly like
+    `TokenBudget`. An empty microbatch always gets at least one token, so a request whose chunk alone
+    is predicted over the budget (a decode with a huge context) still makes progress.
+    """
+
+    def __init__(self, token_budget: int | None, max_seqs: int | None, cost: StepCostModel,
+                 time_budget_s: float) -> None:
+        super().__init__(token_budget, max_seqs)
+        self.cost = cost
+        self.time_budget_s = time_budget_s
+        self.active = cost.calibrated
+        self.time_used_s = cost.base_s if self.active else 0.0
+
+    @property
+    def time_left_s(self) -> float:
+        return self.time_budget_s - self.time_used_s
+
+    def chunk(self, wanted: int, context: int = 0) -> int:
+        n = super().chunk(wanted, context)
+        if n == 0 or not self.active:
+            return n
+        fit = self.cost.max_tokens(self.time_left_s, context, n)
+        return fit if fit > 0 or self.num_seqs > 0 else 1
+
+    def can_fit(self, num_tokens: int, context: int = 0) -> bool:
+        return super().can_fit(num_tokens, context) and self.chunk(num_tokens, context) == num_tokens
+
+    def spend(self, num_tokens: int, context: int = 0) -> None:
+        super().spend(num_tokens, context)
+        if self.active:
+            self.time_used_s += self.cost.marginal_s(num_tokens, context)
+
+
+class BudgetFactory(Protocol):
+    def __call__(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget: ...
+
+
+class BudgetMode(Protocol):
+    """How big each microbatch's budget is, and what the scheduler learns after each microbatch."""
+
+    @property
+    def token_budget(self) -> int:
+        """The token budget for the next microbatch."""
+        ...
+
+    @property
+    def token_cap(self) -> int:
+        """The most tokens any microbatch may hold under this mode (checked as an invariant)."""
+        ...
+
+    @property
+    def needs_feedback(self) -> bool:
+        """Whether `observe` does anything (callers may skip measuring times when it does not)."""
+        ...
+
+    def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget: ...
+
+    def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
+                finished: Collection[str]) -> None:
+        """A microbatch came back: its compute seconds per stage, the scheduler's clock, and the ids of
+        requests that are gone now."""
+        ...
+
+
+class FixedTokenBudget:
+    """The default: every microbatch gets the configured token budget; feedback is ignored."""
+
+    needs_feedback = False
+
+    def __init__(self, token_budget: int) -> None:
+        self._token_budget = token_budget
+
+    @property
+    def token_budget(self) -> int:
+        return self._token_budget
+
+    @property
+    def token_cap(self) -> int:
+        return self._token_budget
+
+    def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget:
+        return TokenBudget(token_budget, max_seqs)
+
+    def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
+                finished: Collection[str]) -> None:
+        return None
+
+
+class TimeBudgetMode:
+    """Microbatches filled to a predicted time on the slowest stage, with `token_budget` as a hard cap.
+
+    The cost model learns from the slowest stage's measured compute time of each microbatch (the
+    pipeline runs at the pace of its slowest stage). `time_budget_s=None` means "what a chunk of
+    `token_budget` tokens from an empty cache costs" under the current fit: a microbatch of short
+    contexts keeps its token budget, one of long contexts gets fewer tokens.
+    """
+
+    needs_feedback = True
+
+    def __init__(self, token_budget: int, time_budget_s: float | None = None,
+                 cost: StepCostModel | None = None) -> None:
+        if time_budget_s is not None and time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be > 0, got {time_budget_s!r}")
+        self._token_budget = token_budget
+        self.time_budget_s = time_budget_s
+        self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
+
+    @property
+    def token_budget(self) -> int:
+        return self._token_budget
+
+    @property
+    def token_cap(self) -> int:
+        return self._token_budget
+
+    def current_time_budget_s(self) -> float:
+        if self.time_budget_s is not None:
+            return self.time_budget_s
+        return self.cost.predict([(self._token_budget, 0)])
+
+    def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget:
+        if token_budget is None:  # a policy without a token budget has no time budget either
+            return TokenBudget(None, max_seqs)
+        return TimeBudget(token_budget, max_seqs, self.cost, self.current_time_budget_s())
+
+    def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
+                finished: Collection[str]) -> None:
+        if stage_seconds and not out.is_empty:
+            self.cost.observe(step_chunks(out), max(stage_seconds))
+
+
+class AdaptiveTokenBudget:
+    """Chooses the token budget from a time-between-tokens (TBT) target: the largest budget whose
+    full microbatches still meet it, corrected by the TBT actually measured.
+
+    Model: a decode's next token is scheduled when its microbatch returns and comes back after the
+    `pp` microbatches in flight ahead of it went through the slowest stage, so with every microbatch
+    full, TBT ~= pp * T(budget), T from an online `StepCostModel` (as in the time mode) for one chunk
+    of `budget` tokens at the recent mean prefill context. The budget is the largest with
+    pp * T(budget) <= tbt_slo_s * safety * k, within [min_budget, max_budget].
+
+    Feedback: TBT is measured on the scheduler's own (injected) clock, the gap between two returns
+    that brought a token to the same request. Every `min_samples` gaps, k becomes min(1, model bound /
+    measured p99) for the largest budget in force meanwhile (transfers, engine overhead and model error
+    the cost model does not see); misses act at once, recovery is gradual. k never exceeds 1, so a
+    lightly loaded engine, whose TBT is short whatever the budget, cannot talk the budget into spikes.
+    Without stage times (the cost model never calibrates) a p99 over the target scales k by
+    (target / p99) ** gain, so the budget can only shrink from its start.
+    """
+
+    needs_feedback = True
+
+    def __init__(self, tbt_slo_s: float, start: int, pp: int = 1, min_budget: int = 1, max_budget: int = 8192,
+                 safety: float = 0.9, min_samples: int = 512, gain: float = 1.0,
+                 cost: StepCostModel | None = None) -> None:
+        if tbt_slo_s <= 0 or not 0 < safety <= 1 or min_samples < 1 or gain <= 0 or pp < 1:
+            raise ValueError(
+                f"bad adaptive budget settings: tbt_slo_s={tbt_slo_s!r} safety={safety!r} "
+                f"min_samples={min_samples!r} gain={gain!r} pp={pp!r}"
+            )
+        if not 1 <= min_budget <= max_budget:
+            raise ValueError(f"need 1 <= min_budget <= max_budget, got {min_budget!r}, {max_budget!r}")
+        self.tbt_slo_s = tbt_slo_s
+        self.target_s = tbt_slo_s * safety
+        self.pp = pp
+        self.min_budget = min_budget
+        self.max_budget = max_budget
+        self.min_samples = min_samples
+        self.gain = gain
+        self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
+        self.correction = 1.0  # k above
+        self._start = min(max(start, min_budget), max_budget)
+        self._budget = self._start
+        self._context = 0.0  # running mean context of prefill chunks, weighted by their tokens
+        self._last_token: dict[str, float] = {}
+        self._gaps: list[float] = []
+        self._window_budget = self._budget  # the largest budget in force while the current gaps were measured
+        self.history: list[tuple[int, float]] = []  # (budget in force, measured p99 TBT) per feedback round
+
+    @property
+    def token_budget(self) -> int:
+        return self._budget
+
+    @property
+    def token_cap(self) -> int:
+        return self.max_budget
+
+    def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget:
+        return TokenBudget(token_budget, max_seqs)
+
+    def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
+                finished: Collection[str]) -> None:
+        for rid in out.sample_request_ids:
+            last = self._last_token.get(rid)
+            if last is not None:
+                self._gaps.append(now - last)
+            self._last_token[rid] = now
+        for rid in finished:
+            self._last_token.pop(rid, None)
+        if stage_seconds and not out.is_empty:
+            chunks = step_chunks(out)
+            self.cost.observe(chunks, max(stage_seconds))
+            prefill = [(n, ctx) for n, ctx in chunks if n > 1]
+            if prefill:
+                tokens = sum(n for n, _ in prefill)
+                mean_ctx = sum(n * ctx for n, ctx in prefill) / tokens
+                self._context += 0.05 * (mean_ctx - self._context)
+        self._window_budget = max(self._window_budget, self._budget)
+        if len(self._gaps) >= self.min_samples:
+            self._correct(percentile(self._gaps, 99))
+        self._budget = self._choose()
+
+    def _correct(self, p99_s: float) -> None:
+        self.history.append((self._window_budget, p99_s))
+        if self.cost.calibrated:
+            # How far the model's bound for the largest budget in force undershot what was measured
+            # (transfers, engine overhead, model error): trust the model that much less. Misses act at
+            # once, recovery is gradual; an early transient under the start budget is no model error.
+            bound = self.pp * self.cost.predict([(self._window_budget, round(self._context))])
+            k = min(1.0, bound / p99_s) if p99_s > 0 else 1.0
+            self.correction = k if k < self.correction else self.correction + 0.25 * (k - self.correction)
+        elif p99_s > self.target_s:  # no stage times: steer by the measured TBT alone, downward only
+            self.correction *= (self.target_s / p99_s) ** self.gain
+        self._gaps = []
+        self._window_budget = self._budget
+
+    def _choose(self) -> int:
+        if not self.cost.calibrated:  # no stage times (yet): only the measured TBT steers, from the start
+            return min(self.max_budget, max(self.min_budget, round(self._start * self.correction)))
+        per_step = self.target_s * self.correction / self.pp - self.cost.base_s
+        n = self.cost.max_tokens(per_step, round(self._context), self.max_budget)
+        return min(self.max_budget, max(self.min_budget, n))
+
+
+def make_budget_mode(config: SchedulerConfig, pp: int = 1) -> BudgetMode:
+    """The budget mode a scheduler config asks for (fixed token budget unless told otherwise)."""
+    mode: BudgetMode
+    if config.tbt_slo_ms is not None:
+        # Never below one decode seat per request of a full microbatch: a smaller budget would
+        # stall decodes and lengthen TBT, the opposite of what the controller wants.
+        floor = min(config.max_token_budget, max(1, math.ceil(config.max_num_seqs / pp)))
+        mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, pp, min_budget=floor,
+                                   max_budget=config.max_token_budget)
+    elif config.budget_mode == "time":
+        tb = None if config.time_budget_ms is None else config.time_budget_ms * 1e-3
+        mode = TimeBudgetMode(config.token_budget, tb)
+    else:
+        mode = FixedTokenBudget(config.token_budget)
+    return mode

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from ppserve.sched.budget import TokenBudget
+from ppserve.sched.budget import BudgetFactory, TokenBudget
 
 if TYPE_CHECKING:
     from ppserve.sched.scheduler import BatchBuilder
@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 class Policy(Protocol):
     name: str
 
-    def make_budget(self, token_budget: int, seq_cap: int | None) -> TokenBudget: ...
+    def make_budget(
+        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
+    ) -> TokenBudget:
+        """This microbatch's budget; `new_budget` is the scheduler's budget mode (tokens, or predicted time)."""
+        ...
 
     def fill(self, b: BatchBuilder) -> None: ...
 
@@ -29,23 +33,25 @@ class SarathiPolicy:
 
     name = "sarathi"
 
-    def make_budget(self, token_budget: int, seq_cap: int | None) -> TokenBudget:
-        return TokenBudget(token_budget, seq_cap)
+    def make_budget(
+        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
+    ) -> TokenBudget:
+        return new_budget(token_budget, seq_cap)
 
     def fill(self, b: BatchBuilder) -> None:
         # Phase 1: every schedulable decode gets its one token, so no decode is stalled by a prefill.
         for req in b.schedulable_running(decodes=True):
-            if b.budget.chunk(1) == 0:
+            if b.budget.chunk(1, req.num_computed_tokens) == 0:
                 break
             b.add(req, 1, may_preempt=True)
         # Phase 2: prefills already under way, then new arrivals, each chunked to the budget left.
         for req in b.schedulable_running(decodes=False):
-            n = b.budget.chunk(req.num_uncomputed_tokens)
+            n = b.budget.chunk(req.num_uncomputed_tokens, req.num_computed_tokens)
             if n == 0:
                 break
             b.add(req, n, may_preempt=True)
         while (head := b.waiting_head()) is not None:
-            n = b.budget.chunk(head.num_uncomputed_tokens)
+            n = b.budget.chunk(head.num_uncomputed_tokens, head.num_computed_tokens)
             if n == 0 or not b.admit(head, n):
                 break
 
@@ -56,8 +62,10 @@ class VllmPolicy:
 
     name = "vllm"
 
-    def make_budget(self, token_budget: int, seq_cap: int | None) -> TokenBudget:
-        return TokenBudget(token_budget, seq_cap)
+    def make_budget(
+        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
+    ) -> TokenBudget:
+        return new_budget(token_budget, seq_cap)
 
     def fill(self, b: BatchBuilder) -> None:
         # Prefills already under way (recompute after preemption) run whole, like new prompts.
@@ -75,7 +83,7 @@ class VllmPolicy:
         if b.budget.num_seqs > 0:
             return
         for req in b.schedulable_running(decodes=True):
-            if b.budget.chunk(1) == 0:
+            if b.budget.chunk(1, req.num_computed_tokens) == 0:
                 break
             b.add(req, 1, may_preempt=True)
 
@@ -91,8 +99,10 @@ class OrcaPolicy:
 
     name = "orca"
 
-    def make_budget(self, token_budget: int, seq_cap: int | None) -> TokenBudget:
-        return TokenBudget(None, seq_cap)
+    def make_budget(
+        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
+    ) -> TokenBudget:
+        return TokenBudget(None, seq_cap)  # no token budget, hence no time budget either
 
     def fill(self, b: BatchBuilder) -> None:
         for req in b.schedulable_running(decodes=True):
@@ -115,8 +125,10 @@ class StaticPolicy:
 
     name = "static"
 
-    def make_budget(self, token_budget: int, seq_cap: int | None) -> TokenBudget:
-        return TokenBudget(None, seq_cap)
+    def make_budget(
+        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
+    ) -> TokenBudget:
+        return TokenBudget(None, seq_cap)  # no token budget, hence no time budget either
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:

@@ -8,11 +8,12 @@ request in at most one of them.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import FinishReason, Request, RequestStatus
 from ppserve.sched.block_manager import BlockManager, blocks_for
+from ppserve.sched.budget import BudgetMode, make_budget_mode
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
 
@@ -25,7 +26,8 @@ class BatchBuilder:
         seq_cap = None
         if sched.config.per_microbatch_seq_cap:
             seq_cap = max(1, sched.config.max_num_seqs // sched.max_in_flight)
-        self.budget = policy.make_budget(sched.config.token_budget, seq_cap)
+        mode = sched.budget_mode
+        self.budget = policy.make_budget(mode.token_budget, seq_cap, mode.new_budget)
         self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
 
     @property
@@ -45,7 +47,7 @@ class BatchBuilder:
 
     def add(self, req: Request, num_tokens: int, may_preempt: bool, over_budget: bool = False) -> bool:
         """Schedule `num_tokens` of a running request, preempting younger requests for blocks if allowed."""
-        num_tokens = self._cap_to_budget(num_tokens, over_budget)
+        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
         if num_tokens <= 0:
             return False
         need = self.sched.blocks.blocks_needed(req, num_tokens)
@@ -63,7 +65,7 @@ class BatchBuilder:
     def admit(self, req: Request, num_tokens: int, over_budget: bool = False, reserve_full: bool = False) -> bool:
         """Move the head of the waiting queue to running if a seat and its blocks are free (FCFS: no skipping)."""
         assert self.sched.waiting and self.sched.waiting[0] is req
-        num_tokens = self._cap_to_budget(num_tokens, over_budget)
+        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
         if num_tokens <= 0 or len(self.sched.running) >= self.sched.config.max_num_seqs:
             return False
         reserve = num_tokens
@@ -80,8 +82,8 @@ class BatchBuilder:
         self._take(req, num_tokens, over_budget)
         return True
 
-    def _cap_to_budget(self, num_tokens: int, over_budget: bool) -> int:
-        return num_tokens if over_budget else self.budget.chunk(num_tokens)
+    def _cap_to_budget(self, req: Request, num_tokens: int, over_budget: bool) -> int:
+        return num_tokens if over_budget else self.budget.chunk(num_tokens, req.num_computed_tokens)
 
     def _take(self, req: Request, num_tokens: int, over_budget: bool) -> None:
         if over_budget:
@@ -89,7 +91,7 @@ class BatchBuilder:
             self.budget.tokens_used = self.budget.token_budget or 0
             self.budget.num_seqs += 1
         else:
-            self.budget.spend(num_tokens)
+            self.budget.spend(num_tokens, req.num_computed_tokens)
         self.chosen[req.request_id] = num_tokens
 
     def _pick_victim(self) -> Request | None:
@@ -109,9 +111,12 @@ class Scheduler:
         max_model_len: int,
         max_in_flight: int = 1,
         clock: Callable[[], float] = lambda: 0.0,
+        budget_mode: BudgetMode | None = None,
     ) -> None:
         self.config = config
         self.policy = make_policy(config.policy)
+        # How big each microbatch's budget is (fixed tokens unless the config asks for time or a TBT target).
+        self.budget_mode = budget_mode or make_budget_mode(config, max_in_flight)
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_model_len = max_model_len
         self.max_in_flight = max_in_flight  # pp_size: one microbatch per stage keeps every stage busy
@@ -195,6 +200,35 @@ class Scheduler:
             req.sent_to_workers = False
         req.num_blocks_sent = 0
         self.waiting.appendleft(req)
+
+    def requeue_all_for_recompute(self) -> list[str]:
+        """After the pipeline was rebuilt: every unfinished request goes back to waiting, by recompute.
+
+        The new workers hold nothing, so in-flight microbatches are dropped (their tokens never came
+        back), every KV block is freed, and each request is re-sent in full with its prompt and the
+        output tokens already produced (and streamed), so nothing is duplicated or lost. Waiting order
+        is arrival order. Returns the ids requeued.
+        """
+        self.in_flight.clear()
+        self._released = []  # the old workers are gone: nothing of theirs to drop
+        for rid, req in list(self.requests.items()):
+            req.in_flight = False
+            if req.is_finished:  # cancelled or stopped while its microbatch was in flight
+                del self.requests[rid]
+        unfinished = sorted(
+            list(self.running) + list(self.waiting), key=lambda r: r.arrival_time
+        )  # sorted() is stable: equal arrival times keep their queue order
+        self.running.clear()
+        self.waiting.clear()
+        for req in unfinished:
+            self.blocks.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            req.sent_to_workers = False
+            req.num_output_tokens_sent = 0
+            req.num_blocks_sent = 0
+            self.waiting.append(req)
+        return [r.request_id for r in unfinished]
 
     # ---- one microbatch ------------------------------------------------------------------------
     @property
@@ -297,6 +331,18 @@ class Scheduler:
             raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
         return updates
 
+    @property
+    def needs_step_feedback(self) -> bool:
+        """Whether `observe_step` does anything: callers may skip measuring stage times when not."""
+        return self.budget_mode.needs_feedback
+
+    def observe_step(self, out: SchedulerOutput, stage_seconds: Sequence[float] = ()) -> None:
+        """Feedback after `update_from_output(out, ...)`: the measured compute seconds of `out` on each
+        stage (empty when unknown). Calibrates the budget mode's cost model or its TBT controller; the
+        scheduler itself reads no clock but the injected one."""
+        finished = [rid for rid in out.order if rid not in self.requests]
+        self.budget_mode.observe(out, stage_seconds, self.clock(), finished)
+
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling
         if not sp.ignore_eos and token in req.eos_token_ids:
@@ -319,7 +365,7 @@ class Scheduler:
                 if rid in seen and req is not None and not req.is_finished:
                     raise AssertionError(f"request {rid} is in two in-flight microbatches")
                 seen.add(rid)
-            if out.total_tokens > self.config.token_budget and self.policy.name == "sarathi":
+            if out.total_tokens > self.budget_mode.token_cap and self.policy.name == "sarathi":
                 raise AssertionError(f"microbatch {out.step_id} holds {out.total_tokens} > budget tokens")
         used = sum(len(r.block_ids) for r in self.running)
         if used != self.blocks.num_used:

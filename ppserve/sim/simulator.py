@@ -29,6 +29,7 @@ from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkInterval, WorkTracker
 from ppserve.metrics.trace import save_chrome_trace
 from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, SchedulerOutput, StepResult
+from ppserve.sched.budget import BudgetMode
 from ppserve.sim.cost_model import BatchShape, CostModel
 from ppserve.sim.workload import WorkloadRequest
 
@@ -70,6 +71,7 @@ class SimResult:
     num_preemptions: int
     end_s: float
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why add_request refused it
+    budget_mode: BudgetMode | None = None  # the scheduler's budget mode after the run (what it learned)
 
     def bubble_report(self, window: Window = "active") -> BubbleReport:
         return bubble_report(self.spans, self.work_intervals, window)
@@ -149,27 +151,31 @@ class _Pipeline:
         self.record_send = record_send
         self.spans: list[Span] = []
 
-    def run(self, out: SchedulerOutput, submit_ns: int) -> int:
-        """Push one microbatch through every stage; returns when the last stage finishes it."""
+    def run(self, out: SchedulerOutput, submit_ns: int) -> tuple[int, list[float]]:
+        """Push one microbatch through every stage; returns when the last stage finishes it and its
+        compute seconds per stage (what `Scheduler.observe_step` learns from)."""
         shape = batch_shape(out)
         pf, dc, rids = out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)
         transfer = _ns(self.cost.transfer_time(shape))
         ready = submit_ns  # stage 0's input is the scheduler output itself
         end = submit_ns
         last = self.cost.num_stages - 1
+        stage_s: list[float] = []
         for s in range(self.cost.num_stages):
             if s > 0 and ready > max(self.free_ns[s], submit_ns):
                 # The worker got the scheduler output at submit time, then blocks on the hidden states.
                 self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0, out.step_id))
             start = max(self.free_ns[s], ready)
-            end = start + _ns(self.cost.stage_time(s, shape))
+            dur = _ns(self.cost.stage_time(s, shape))
+            stage_s.append(dur * 1e-9)
+            end = start + dur
             self.spans.append(Span("compute", start, end, s, 0, out.step_id, pf, dc, rids))
             if s < last and self.record_send:
                 # Sends are asynchronous (isend): the stage is free at once, the link carries the data.
                 self.spans.append(Span("send", end, end, s, 0, out.step_id))
             self.free_ns[s] = end
             ready = end + transfer
-        return end
+        return end, stage_s
 
 
 def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:
@@ -186,7 +192,8 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     requests: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}
     rejected: dict[str, str] = {}
-    in_flight: deque[tuple[SchedulerOutput, int]] = deque()  # (microbatch, last stage end ns)
+    # (microbatch, last stage end ns, compute seconds per stage)
+    in_flight: deque[tuple[SchedulerOutput, int, list[float]]] = deque()
     num_mb = 0
 
     def admit_until(t_ns: int) -> None:
@@ -220,15 +227,17 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
             check()
             pipe.spans.append(Span("schedule", now_ns, now_ns, ENGINE_STAGE, 0, out.step_id,
                                    out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)))
-            in_flight.append((out, pipe.run(out, now_ns)))
+            in_flight.append((out, *pipe.run(out, now_ns)))
         if in_flight:
             # Wait for the oldest microbatch (the engine collects in order), then the engine's overhead.
-            out, done_ns = in_flight.popleft()
+            out, done_ns, stage_s = in_flight.popleft()
             now_ns = max(now_ns, done_ns) + _ns(cfg.schedule_overhead_s)
             admit_until(now_ns)  # requests that arrived meanwhile are queued before the engine looks
             result = StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids})
             for u in sched.update_from_output(out, result):
                 token_times[u.request_id].extend([done_ns * 1e-9] * len(u.new_token_ids))
+            # Feedback for budget modes that learn (time budget, TBT target); a no-op by default.
+            sched.observe_step(out, stage_s)
             check()
             work.update(sched.has_unfinished, now_ns)
         elif sched.has_unfinished:
@@ -255,4 +264,5 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
         num_preemptions=sched.num_preemptions,
         end_s=now_ns * 1e-9,
         rejected=rejected,
+        budget_mode=sched.budget_mode,
     )

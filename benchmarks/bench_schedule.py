@@ -1,0 +1,92 @@
+"""How long `schedule()` takes next to the step it schedules, at 512 running requests.
+
+Two measurements in one run:
+1. Pure Python: schedule() + update_from_output() on a scheduler holding 512 decoding requests
+   (no model), averaged over many steps.
+2. Real engine: 512 requests decoding through the default model (pp=1, token budget 512); the
+   engine's own `schedule` spans are compared with the stage's `compute` spans of the same microbatches.
+Goal (issue 2 / issue 7): schedule() <= 1 % of a step.
+
+    python benchmarks/bench_schedule.py [--requests 512] [--out results/bench_schedule.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ppserve.config import SchedulerConfig
+from ppserve.request import Request, SamplingParams
+from ppserve.sched import Scheduler, StepResult
+
+
+def pure_schedule_us(num_requests: int, steps: int = 200) -> dict[str, float]:
+    cfg = SchedulerConfig(policy="sarathi", token_budget=num_requests, max_num_seqs=num_requests)
+    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192)
+    for i in range(num_requests):
+        s.add_request(Request(f"r{i}", list(range(1, 33)), SamplingParams(max_tokens=10_000, ignore_eos=True)))
+    # Prefill everything first (budget = num_requests tokens per step) until all requests decode.
+    while any(r.is_prefill for r in s.running) or s.waiting:
+        out = s.schedule()
+        assert out is not None
+        s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
+    sched_ns, update_ns = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        out = s.schedule()
+        t1 = time.perf_counter_ns()
+        assert out is not None and len(out.order) == num_requests
+        s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
+        t2 = time.perf_counter_ns()
+        sched_ns.append(t1 - t0)
+        update_ns.append(t2 - t1)
+    return {"schedule_us_median": statistics.median(sched_ns) / 1e3,
+            "update_us_median": statistics.median(update_ns) / 1e3}
+
+
+def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
+    from ppserve import LLM
+
+    with LLM(token_budget=num_requests, max_num_seqs=num_requests, dtype="float32") as llm:
+        prompts = [[1 + (i * 7 + j) % 4000 for j in range(16)] for i in range(num_requests)]
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        spans = llm.spans()
+    sched = {s.step_id: s.duration_ns for s in spans if s.kind == "schedule"}
+    compute = {s.step_id: (s.duration_ns, s.num_decode_tokens) for s in spans if s.kind == "compute"}
+    # Steady decode microbatches: every request decodes once.
+    steps = [sid for sid, (_, dec) in compute.items() if dec == num_requests]
+    ratios = [sched[sid] / compute[sid][0] for sid in steps]
+    return {
+        "decode_steps": len(steps),
+        "schedule_ms_median": statistics.median(sched[s] for s in steps) / 1e6,
+        "compute_ms_median": statistics.median(compute[s][0] for s in steps) / 1e6,
+        "schedule_fraction_median": statistics.median(ratios),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--skip-engine", action="store_true", help="only the pure-Python measurement")
+    ap.add_argument("--out", default="results/bench_schedule.json")
+    args = ap.parse_args()
+    result: dict[str, object] = {"requests": args.requests, "pure": pure_schedule_us(args.requests)}
+    print(f"pure scheduler, {args.requests} decoding requests: schedule() {result['pure']['schedule_us_median']:.0f} us, "
+          f"update_from_output() {result['pure']['update_us_median']:.0f} us (medians)")
+    if not args.skip_engine:
+        eng = engine_ratio(args.requests, args.max_tokens)
+        result["engine"] = eng
+        print(f"engine, default model pp=1, {eng['decode_steps']} decode microbatches of {args.requests} tokens: "
+              f"schedule {eng['schedule_ms_median']:.2f} ms vs compute {eng['compute_ms_median']:.1f} ms "
+              f"-> {100 * eng['schedule_fraction_median']:.2f} % of a step (goal <= 1 %)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

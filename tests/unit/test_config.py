@@ -1,0 +1,78 @@
+"""Config loading, overrides and validation messages (no torch)."""
+
+import pytest
+
+from ppserve.config import EngineConfig, load_config, parse_overrides
+from ppserve.request import SamplingParams
+
+
+def test_defaults_and_yaml(tmp_path):
+    cfg = load_config()
+    assert isinstance(cfg, EngineConfig) and cfg.scheduler.policy == "sarathi"
+    p = tmp_path / "c.yaml"
+    p.write_text("scheduler:\n  token_budget: 64\nparallel:\n  pipeline_parallel_size: 2\n  layer_partition: [14, 16]\n")
+    cfg = load_config(p, ["scheduler.policy=vllm", "cache.block_size=8"])
+    assert cfg.scheduler.token_budget == 64 and cfg.scheduler.policy == "vllm"
+    assert cfg.parallel.layer_partition == (14, 16) and cfg.cache.block_size == 8
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for path in sorted(Path(__file__).parents[2].joinpath("configs").glob("*.yaml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("scheduler.policy=fifo", "scheduler.policy"),
+        ("scheduler.token_budget=0", "token_budget"),
+        ("scheduler.token_budget=abc", "scheduler.token_budget must be an integer"),
+        ("parallel.pipeline_parallel_size=0", "pipeline_parallel_size"),
+        ("model.dtype=int8", "model.dtype"),
+        ("nosuch.key=1", "unknown config key"),
+        ("scheduler.nosuch=1", "scheduler.nosuch"),
+        ("scheduler", "section.key=value"),
+        ("cache.block_size=1.5", "cache.block_size must be an integer"),
+    ],
+)
+def test_validation_names_the_value(override, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_partition_length_must_match_stages():
+    with pytest.raises(ValueError, match="layer_partition"):
+        load_config(overrides=["parallel.layer_partition=[10,10,10]", "parallel.pipeline_parallel_size=2"])
+
+
+def test_configs_are_frozen():
+    cfg = load_config()
+    with pytest.raises(AttributeError):
+        cfg.scheduler.token_budget = 3  # type: ignore[misc]
+
+
+def test_parse_overrides_yaml_scalars():
+    assert parse_overrides(["a.b=1", "a.c=true", "d.e=[1, 2]"]) == {"a": {"b": 1, "c": True}, "d": {"e": [1, 2]}}
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 0}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
