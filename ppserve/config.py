@@ -8,6 +8,7 @@ Pure Python: importable without torch, ray or grpc.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import yaml
 
 POLICIES = ("sarathi", "vllm", "orca", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BUDGET_MODES = ("tokens", "time")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class ParallelConfig:
     gpus_per_worker: float = 0.0  # Ray GPUs per actor; 0 on CPU machines
     num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
     stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
+    max_restarts: int = 3  # pipeline rebuilds tried after a stage dies before requests fail (UNAVAILABLE)
 
     def __post_init__(self) -> None:
         if self.layer_partition is not None:
@@ -64,6 +67,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if self.max_restarts < 0:
+            raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
         if self.partition_mode not in ("even", "cost"):
             raise ValueError(f"parallel.partition_mode must be even or cost, got {self.partition_mode!r}")
         if self.executor not in ("auto", "inproc", "ray"):
@@ -86,8 +91,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests running at once
     per_microbatch_seq_cap: bool = False  # cap requests per microbatch at max_num_seqs / pp_size
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
+    max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
+    budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)
+    time_budget_ms: float | None = None  # time mode: predicted ms per microbatch; None = a token_budget chunk from an empty cache
+    tbt_slo_ms: float | None = None  # adapt the token budget (starting at token_budget) so p99 time between tokens meets this
+    max_token_budget: int = 8192  # with tbt_slo_ms: the largest token budget the controller may choose
 
     def __post_init__(self) -> None:
+        self._check_budget_fields()
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.token_budget < 1:
@@ -96,6 +107,24 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.max_waiting < 1:
             raise ValueError(f"scheduler.max_waiting must be >= 1, got {self.max_waiting!r}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
+
+    def _check_budget_fields(self) -> None:
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"scheduler.budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        if self.time_budget_ms is not None and not (self.time_budget_ms > 0 and math.isfinite(self.time_budget_ms)):
+            raise ValueError(f"scheduler.time_budget_ms must be a finite number > 0, got {self.time_budget_ms!r}")
+        if self.time_budget_ms is not None and self.budget_mode != "time":
+            raise ValueError(f"scheduler.time_budget_ms={self.time_budget_ms!r} needs budget_mode: time")
+        if self.tbt_slo_ms is not None and not (self.tbt_slo_ms > 0 and math.isfinite(self.tbt_slo_ms)):
+            raise ValueError(f"scheduler.tbt_slo_ms must be a finite number > 0, got {self.tbt_slo_ms!r}")
+        if self.tbt_slo_ms is not None and self.budget_mode != "tokens":
+            raise ValueError(f"scheduler.tbt_slo_ms={self.tbt_slo_ms!r} adapts a token budget: use budget_mode: tokens")
+        if self.tbt_slo_ms is not None and self.max_token_budget < self.token_budget:
+            raise ValueError(
+                f"scheduler.max_token_budget {self.max_token_budget!r} must be >= token_budget {self.token_budget!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -117,12 +146,30 @@ class CacheConfig:
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 50051
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = 4 * 1024 * 1024  # largest request accepted; bigger ones get INVALID_ARGUMENT
     grace_seconds: float = 10.0  # graceful shutdown: time to finish in-flight work
+    max_concurrent_streams: int = 256  # HTTP/2 streams (RPCs) at once per client connection
+    tls_cert: str | None = None  # PEM server certificate (chain); with tls_key enables TLS
+    tls_key: str | None = None  # PEM private key of tls_cert
+    auth_token: str | None = None  # bearer token every call must carry ("authorization: Bearer ..."); None = off
+    auth_token_file: str | None = None  # read the bearer token from this file instead (keeps it out of argv)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ValueError(f"server.port must be in [0, 65535], got {self.port!r}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes!r}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"server.max_concurrent_streams must be >= 1, got {self.max_concurrent_streams!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                f"server.tls_cert and server.tls_key go together; got tls_cert={self.tls_cert!r}, "
+                f"tls_key={self.tls_key!r}"
+            )
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise ValueError("set server.auth_token or server.auth_token_file, not both")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("server.auth_token is empty")
 
 
 @dataclass(frozen=True)
