@@ -15,11 +15,16 @@ from typing import Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.detokenizer import IncrementalDetokenizer
+from ppserve.engine.ray_executor import StageFailure
 from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams
 from ppserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class PipelineFailed(RuntimeError):
+    """A stage died and the pipeline could not be rebuilt within parallel.max_restarts attempts."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Engine:
         self.work = WorkTracker()
         self.engine_spans: list[Span] = []
         self._ids = itertools.count()
+        self._step_seconds: dict[int, float] = {}  # step id -> compute seconds (budget feedback, inproc only)
+        self.init_recovery_state()
 
     # ---- construction ----------------------------------------------------------------------------
     def init_model_source(self) -> None:
@@ -105,6 +112,13 @@ class Engine:
             clock=self.clock,
         )
 
+    def init_recovery_state(self) -> None:
+        self.recovering = False  # read by other threads (AsyncEngine): True while the pipeline is rebuilt
+        self.num_restarts = 0  # pipeline rebuilds that succeeded
+        self.last_recovery_s: float | None = None  # failure detected -> pipeline serving again
+        self.recovery_times_s: list[float] = []
+        self._consecutive_failures = 0  # reset by a step that succeeds; bounded by parallel.max_restarts
+
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -128,6 +142,7 @@ class Engine:
         """Validate and queue a request; ValueError (bad input) or OverflowError (queue full)."""
         sampling = sampling or SamplingParams()
         ids = self.tokenize(prompt)
+        self.check_lengths(len(ids), sampling)
         rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         req = Request(
             request_id=rid,
@@ -142,6 +157,18 @@ class Engine:
         self.work.update(True, time.perf_counter_ns())
         return rid
 
+    def check_lengths(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """ValueError naming the field and the limit when max_tokens or prompt + max_tokens is too long."""
+        limit = self.config.scheduler.max_tokens_limit or self.max_model_len
+        if sampling.max_tokens > limit:
+            raise ValueError(f"max_tokens {sampling.max_tokens} is above the limit of {limit} "
+                             "(scheduler.max_tokens_limit, or the model's context)")
+        total = num_prompt_tokens + sampling.max_tokens
+        # A prompt that alone fills the context is refused by the scheduler, with its own message.
+        if num_prompt_tokens < self.max_model_len and total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) is "
+                             f"{total} tokens, above the model's context of {self.max_model_len} tokens")
+
     def cancel(self, request_id: str) -> bool:
         """Cancel now: KV blocks are freed at once, no token is streamed afterwards."""
         ok = self.scheduler.cancel(request_id)
@@ -154,7 +181,20 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
-        """Fill the pipeline, wait for the oldest microbatch, and return what each request gained."""
+        """Fill the pipeline, wait for the oldest microbatch, and return what each request gained.
+
+        A stage that died is survived: the pipeline is rebuilt, every unfinished request is recomputed
+        from its prompt and the tokens it already has, and this step returns nothing.
+        """
+        try:
+            deltas = self._step()
+        except StageFailure as e:
+            self.recover(e)
+            return []
+        self._consecutive_failures = 0
+        return deltas
+
+    def _step(self) -> list[TokenDelta]:
         sched = self.scheduler
         while True:
             t0 = time.perf_counter_ns()
@@ -165,16 +205,65 @@ class Engine:
                 Span("schedule", t0, time.perf_counter_ns(), ENGINE_STAGE, 0, out.step_id,
                      out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order))
             )
-            self.executor.submit(out)
+            self._submit(out)
         if not sched.in_flight:
             self.work.update(sched.has_unfinished, time.perf_counter_ns())
             return []
         result = self.executor.collect()
         now = self.clock()
-        updates = sched.update_from_output(sched.in_flight[0], result)
+        done = sched.in_flight[0]
+        updates = sched.update_from_output(done, result)
+        if sched.needs_step_feedback:
+            self._budget_feedback(done)
         deltas = [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
         self.work.update(sched.has_unfinished, time.perf_counter_ns())
         return deltas
+
+    def recover(self, cause: BaseException) -> None:
+        """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
+        rebuild = getattr(self.executor, "rebuild", None)
+        limit = self.config.parallel.max_restarts
+        t0 = time.perf_counter()
+        logger.error("a pipeline stage failed (%s); rebuilding", cause)
+        self.recovering = True
+        try:
+            while True:
+                self._consecutive_failures += 1
+                if rebuild is None or self._consecutive_failures > limit:
+                    raise PipelineFailed(
+                        f"a stage failed and the pipeline was not rebuilt after {limit} attempt(s) "
+                        f"(parallel.max_restarts={limit}): {cause}"
+                    ) from cause
+                try:
+                    rebuild()
+                    break
+                except Exception as e:  # the rebuild itself failed: counts as one more failure
+                    logger.error("pipeline rebuild attempt %d failed: %s", self._consecutive_failures, e)
+                    cause = e
+            requeued = self.scheduler.requeue_all_for_recompute()
+        finally:
+            self.recovering = False
+        elapsed = time.perf_counter() - t0
+        self.num_restarts += 1
+        self.last_recovery_s = elapsed
+        self.recovery_times_s.append(elapsed)
+        logger.warning("pipeline rebuilt in %.2f s (restart %d); %d request(s) requeued for recompute",
+                       elapsed, self.num_restarts, len(requeued))
+
+    # ---- budget feedback (scheduler.budget_mode: time, or scheduler.tbt_slo_ms) -----------------------
+    def _submit(self, out: Any) -> None:
+        """Submit; when the budget mode learns and the executor runs the step synchronously (inproc),
+        the submit's duration is the stage's compute time. Ray stages return no time synchronously."""
+        if not self.scheduler.needs_step_feedback or self.config.parallel.world_size != 1:
+            self.executor.submit(out)
+            return
+        t0 = time.perf_counter_ns()
+        self.executor.submit(out)
+        self._step_seconds[out.step_id] = (time.perf_counter_ns() - t0) * 1e-9
+
+    def _budget_feedback(self, out: Any) -> None:
+        seconds = self._step_seconds.pop(out.step_id, None)
+        self.scheduler.observe_step(out, () if seconds is None else (seconds,))
 
     def _process(self, rid: str, token_ids: tuple[int, ...], reason: FinishReason | None, now: float) -> TokenDelta | None:
         tr = self.tracked.get(rid)
@@ -232,6 +321,8 @@ class Engine:
             "kv_blocks_used": s.blocks.num_used,
             "kv_blocks_total": s.blocks.num_blocks,
             "num_preemptions": s.num_preemptions,
+            "num_restarts": self.num_restarts,
+            "last_recovery_s": self.last_recovery_s,
         }
 
     def shutdown(self) -> None:

@@ -23,6 +23,11 @@ from ppserve.sched.output import SchedulerOutput, StepResult
 logger = logging.getLogger(__name__)
 
 RAY_GET_TIMEOUT_S = 600.0  # no ray.get waits forever: a dead stage must surface as an error
+FAILURE_POLL_S = 0.5  # while waiting for a microbatch, look this often for a stage that already failed
+
+
+class StageFailure(RuntimeError):
+    """A stage actor died, failed or stopped answering: the pipeline must be rebuilt."""
 
 
 class StageActor:
@@ -129,6 +134,7 @@ class RayExecutor:
         self.config = config
         par = config.parallel
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.model_dir, self.hf_config = model_dir, hf_config
         self.init_ray()
         self.ranges = self.compute_partition(hf_config)
         self.init_actors(model_dir, hf_config)
@@ -245,7 +251,22 @@ class RayExecutor:
         import ray
 
         step_id, refs = self.in_flight.popleft()
-        results = ray.get(refs, timeout=timeout_s or RAY_GET_TIMEOUT_S)
+        limit = timeout_s or RAY_GET_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        pending = list(refs)
+        try:
+            # Wait for every stage, but look at those already done as we go: when one stage died, the
+            # others may block in a p2p call forever, so its error must not wait behind them.
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StageFailure(f"step {step_id}: no answer from {len(pending)} stage actor(s) in {limit:.0f} s")
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(FAILURE_POLL_S, left))
+                if ready:
+                    ray.get(ready, timeout=RAY_GET_TIMEOUT_S)  # raises at once for a dead or failed stage
+            results = ray.get(refs, timeout=RAY_GET_TIMEOUT_S)
+        except ray.exceptions.RayError as e:  # RayActorError / ActorDiedError, RayTaskError, GetTimeoutError
+            raise StageFailure(f"step {step_id}: {type(e).__name__}: {e}") from e
         result = results[(self.pp - 1) * self.tp]
         if not isinstance(result, StepResult) or result.step_id != step_id:
             raise RuntimeError(f"stage pipeline returned {result!r} for step {step_id}")
@@ -267,6 +288,37 @@ class RayExecutor:
     def describe(self) -> list[dict[str, Any]]:
         return [dict(lay) for lay in self.layout]
 
+    # ---- failure recovery ------------------------------------------------------------------------
+    def rebuild(self) -> None:
+        """Replace the whole pipeline: new placement groups, new actors, new process groups, empty caches.
+
+        Survivors are killed too: their process group includes the dead rank and cannot be repaired.
+        The KV block count stays the same, because the scheduler's allocator keeps its size.
+        """
+        import ray
+
+        self.in_flight.clear()  # their results are lost with the old actors
+        self._kill_actors()
+        self.init_actors(self.model_dir, self.hf_config)
+        self.init_clock_offsets()
+        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+
+    def _kill_actors(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in getattr(self, "actors", []):
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:  # already dead: nothing to do
+                logger.debug("kill stage actor: %s", e)
+        for pg in getattr(self, "placement_groups", []):
+            try:
+                remove_placement_group(pg)
+            except Exception as e:
+                logger.debug("remove placement group: %s", e)
+        self.actors, self.placement_groups = [], []
+
     def shutdown(self) -> None:
         import ray
 
@@ -276,12 +328,6 @@ class RayExecutor:
             ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
         except Exception as e:  # a dead actor must not block the rest of the teardown
             logger.warning("stage shutdown: %s", e)
-        for a in self.actors:
-            ray.kill(a)
-        from ray.util.placement_group import remove_placement_group
-
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
-        self.actors = []
+        self._kill_actors()
         if self.owns_ray:
             ray.shutdown()

@@ -234,6 +234,8 @@ class AsyncEngine:
             raise PipelineUnavailable(f"the pipeline failed ({self.failure}); the server must be restarted")
         if self._stopping or self._thread is None:
             raise PipelineUnavailable("the engine is not running (starting up or shutting down)")
+        if getattr(self.engine, "recovering", False):
+            raise PipelineUnavailable("the pipeline is being rebuilt after a stage failure; retry shortly")
 
     def _post_call(self, cmd: tuple[Any, ...]) -> asyncio.Future[Any]:
         assert self._loop is not None

@@ -38,12 +38,26 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _add_security_args(g)
     g.set_defaults(func=run_generate)
 
     s = sub.add_parser("stats", help="print a running server's statistics")
     s.add_argument("--server", default="127.0.0.1:50051", help="host:port of the server")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_security_args(s)
     s.set_defaults(func=run_stats)
+
+
+def _add_security_args(p: Any) -> None:
+    p.add_argument("--tls-ca", help="PEM file of the CA (or self-signed certificate) to trust: connect with TLS")
+    p.add_argument("--token-file", help="file holding the server's bearer token")
+
+
+def _client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from pathlib import Path
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    return {"root_certificates": args.tls_ca, "token": token}
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -72,7 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     sampling = SamplingParams(**kwargs)
-    with PPServeClient(args.server) as client:
+    with PPServeClient(args.server, **_client_kwargs(args)) as client:
         try:
             if args.chat:
                 stream = client.stream(
@@ -144,7 +158,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
     from ppserve.server.client import PPServeClient
 
-    with PPServeClient(args.server) as client:
+    with PPServeClient(args.server, **_client_kwargs(args)) as client:
         try:
             s = client.stats()
         except grpc.RpcError as e:

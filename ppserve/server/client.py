@@ -81,6 +81,20 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _credentials(tls: bool, root_certificates: bytes | str | None) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials (None = plaintext). root_certificates: PEM bytes or a path to a PEM file."""
+    if not tls and root_certificates is None:
+        return None
+    if isinstance(root_certificates, str):
+        with open(root_certificates, "rb") as f:
+            root_certificates = f.read()
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 class ChunkStream:
     """A live Generate stream (sync): iterate for chunks; cancel() ends it and the server frees the request."""
 
@@ -98,9 +112,21 @@ class ChunkStream:
 class PPServeClient:
     """Blocking client. Use as a context manager, or call close()."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, max_message_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        tls: bool = False,
+        root_certificates: bytes | str | None = None,
+        token: str | None = None,
+    ) -> None:
+        """tls / root_certificates (PEM bytes or path; implies tls): TLS; token: bearer token sent on every call."""
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=_channel_options(max_message_bytes))
+        opts = _channel_options(max_message_bytes)
+        creds = _credentials(tls, root_certificates)
+        self.channel = grpc.secure_channel(target, creds, opts) if creds else grpc.insecure_channel(target, opts)
+        self.metadata = _metadata(token)
         self.stub = pb_grpc.PPServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -119,7 +145,7 @@ class PPServeClient:
     ) -> ChunkStream:
         """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...)."""
         req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
-        return ChunkStream(self.stub.Generate(req, timeout=timeout))
+        return ChunkStream(self.stub.Generate(req, timeout=timeout, metadata=self.metadata))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         out = Completion()
@@ -128,14 +154,17 @@ class PPServeClient:
         return out
 
     def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        return bool(self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout).cancelled)
+        resp = self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
+        return bool(resp.cancelled)
 
     def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        return convert.stats_from_proto(self.stub.GetStats(pb.StatsRequest(), timeout=timeout))
+        return convert.stats_from_proto(self.stub.GetStats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata))
 
     def health(self, service: str = "", timeout: float | None = 10.0) -> str:
         """SERVING | NOT_SERVING | SERVICE_UNKNOWN | UNKNOWN."""
-        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        resp = self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata
+        )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
     def close(self) -> None:
@@ -151,9 +180,22 @@ class PPServeClient:
 class AsyncPPServeClient:
     """asyncio client; create it inside a running event loop. `async with` closes the channel."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, max_message_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        tls: bool = False,
+        root_certificates: bytes | str | None = None,
+        token: str | None = None,
+    ) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target, options=_channel_options(max_message_bytes))
+        opts = _channel_options(max_message_bytes)
+        creds = _credentials(tls, root_certificates)
+        self.channel = (
+            grpc.aio.secure_channel(target, creds, opts) if creds else grpc.aio.insecure_channel(target, opts)
+        )
+        self.metadata = _metadata(token)
         self.stub = pb_grpc.PPServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -174,7 +216,7 @@ class AsyncPPServeClient:
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they arrive. Leaving the loop early (break, task cancel) cancels the request."""
         req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
-        call = self.stub.Generate(req, timeout=timeout)
+        call = self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
         try:
             async for msg in call:
                 yield Chunk.from_proto(msg)
@@ -188,14 +230,17 @@ class AsyncPPServeClient:
         return out
 
     async def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        resp = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout)
+        resp = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
         return bool(resp.cancelled)
 
     async def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        return convert.stats_from_proto(await self.stub.GetStats(pb.StatsRequest(), timeout=timeout))
+        msg = await self.stub.GetStats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
+        return convert.stats_from_proto(msg)
 
     async def health(self, service: str = "", timeout: float | None = 10.0) -> str:
-        resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        resp = await self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata
+        )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
     async def close(self) -> None:

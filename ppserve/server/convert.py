@@ -8,11 +8,12 @@ ValueError names the field); this module only adds the checks that exist because
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ppserve.request import SamplingParams
 from ppserve.server.gen import ppserve_pb2 as pb
@@ -28,6 +29,8 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 # Largest id a proto int64 may carry that still makes sense as a Python int for the engine.
 _INT64_MAX = (1 << 63) - 1
+CHAT_ROLES = ("system", "user", "assistant")
+MAX_REQUEST_ID_CHARS = 256
 
 
 class PipelineUnavailable(RuntimeError):
@@ -91,8 +94,8 @@ def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) ->
         return PromptInput(text=req.prompt)
     if req.messages:
         for i, m in enumerate(req.messages):
-            if not m.role:
-                raise ValueError(f"messages[{i}].role is empty")
+            if m.role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role {m.role!r} is unknown; expected one of {', '.join(CHAT_ROLES)}")
         return PromptInput(messages=tuple((m.role, m.content) for m in req.messages))
     ids = tuple(int(t) for t in req.prompt_token_ids)
     upper = vocab_size if vocab_size is not None else _INT64_MAX
@@ -100,6 +103,96 @@ def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) ->
         if not 0 <= t < upper:
             raise ValueError(f"prompt_token_ids[{i}]={t} is out of range [0, {upper})")
     return PromptInput(token_ids=ids)
+
+
+def request_id_from_proto(req: pb.GenerateRequest) -> str:
+    """The client's request id ("" = let the server pick one); ValueError naming the limit otherwise."""
+    rid = req.request_id
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(rid)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    if any(not c.isprintable() for c in rid):
+        raise ValueError("request_id must hold printable characters only")
+    return rid
+
+
+# ---- malformed wire messages ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Stands in for a request that could not be parsed; the servicer answers INVALID_ARGUMENT with `reason`."""
+
+    reason: str
+
+
+# The string fields of a GenerateRequest, by field number, to name the one that is not UTF-8.
+_STRING_FIELDS: dict[int, Any] = {
+    1: "request_id",
+    2: "prompt",
+    4: ("messages", {1: "role", 2: "content"}),
+    5: ("sampling", {5: "stop"}),
+}
+
+
+def generate_request_deserializer(max_bytes: int) -> Callable[[bytes], pb.GenerateRequest | MalformedRequest]:
+    """Parse a GenerateRequest without ever raising: gRPC would answer a raising deserializer with INTERNAL."""
+
+    def parse(data: bytes) -> pb.GenerateRequest | MalformedRequest:
+        if len(data) > max_bytes:
+            return MalformedRequest(
+                f"request message is {len(data)} bytes; the limit is {max_bytes} (server.max_message_bytes)"
+            )
+        try:
+            return pb.GenerateRequest.FromString(data)
+        except DecodeError as e:
+            try:
+                where = _find_bad_utf8(data, _STRING_FIELDS, "")
+            except IndexError:  # truncated varint: plain garbage
+                where = None
+            return MalformedRequest(where or f"request message cannot be parsed: {e}")
+
+    return parse
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _find_bad_utf8(data: bytes, fields: dict[int, Any], prefix: str) -> str | None:
+    """Walk the wire format; name the first string field that is not valid UTF-8 (None if none is)."""
+    pos, seen = 0, dict.fromkeys(fields, 0)
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        num, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _varint(data, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            n, pos = _varint(data, pos)
+            chunk, pos = data[pos : pos + n], pos + n
+            spec = fields.get(num)
+            if isinstance(spec, str):
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return f"{prefix}{spec} is not valid UTF-8"
+            elif spec is not None:
+                name, sub = spec
+                label = f"{prefix}{name}[{seen[num]}]." if name == "messages" else f"{prefix}{name}."
+                seen[num] += 1
+                if (found := _find_bad_utf8(chunk, sub, label)) is not None:
+                    return found
+        else:
+            return None
+    return None
 
 
 def generate_request_to_proto(

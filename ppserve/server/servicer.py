@@ -24,12 +24,14 @@ class PPServeServicer(pb_grpc.PPServeServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         # Validation happens here, before anything is queued: a bad request costs the engine nothing.
+        if isinstance(request, convert.MalformedRequest):  # not parseable: see generate_request_deserializer
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             prompt = convert.prompt_from_proto(request, self.engine.vocab_size)
             sampling = convert.sampling_from_proto(request.sampling)
+            rid = convert.request_id_from_proto(request) or f"req-{uuid.uuid4().hex[:16]}"
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         try:
             stream = await self.engine.add_request(prompt, sampling, rid)
         except (ValueError, OverflowError, convert.PipelineUnavailable) as e:
@@ -40,6 +42,12 @@ class PPServeServicer(pb_grpc.PPServeServicer):
         try:
             async for chunk in stream:
                 finished = chunk.finished
+                if finished and chunk.finish_reason == "error" and self.engine.failure is not None:
+                    # The pipeline died and could not be rebuilt: retrying later may succeed.
+                    if chunk.token_ids:
+                        chunk.finished, chunk.finish_reason, chunk.times = False, None, None
+                        yield _response(chunk, stream.num_prompt_tokens, offset)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline failed: {self.engine.failure}")
                 yield _response(chunk, stream.num_prompt_tokens, offset)
         finally:
             # Runs on every exit: normal end, client cancel / deadline (grpc.aio raises CancelledError
