@@ -1,0 +1,128 @@
+"""Capacity under an SLO (the Sarathi-Serve protocol, DESIGN.md §6): the highest Poisson request rate
+at which p99 TBT <= a target and median scheduling delay <= 2 s, found by search over the rate on a
+fixed trace.
+
+Pure Python: `find_capacity` only needs `evaluate(rate) -> Probe`, so the same search runs on the real
+pipeline, on the simulator, and in unit tests on a fake latency function. The search brackets first
+(doubling up from the start rate while it passes, halving down while it fails), then bisects the
+bracket until it is narrower than `rel_tol` or the evaluation budget is spent. It assumes the SLO is
+monotone in the rate (it is, up to measurement noise: more load never lowers latency on average).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["SLO", "Probe", "CapacityResult", "probe_from_summary", "find_capacity"]
+
+
+@dataclass(frozen=True)
+class SLO:
+    tbt_p99_s: float  # p99 time between tokens must not exceed this
+    sched_delay_p50_s: float = 2.0  # median scheduling delay (arrival to first schedule) must not exceed this
+
+    def __post_init__(self) -> None:
+        if self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0:
+            raise ValueError(f"SLO limits must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One evaluated rate."""
+
+    rate: float
+    ok: bool
+    tbt_p99_s: float | None = None
+    sched_delay_p50_s: float | None = None
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_from_summary(rate: float, summary: dict[str, Any], slo: SLO) -> Probe:
+    """Judge a run summary (`harness.summarize_run` shape) against the SLO."""
+    lat = summary["latency"]
+    tbt = lat["tbt_s"]["p99"]
+    delay = lat["scheduling_delay_s"]["p50"]
+    reasons = []
+    if summary.get("aborted"):
+        reasons.append("run hit its time limit")
+    if tbt is None:
+        reasons.append("no TBT gaps")
+    elif tbt > slo.tbt_p99_s:
+        reasons.append(f"p99 TBT {tbt:.4g} s > {slo.tbt_p99_s:.4g} s")
+    if delay is None:
+        reasons.append("no scheduling delays")
+    elif delay > slo.sched_delay_p50_s:
+        reasons.append(f"median scheduling delay {delay:.4g} s > {slo.sched_delay_p50_s:.4g} s")
+    extra = {"output_tokens_per_s": summary.get("throughput", {}).get("output_tokens_per_s")}
+    return Probe(rate, not reasons, tbt, delay, "; ".join(reasons) or "meets SLO", extra)
+
+
+@dataclass
+class CapacityResult:
+    capacity: float | None  # highest passing rate found; None when even min_rate fails
+    bracket: tuple[float | None, float | None]  # (highest pass, lowest fail)
+    probes: list[Probe]
+    saturated: bool = False  # every rate up to max_rate passed: capacity is at least max_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "bracket": list(self.bracket), "saturated": self.saturated,
+                "probes": [p.to_dict() for p in self.probes]}
+
+
+def find_capacity(
+    evaluate: Callable[[float], Probe],
+    start_rate: float,
+    *,
+    max_evals: int = 8,
+    rel_tol: float = 0.05,
+    min_rate: float = 1e-3,
+    max_rate: float = 1e6,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> CapacityResult:
+    """Search for the highest rate that `evaluate` passes (see the module docstring)."""
+    if not 0 < min_rate <= start_rate <= max_rate:
+        raise ValueError(f"need 0 < min_rate <= start_rate <= max_rate, got {min_rate}, {start_rate}, {max_rate}")
+    if max_evals < 1 or rel_tol <= 0:
+        raise ValueError(f"need max_evals >= 1 and rel_tol > 0, got {max_evals}, {rel_tol}")
+    probes: list[Probe] = []
+    cache: dict[float, Probe] = {}
+
+    def run(rate: float) -> Probe:
+        if rate not in cache:
+            p = evaluate(rate)
+            cache[rate] = p
+            probes.append(p)
+            if on_probe is not None:
+                on_probe(p)
+        return cache[rate]
+
+    lo: float | None = None  # highest passing rate
+    hi: float | None = None  # lowest failing rate
+    rate = start_rate
+    # Bracket.
+    while len(probes) < max_evals:
+        if run(rate).ok:
+            lo = rate
+            if hi is not None or rate >= max_rate:
+                break
+            rate = min(rate * 2, max_rate)
+        else:
+            hi = rate
+            if lo is not None or rate <= min_rate:
+                break
+            rate = max(rate / 2, min_rate)
+    # Bisect.
+    while lo is not None and hi is not None and len(probes) < max_evals and (hi - lo) > rel_tol * lo:
+        mid = (lo + hi) / 2
+        if run(mid).ok:
+            lo = mid
+        else:
+            hi = mid
+    saturated = lo is not None and lo >= max_rate
+    return CapacityResult(lo, (lo, hi), probes, saturated)

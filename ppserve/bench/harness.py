@@ -1,0 +1,400 @@
+"""The benchmark harness: replay a workload against a real pipeline and measure it.
+
+Offline mode (the main one) drives `ppserve.engine.core.Engine` directly, as a server would but
+single-threaded: add every request whose arrival time has passed (relative to the run start on
+`time.perf_counter`, the engine clock), step the engine while it has work, sleep until the next
+arrival when it has none. Each request's arrival time is its *scheduled* arrival, so the time it
+spent waiting for a step to finish before being added counts as queueing. Token times come from the
+engine's TokenDelta, first-schedule times from the scheduler's Request objects.
+
+gRPC mode (`replay_grpc`) starts `ppserve serve` in a subprocess and sends the same requests through
+`AsyncPPServeClient` at their arrival times; bubbles come from the Chrome trace the server writes on
+shutdown.
+
+Both produce a `RunResult`; `summarize_run` turns spans + work intervals + per-request timings into
+the figures every report uses (and works unchanged on a simulated run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ppserve.metrics.bubbles import bubble_report
+from ppserve.metrics.latency import RequestTiming, stats, summarize
+from ppserve.metrics.spans import Span, WorkInterval
+from ppserve.sim.workload import WorkloadRequest
+
+__all__ = [
+    "EngineSpec",
+    "RunResult",
+    "summarize_run",
+    "ensure_ray",
+    "build_llm",
+    "warm_up",
+    "reset_observations",
+    "replay",
+    "replay_grpc",
+    "measure_decode_step",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine settings a benchmark varies; everything else comes from the config / defaults."""
+
+    model: str | None = None  # None = the default SmolLM2-135M-Instruct
+    pp: int = 2
+    token_budget: int = 128
+    max_num_seqs: int = 32
+    seq_cap: bool = True  # scheduler.per_microbatch_seq_cap (max_num_seqs / pp requests per microbatch)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = 2048
+    dtype: str = "float32"
+    overrides: tuple[str, ...] = ()  # extra section.key=value settings
+
+    def llm_kwargs(self, policy: str, token_budget: int | None = None) -> dict[str, Any]:
+        overrides = [f"scheduler.per_microbatch_seq_cap={'true' if self.seq_cap else 'false'}", *self.overrides]
+        kw: dict[str, Any] = dict(
+            pipeline_parallel_size=self.pp, token_budget=token_budget or self.token_budget, policy=policy,
+            max_num_seqs=self.max_num_seqs, block_size=self.block_size, dtype=self.dtype,
+            max_model_len=self.max_model_len, overrides=overrides,
+        )
+        if self.num_kv_blocks is not None:
+            kw["num_kv_blocks"] = self.num_kv_blocks
+        return kw
+
+    def serve_args(self, policy: str, token_budget: int | None = None) -> list[str]:
+        """`ppserve serve --set ...` arguments for the same settings."""
+        sets = [
+            f"parallel.pipeline_parallel_size={self.pp}",
+            f"scheduler.token_budget={token_budget or self.token_budget}",
+            f"scheduler.policy={policy}",
+            f"scheduler.max_num_seqs={self.max_num_seqs}",
+            f"scheduler.per_microbatch_seq_cap={'true' if self.seq_cap else 'false'}",
+            f"cache.block_size={self.block_size}",
+            f"model.dtype={self.dtype}",
+            *self.overrides,
+        ]
+        if self.model:
+            sets.append(f"model.model={self.model}")
+        if self.max_model_len:
+            sets.append(f"model.max_model_len={self.max_model_len}")
+        if self.num_kv_blocks is not None:
+            sets.append(f"cache.num_blocks={self.num_kv_blocks}")
+        out: list[str] = []
+        for s in sets:
+            out += ["--set", s]
+        return out
+
+
+@dataclass
+class RunResult:
+    """What one measured run produced (real or simulated)."""
+
+    name: str
+    timings: dict[str, RequestTiming]
+    spans: list[Span]
+    work_intervals: list[WorkInterval]
+    num_stages: int
+    num_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    aborted: bool = False  # stopped at the time limit; unfinished requests left out
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, window: str = "active") -> dict[str, Any]:
+        s = summarize_run(self.timings, self.spans, self.work_intervals, window)
+        s.update(name=self.name, num_preemptions=self.num_preemptions, aborted=self.aborted,
+                 num_prompt_tokens=self.num_prompt_tokens, **self.meta)
+        return s
+
+
+def summarize_run(
+    timings: dict[str, RequestTiming],
+    spans: Sequence[Span],
+    work_intervals: Sequence[WorkInterval] | None,
+    window: str = "active",
+) -> dict[str, Any]:
+    """Latency, throughput and bubble figures of one run (seconds; fractions in [0, 1])."""
+    out: dict[str, Any] = {"latency": summarize(timings.values())}
+    done = [t for t in timings.values() if t.token_times_s]
+    if done:
+        t0 = min(t.arrival_s for t in timings.values())
+        t1 = max(t.token_times_s[-1] for t in done)
+        dur = max(t1 - t0, 1e-9)
+        ntok = sum(len(t.token_times_s) for t in done)
+        out["throughput"] = {"duration_s": dur, "requests_per_s": len(done) / dur, "output_tokens_per_s": ntok / dur}
+    else:
+        out["throughput"] = {"duration_s": 0.0, "requests_per_s": 0.0, "output_tokens_per_s": 0.0}
+    if any(s.kind == "compute" for s in spans):
+        rep = bubble_report(list(spans), None if work_intervals is None else list(work_intervals), window)
+        per_req = [v * 1e-9 for v in rep.per_request_bubble_ns.values()]
+        out["bubbles"] = {
+            "window": rep.window,
+            "window_s": rep.window_ns * 1e-9,
+            "mean_bubble_fraction": rep.mean_bubble_fraction,
+            "mean_busy_fraction": rep.mean_busy_fraction,
+            "mean_starvation_fraction": rep.mean_starvation_fraction,
+            "stages": [
+                {"stage": s.stage, "busy_s": s.busy_ns * 1e-9, "bubble_s": s.bubble_ns * 1e-9,
+                 "bubble_fraction": s.bubble_fraction, "busy_fraction": s.busy_fraction}
+                for s in rep.stages
+            ],
+            "per_request_bubble_s": stats(per_req),
+            "num_microbatches": rep.num_microbatches,
+            "microbatch_token_mean": rep.microbatch_token_mean,
+            "microbatch_token_cv": rep.microbatch_token_cv,
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Building and preparing engines
+
+
+def ensure_ray(num_cpus: int = 8) -> None:
+    """Start one local Ray for the whole benchmark, so each LLM attaches instead of owning (and
+    tearing down) its own. Logical CPUs may exceed physical ones (stage actors each ask for one)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+
+
+def build_llm(spec: EngineSpec, policy: str, token_budget: int | None = None) -> Any:
+    from ppserve.engine.llm import LLM
+
+    if spec.pp > 1:
+        ensure_ray()
+    return LLM(spec.model, **spec.llm_kwargs(policy, token_budget))
+
+
+def reset_observations(engine: Any) -> None:
+    """Forget spans and work intervals recorded so far (warm-up), so a measured run starts clean."""
+    from ppserve.metrics.spans import WorkTracker
+
+    engine.collect_spans()
+    engine.work = WorkTracker()
+
+
+def warm_up(engine: Any, num_requests: int = 4, prompt_len: int = 64, max_tokens: int = 4) -> None:
+    """Run a few requests so lazy initialisation (allocator, kernels, Ray paths) is not measured."""
+    from ppserve.request import SamplingParams
+
+    vocab = engine.arch.vocab_size
+    for i in range(num_requests):
+        ids = [(17 * i + 31 * k) % (vocab - 3) + 3 for k in range(prompt_len)]
+        engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    reset_observations(engine)
+
+
+def measure_decode_step(engine: Any, num_requests: int = 8, max_tokens: int = 24) -> float:
+    """Median time between tokens of a decode-only load (short prompts, all at once): the time one
+    decode microbatch takes to go around the pipeline. Used to set CPU TBT targets."""
+    from ppserve.metrics.latency import percentile
+
+    reqs = [WorkloadRequest(0.0, 4, max_tokens) for _ in range(num_requests)]
+    prompts = [[(13 * i + k) % 1000 + 3 for k in range(4)] for i in range(num_requests)]
+    res = replay(engine, reqs, prompts, progress=False, name="decode-probe")
+    gaps = [g for t in res.timings.values() for g in t.tbt_gaps_s]
+    return percentile(gaps, 50)
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline replay
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+def replay(
+    engine: Any,
+    requests: Sequence[WorkloadRequest],
+    prompts: Sequence[list[int]],
+    *,
+    name: str = "run",
+    progress: bool = True,
+    max_duration_s: float | None = None,
+) -> RunResult:
+    """Replay `requests` (arrival times relative to now) on an idle engine; see the module docstring.
+
+    With `max_duration_s`, requests still unfinished at that time are cancelled and left out of the
+    timings, and the result is marked `aborted` (an overloaded capacity probe fails fast that way).
+    """
+    from ppserve.request import SamplingParams
+
+    if engine.has_unfinished:
+        raise RuntimeError("replay needs an idle engine")
+    if len(prompts) != len(requests):
+        raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
+    reset_observations(engine)
+    order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
+    clock = engine.clock
+    states: dict[str, Any] = {}
+    token_times: dict[str, list[float]] = {}
+    arrivals: dict[str, float] = {}
+    finished: set[str] = set()
+    aborted = False
+    nxt = 0
+    bar = _progress(len(requests), name, progress)
+    t0 = clock()
+    try:
+        while nxt < len(order) or engine.has_unfinished:
+            now = clock()
+            if max_duration_s is not None and now - t0 > max_duration_s:
+                aborted = True
+                break
+            while nxt < len(order) and requests[order[nxt]].arrival_s <= now - t0:
+                k = order[nxt]
+                w = requests[k]
+                rid = f"r{k}"
+                arrivals[rid] = t0 + w.arrival_s
+                engine.add_request(prompts[k], SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                                   request_id=rid, arrival_time=arrivals[rid])
+                states[rid] = engine.request_state(rid).request
+                token_times[rid] = []
+                nxt += 1
+            if engine.has_unfinished:
+                for d in engine.step():
+                    token_times[d.request_id].extend(d.token_times)
+                    if d.finished:
+                        finished.add(d.request_id)
+                        bar.update(1)
+            elif nxt < len(order):
+                time.sleep(max(0.0, min(0.05, t0 + requests[order[nxt]].arrival_s - clock())))
+    finally:
+        bar.close()
+    if aborted:
+        for rid in list(states):
+            if rid not in finished:
+                engine.cancel(rid)
+        while engine.has_unfinished or engine.scheduler.in_flight:
+            engine.step()
+    now_ns = time.perf_counter_ns()
+    spans = engine.collect_spans()
+    work = engine.work.intervals(now_ns)
+    timings = {
+        rid: RequestTiming(arrivals[rid], states[rid].first_scheduled_time, token_times[rid])
+        for rid in states if rid in finished
+    }
+    return RunResult(
+        name=name, timings=timings, spans=spans, work_intervals=work,
+        num_stages=engine.config.parallel.pipeline_parallel_size,
+        num_prompt_tokens=sum(r.prompt_len for r in requests),
+        num_preemptions=engine.scheduler.num_preemptions, aborted=aborted,
+        meta={"num_submitted": nxt, "num_finished": len(finished)},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Online replay through the gRPC server
+
+
+def replay_grpc(
+    spec: EngineSpec,
+    policy: str,
+    requests: Sequence[WorkloadRequest],
+    prompts: Sequence[list[int]],
+    *,
+    workdir: str,
+    name: str = "run",
+    progress: bool = True,
+    token_budget: int | None = None,
+    start_timeout_s: float = 300.0,
+    request_timeout_s: float = 1800.0,
+) -> RunResult:
+    """Start `ppserve serve` (its own Ray) for one policy, stream every request at its arrival time
+    through `AsyncPPServeClient`, stop the server and read its trace for bubble figures."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ppserve.metrics.trace import load_chrome_trace
+
+    trace_path = Path(workdir) / f"{name}-server-trace.json"
+    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", *spec.serve_args(policy, token_budget),
+           "--set", f"trace.path={trace_path}"]
+    log_path = Path(workdir) / f"{name}-server.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed below, after the process ends
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
+    address = None
+    try:
+        t_start = time.monotonic()
+        assert proc.stdout is not None
+        while address is None:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"ppserve serve exited before serving (rc={proc.poll()}); see {log_path}")
+            if line.startswith("ppserve serving on "):
+                address = line.split("ppserve serving on ", 1)[1].strip()
+            if time.monotonic() - t_start > start_timeout_s:
+                raise RuntimeError(f"ppserve serve did not start in {start_timeout_s} s; see {log_path}")
+        timings = asyncio.run(_grpc_clients(address, requests, prompts, name, progress, request_timeout_s))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+    spans: list[Span] = []
+    work: list[WorkInterval] | None = None
+    if trace_path.exists():
+        spans, work = load_chrome_trace(trace_path)[:2]
+    else:
+        logger.warning("the server wrote no trace at %s: no bubble figures for %s", trace_path, name)
+    return RunResult(name=name, timings=timings, spans=spans, work_intervals=work or [],
+                     num_stages=spec.pp, num_prompt_tokens=sum(r.prompt_len for r in requests),
+                     meta={"mode": "grpc", "server": address, "trace": str(trace_path)})
+
+
+async def _grpc_clients(
+    address: str,
+    requests: Sequence[WorkloadRequest],
+    prompts: Sequence[list[int]],
+    name: str,
+    progress: bool,
+    timeout_s: float,
+) -> dict[str, RequestTiming]:
+    import asyncio
+
+    from ppserve.server.client import AsyncPPServeClient
+
+    bar = _progress(len(requests), name, progress)
+    out: dict[str, RequestTiming] = {}
+    async with AsyncPPServeClient(address) as client:
+        await client.wait_ready(60.0)
+        loop_t0 = time.time()
+
+        async def one(k: int) -> None:
+            w = requests[k]
+            await asyncio.sleep(max(0.0, loop_t0 + w.arrival_s - time.time()))
+            arrival = time.time()
+            c = await client.generate(prompts[k], max_tokens=w.output_len, ignore_eos=True,
+                                      request_id=f"r{k}", timeout=timeout_s)
+            queue = (c.metrics or {}).get("queue_time_s")
+            # Token times are server Unix seconds; client and server share this machine's clock.
+            out[f"r{k}"] = RequestTiming(arrival, None if queue is None else arrival + queue, list(c.token_times))
+            bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(k) for k in range(len(requests))))
+        finally:
+            bar.close()
+    return out

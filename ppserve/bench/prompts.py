@@ -1,0 +1,98 @@
+"""Prompts of exact token lengths: real text tokenized by the served model's tokenizer, or random ids.
+
+The text is English prose: the licence texts the OS ships, via `benchmarks.common.english_text` (the
+repository's shared benchmark helper) when the repository root is importable, else the Python
+standard library's own documentation (module and function docstrings); no download either way. It is tokenized
+once; a prompt of n tokens is a slice of n consecutive token ids starting at a seeded offset, so its
+length is exact (re-encoding decoded text would not be) and its content is real text.
+Models without a tokenizer (tiny test checkpoints) get seeded random ids instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import random
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["corpus_text", "english_text", "PromptBuilder"]
+
+# Modules whose docstrings make the corpus: stable, prose-heavy, always importable.
+_CORPUS_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "decimal", "difflib",
+    "email", "fractions", "functools", "heapq", "http.client", "inspect", "io", "itertools", "json",
+    "logging", "mailbox", "os", "pathlib", "pickle", "random", "re", "shutil", "smtplib", "socket",
+    "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "turtle", "typing",
+    "unittest", "urllib.parse", "uuid", "zipfile",
+)
+
+
+def corpus_text(min_chars: int = 400_000) -> str:
+    """Docstrings of standard-library modules and their public members, in a fixed order."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    for name in _CORPUS_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a missing optional module (turtle without tk) is skipped
+            continue
+        for obj in [mod, *(getattr(mod, a) for a in sorted(dir(mod)) if not a.startswith("_"))]:
+            doc = inspect.getdoc(obj) if hasattr(obj, "__doc__") else None
+            if doc and len(doc) > 200 and id(doc) not in seen:
+                seen.add(id(doc))
+                parts.append(doc.strip())
+        if sum(map(len, parts)) >= min_chars:
+            break
+    return "\n\n".join(parts)
+
+
+def english_text() -> tuple[str, str]:
+    """(text, where it came from): the shared benchmark corpus when importable, else stdlib docstrings."""
+    try:
+        from benchmarks.common import english_text as shared  # the repository's benchmark helper
+
+        return shared(), "benchmarks.common.english_text"
+    except ImportError:
+        return corpus_text(), "stdlib docstrings"
+
+
+class PromptBuilder:
+    """Builds prompts (lists of token ids) of requested lengths, deterministically from a seed."""
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int, seed: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._ids: list[int] | None = None
+        self.text_source = "random token ids (the model has no tokenizer)"
+        if tokenizer is not None:
+            text, where = english_text()
+            self._ids = list(tokenizer.encode(text, add_special_tokens=False))
+            self.text_source = f"text from {where}, {len(self._ids)} tokens"
+
+    @property
+    def source(self) -> str:
+        return self.text_source
+
+    def build(self, lengths: Sequence[int]) -> list[list[int]]:
+        """One prompt per length, each exactly that many tokens."""
+        rng = random.Random(self.seed)
+        out: list[list[int]] = []
+        for n in lengths:
+            if n < 1:
+                raise ValueError(f"prompt length must be >= 1, got {n}")
+            if self._ids is None:
+                # Avoid the first ids: special tokens (bos/eos/pad) live there in most vocabularies.
+                lo = min(3, self.vocab_size - 1)
+                out.append([rng.randrange(lo, self.vocab_size) for _ in range(n)])
+                continue
+            ids = self._ids
+            if n > len(ids):
+                raise ValueError(f"a {n}-token prompt is longer than the {len(ids)}-token text corpus")
+            start = rng.randrange(0, len(ids) - n + 1)
+            out.append(ids[start:start + n])
+        return out
+
+    def decode(self, prompt: Sequence[int]) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode(list(prompt)))

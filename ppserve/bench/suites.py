@@ -1,0 +1,461 @@
+"""The four benchmarks, each a function from settings to a results folder:
+
+- `compare`:  one workload, one seed, several policies side by side in one run (DESIGN.md §4, §6);
+- `capacity`: the Sarathi-Serve capacity search per policy, on the real pipeline and/or the simulator;
+- `sweep`:    token budget vs p99 TBT and throughput (sarathi);
+- `validate`: the simulator, fitted to a profile of the real pipeline on workload A, predicts per-stage
+              busy time and p50 TBT of a held-out workload B.
+
+Each writes results.json, a markdown file and plots into its folder and returns the JSON data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ppserve.bench import report
+from ppserve.bench.capacity import SLO, Probe, find_capacity, probe_from_summary
+from ppserve.bench.harness import (
+    EngineSpec,
+    RunResult,
+    build_llm,
+    measure_decode_step,
+    replay,
+    replay_grpc,
+    summarize_run,
+    warm_up,
+)
+from ppserve.bench.prompts import PromptBuilder
+from ppserve.bench.workloads import WorkloadSpec, build_workload, workload_stats
+from ppserve.metrics.spans import Span
+from ppserve.sim.workload import WorkloadRequest
+
+__all__ = ["BenchContext", "compare", "capacity", "sweep", "validate", "estimate_overhead_s", "load_prompt_builder"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    engine: EngineSpec
+    workload: WorkloadSpec
+    outdir: Path
+    mode: str = "offline"  # offline (drive the engine) | grpc (through `ppserve serve`)
+    progress: bool = True
+    save_traces: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        return {"engine": dataclasses.asdict(self.engine), "workload": self.workload.to_dict(), "mode": self.mode}
+
+    def scale_note(self) -> str:
+        w = self.workload
+        scale = (f", prefill x{w.prefill_scale:g}, decode x{w.decode_scale:g}" if w.source.startswith("trace:") else "")
+        arr = f"Poisson {w.rate:g} req/s" if w.arrival == "poisson" else w.arrival
+        return (f"{w.source}{scale}, {w.num_requests} requests, {arr}, seed {w.seed}; pp={self.engine.pp}, "
+                f"budget {self.engine.token_budget}, max_num_seqs {self.engine.max_num_seqs}, "
+                f"seq cap {'on' if self.engine.seq_cap else 'off'}, {self.mode}")
+
+
+def _bar(it: Any, desc: str, enabled: bool, total: int | None = None) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, total=total, disable=not enabled, dynamic_ncols=True)
+
+
+def load_prompt_builder(spec: EngineSpec, seed: int) -> PromptBuilder:
+    """The served model's tokenizer (None for a checkpoint without one) and vocabulary, no engine needed."""
+    from ppserve.model.loader import read_hf_config, resolve_model
+
+    model_dir = resolve_model(spec.model)
+    vocab = int(read_hf_config(model_dir)["vocab_size"])
+    tok = None
+    if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return PromptBuilder(tok, vocab, seed)
+
+
+def _inputs(ctx: BenchContext, workload: WorkloadSpec | None = None,
+            builder: PromptBuilder | None = None) -> tuple[list[WorkloadRequest], list[list[int]], PromptBuilder]:
+    w = workload or ctx.workload
+    reqs = build_workload(w)
+    builder = builder or load_prompt_builder(ctx.engine, w.seed)
+    return reqs, builder.build([r.prompt_len for r in reqs]), builder
+
+
+def _samples(run: RunResult) -> dict[str, list[float]]:
+    ts = run.timings.values()
+    return {
+        "ttft_s": [t.ttft_s for t in ts if t.ttft_s is not None],
+        "tbt_s": [g for t in ts for g in t.tbt_gaps_s],
+        "scheduling_delay_s": [t.scheduling_delay_s for t in ts if t.scheduling_delay_s is not None],
+    }
+
+
+def _save_trace(ctx: BenchContext, run: RunResult, name: str) -> None:
+    if ctx.save_traces and run.spans:
+        from ppserve.metrics.trace import save_chrome_trace
+
+        (ctx.outdir / "traces").mkdir(exist_ok=True)
+        save_chrome_trace(ctx.outdir / "traces" / f"{name}.json", run.spans, work_intervals=run.work_intervals)
+
+
+def _renumbered(runs: Sequence[RunResult]) -> list[Span]:
+    """Spans of several runs in one list, step ids made distinct (fit_profile keys on them)."""
+    out: list[Span] = []
+    for k, r in enumerate(runs):
+        out.extend(replace(s, step_id=s.step_id + k * 10_000_000) for s in r.spans)
+    return out
+
+
+def run_policy(ctx: BenchContext, policy: str, reqs: Sequence[WorkloadRequest], prompts: Sequence[list[int]],
+               name: str | None = None, token_budget: int | None = None) -> RunResult:
+    """One policy on one workload: build, warm up, replay, tear down."""
+    name = name or policy
+    if ctx.mode == "grpc":
+        run = replay_grpc(ctx.engine, policy, reqs, prompts, workdir=str(ctx.outdir), name=name,
+                          progress=ctx.progress, token_budget=token_budget)
+    else:
+        llm = build_llm(ctx.engine, policy, token_budget)
+        try:
+            warm_up(llm.engine)
+            run = replay(llm.engine, reqs, prompts, name=name, progress=ctx.progress)
+            run.meta["num_kv_blocks"] = llm.engine.executor.num_kv_blocks
+        finally:
+            llm.shutdown()
+    run.meta.update(policy=policy, token_budget=token_budget or ctx.engine.token_budget)
+    _save_trace(ctx, run, name)
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+
+def _goals(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The pipeline issue's goals, measured (None when a policy is missing)."""
+    s, v = summaries.get("sarathi"), summaries.get("vllm")
+    if s is None:
+        return {}
+    bs = s.get("bubbles", {}).get("mean_bubble_fraction")
+    out: dict[str, Any] = {"sarathi_mean_bubble_fraction": bs,
+                           "sarathi_bubble_le_10pct": None if bs is None else bs <= 0.10}
+    if v is not None:
+        bv = v.get("bubbles", {}).get("mean_bubble_fraction")
+        tv, ts = v["latency"]["tbt_s"]["p99"], s["latency"]["tbt_s"]["p99"]
+        out["vllm_over_sarathi_bubble"] = bv / bs if bv is not None and bs else None
+        out["vllm_over_sarathi_p99_tbt"] = tv / ts if tv is not None and ts else None
+        out["bubble_3x_lower_than_vllm"] = None if out["vllm_over_sarathi_bubble"] is None else (
+            out["vllm_over_sarathi_bubble"] >= 3)
+        out["p99_tbt_3x_lower_than_vllm"] = None if out["vllm_over_sarathi_p99_tbt"] is None else (
+            out["vllm_over_sarathi_p99_tbt"] >= 3)
+    return out
+
+
+def compare(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm", "orca", "static"),
+            command: str = "") -> dict[str, Any]:
+    """Every policy on the same workload (same prompts, same arrivals), one after another in one process."""
+    from ppserve.sim.cost_model import fit_profile
+
+    reqs, prompts, builder = _inputs(ctx)
+    runs: dict[str, RunResult] = {}
+    for policy in _bar(policies, "policies", ctx.progress):
+        runs[policy] = run_policy(ctx, policy, reqs, prompts)
+    summaries = {name: r.summary() for name, r in runs.items()}
+    note = ctx.scale_note()
+    data: dict[str, Any] = {
+        "suite": "compare", "command": command, "settings": ctx.settings(), "note": note,
+        "prompt_source": builder.source, "workload": workload_stats(reqs), "summaries": summaries,
+        "ratios": report.ratio_lines(summaries), "goals": _goals(summaries),
+    }
+    try:
+        prof = fit_profile(_renumbered(list(runs.values())), note=f"fitted from compare runs: {note}")
+        prof.save(ctx.outdir / "profile.json")
+        data["profile"] = str(ctx.outdir / "profile.json")
+    except ValueError as e:
+        logger.warning("no profile: %s", e)
+    table = report.policy_table(list(summaries.values()))
+    md = [f"# Policy comparison\n\n{note}\n", f"`{command}`\n" if command else "", table, "",
+          *[f"- {line}" for line in data["ratios"]], "", "Goals: " + str(data["goals"])]
+    (ctx.outdir / "table.md").write_text("\n".join(md) + "\n")
+    report.write_json(ctx.outdir / "results.json", data)
+    report.plot_latency_cdfs({n: _samples(r) for n, r in runs.items()}, ctx.outdir / "latency_cdf.png", note)
+    report.plot_bubble_bars(summaries, ctx.outdir / "bubbles.png", note)
+    print(table)
+    for line in data["ratios"]:
+        print(line)
+    print(f"goals: {data['goals']}\nresults in {ctx.outdir}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# capacity
+
+
+def estimate_overhead_s(spans: Sequence[Span]) -> float:
+    """The engine's time per returned microbatch that a cost model does not see: from the last
+    stage's end of a microbatch to the next schedule() (collect + update + Ray return), plus from
+    schedule() to stage 0 starting it when stage 0 was idle (Ray dispatch). Medians, seconds."""
+    compute = [s for s in spans if s.kind == "compute" and s.stage >= 0]
+    if not compute:
+        return 0.0
+    last = max(s.stage for s in compute)
+    ends = sorted(s.end_ns for s in compute if s.stage == last)
+    scheds = [s for s in spans if s.kind == "schedule"]
+    sched_starts = sorted(s.start_ns for s in scheds)
+    import bisect
+
+    back = []
+    for e in ends:
+        i = bisect.bisect_left(sched_starts, e)
+        if i < len(sched_starts):
+            back.append(sched_starts[i] - e)
+    first0 = {s.step_id: s.start_ns for s in compute if s.stage == 0}
+    free0 = sorted((s.end_ns, s.step_id) for s in compute if s.stage == 0)
+    prev_end = {step: (free0[k - 1][0] if k else 0) for k, (_, step) in enumerate(free0)}
+    dispatch = [first0[s.step_id] - s.end_ns for s in scheds
+                if s.step_id in first0 and prev_end.get(s.step_id, 0) <= s.end_ns]
+    med = (lambda xs: statistics.median(xs) if xs else 0)  # noqa: E731
+    # Gaps beyond a second are idle time (no work), not overhead.
+    return (med([b for b in back if b < 1e9]) + med([d for d in dispatch if 0 <= d < 1e9])) * 1e-9
+
+
+def sim_config(ctx: BenchContext, policy: str, overhead_s: float, num_blocks: int | None,
+               token_budget: int | None = None) -> Any:
+    from ppserve.config import SchedulerConfig
+    from ppserve.sim.simulator import SimConfig
+
+    e = ctx.engine
+    sched = SchedulerConfig(policy=policy, token_budget=token_budget or e.token_budget, max_num_seqs=e.max_num_seqs,
+                            per_microbatch_seq_cap=e.seq_cap)
+    return SimConfig(scheduler=sched, num_blocks=num_blocks or 100_000, block_size=e.block_size,
+                     max_model_len=e.max_model_len or 2048, schedule_overhead_s=overhead_s)
+
+
+def simulate_summary(ctx: BenchContext, policy: str, reqs: Sequence[WorkloadRequest], profile: Any,
+                     overhead_s: float, num_blocks: int | None) -> tuple[dict[str, Any], Any]:
+    from ppserve.sim.cost_model import ProfileCostModel
+    from ppserve.sim.simulator import simulate
+
+    res = simulate(reqs, ProfileCostModel(profile), sim_config(ctx, policy, overhead_s, num_blocks))
+    s = summarize_run(res.timings, res.spans, res.work_intervals)
+    s.update(name=f"sim/{policy}", num_preemptions=res.num_preemptions, aborted=False)
+    return s, res
+
+
+def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *, on: str = "both",
+             tbt_slo_s: float | None = None, tbt_factor: float = 5.0, sched_delay_slo_s: float = 2.0,
+             start_rate: float = 1.0, max_evals: int = 5, rel_tol: float = 0.1, sim_num_requests: int = 200,
+             sim_max_evals: int = 14, profile_path: str | None = None, run_slack_s: float = 60.0,
+             command: str = "") -> dict[str, Any]:
+    """Capacity per policy: `on` = real | sim | both. The TBT SLO defaults to `tbt_factor` x the
+    measured decode-only step (median TBT of a decode-only load on the first policy's pipeline)."""
+    if on not in ("real", "sim", "both"):
+        raise ValueError(f"capacity on must be real, sim or both, got {on!r}")
+    from ppserve.sim.cost_model import Profile, fit_profile
+
+    results: dict[str, dict[str, Any]] = {}
+    data: dict[str, Any] = {"suite": "capacity", "command": command, "settings": ctx.settings()}
+    decode_step = None
+    real_runs: list[RunResult] = []
+    num_blocks = None
+    reqs0, prompts, builder = _inputs(ctx)
+    if on in ("real", "both") or (profile_path is None) or tbt_slo_s is None:
+        for policy in _bar(policies if on != "sim" else policies[:1], "capacity (real)", ctx.progress):
+            llm = build_llm(ctx.engine, policy)
+            try:
+                eng = llm.engine
+                warm_up(eng)
+                num_blocks = eng.executor.num_kv_blocks
+                if tbt_slo_s is None:
+                    decode_step = measure_decode_step(eng)
+                    tbt_slo_s = tbt_factor * decode_step
+                    logger.info("decode step %.4f s -> TBT SLO %.4f s", decode_step, tbt_slo_s)
+                slo = SLO(tbt_slo_s, sched_delay_slo_s)
+
+                def evaluate(rate: float, eng: Any = eng, policy: str = policy, slo: SLO = slo) -> Probe:
+                    w = ctx.workload.with_rate(rate)
+                    # Poisson only moves arrivals (monotone in the row index): the k-th request keeps
+                    # its length and its prompt at every rate.
+                    reqs = build_workload(w)
+                    span = max(r.arrival_s for r in reqs)
+                    run = replay(eng, reqs, prompts, name=f"{policy}@{rate:.3g}", progress=ctx.progress,
+                                 max_duration_s=span + run_slack_s)
+                    real_runs.append(run)
+                    return probe_from_summary(rate, run.summary(), slo)
+
+                if on == "sim":
+                    # Only a calibration run for the profile (and the SLO).
+                    evaluate(start_rate)
+                    break
+                res = find_capacity(evaluate, start_rate, max_evals=max_evals, rel_tol=rel_tol,
+                                    on_probe=lambda p: logger.info("probe %s", p))
+                results[f"real/{policy}"] = res.to_dict()
+                print(f"real/{policy}: capacity {res.capacity} req/s; probes "
+                      + ", ".join(f"{p.rate:.3g}:{'ok' if p.ok else 'FAIL'}" for p in res.probes))
+            finally:
+                llm.shutdown()
+    assert tbt_slo_s is not None
+    slo = SLO(tbt_slo_s, sched_delay_slo_s)
+    data.update(slo={"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
+                     "decode_step_s": decode_step, "tbt_factor": tbt_factor if decode_step else None},
+                prompt_source=builder.source, workload=workload_stats(reqs0))
+    if on in ("sim", "both"):
+        if profile_path:
+            profile = Profile.load(profile_path)
+            overhead = 0.0
+            if real_runs:
+                overhead = estimate_overhead_s(real_runs[0].spans)
+        else:
+            spans = _renumbered(real_runs)
+            profile = fit_profile(spans, note="fitted from the capacity probes' spans")
+            overhead = statistics.median(estimate_overhead_s(r.spans) for r in real_runs)
+            profile.save(ctx.outdir / "profile.json")
+        data["sim"] = {"overhead_s": overhead, "num_requests": sim_num_requests, "profile": dataclasses.asdict(profile)}
+        sim_w = replace(ctx.workload, num_requests=sim_num_requests)
+        for policy in _bar(policies, "capacity (sim)", ctx.progress):
+
+            def sim_eval(rate: float, policy: str = policy) -> Probe:
+                s, _ = simulate_summary(ctx, policy, build_workload(sim_w.with_rate(rate)), profile, overhead,
+                                        num_blocks)
+                return probe_from_summary(rate, s, slo)
+
+            res = find_capacity(sim_eval, start_rate, max_evals=sim_max_evals, rel_tol=0.02)
+            results[f"sim/{policy}"] = res.to_dict()
+            print(f"sim/{policy}: capacity {res.capacity} req/s ({len(res.probes)} probes)")
+    data["results"] = results
+    ratios = {}
+    for where in ("real", "sim"):
+        base = results.get(f"{where}/sarathi", {}).get("capacity")
+        for label, r in results.items():
+            if label.startswith(where + "/") and not label.endswith("/sarathi") and base and r.get("capacity"):
+                ratios[f"{where}: sarathi / {label.split('/', 1)[1]}"] = base / r["capacity"]
+    data["ratios"] = ratios
+    note = (f"{ctx.scale_note()}; SLO p99 TBT <= {slo.tbt_p99_s * 1e3:.0f} ms"
+            + (f" ({tbt_factor:g}x decode step {decode_step * 1e3:.0f} ms)" if decode_step else "")
+            + f", median scheduling delay <= {slo.sched_delay_p50_s:g} s")
+    table = report.capacity_table(results)
+    md = [f"# Capacity\n\n{note}\n", f"`{command}`\n" if command else "", table, "",
+          *[f"- {k}: {v:.2f}x" for k, v in ratios.items()]]
+    (ctx.outdir / "capacity.md").write_text("\n".join(md) + "\n")
+    report.write_json(ctx.outdir / "results.json", data)
+    report.plot_capacity(results, ctx.outdir / "capacity.png", slo.tbt_p99_s, note)
+    print(table)
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print(f"results in {ctx.outdir}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep
+
+
+def sweep(ctx: BenchContext, budgets: Sequence[int] = (32, 64, 128, 256, 512), policy: str = "sarathi",
+          command: str = "") -> dict[str, Any]:
+    """Token budget vs p99 TBT and throughput on one workload."""
+    reqs, prompts, builder = _inputs(ctx)
+    rows = []
+    for b in _bar(budgets, "budgets", ctx.progress):
+        run = run_policy(ctx, policy, reqs, prompts, name=f"{policy}-b{b}", token_budget=b)
+        rows.append({"token_budget": b, "summary": run.summary()})
+    note = ctx.scale_note().replace(f"budget {ctx.engine.token_budget}", f"{policy}, budgets {list(budgets)}")
+    data = {"suite": "sweep", "command": command, "settings": ctx.settings(), "note": note,
+            "prompt_source": builder.source, "workload": workload_stats(reqs), "rows": rows}
+    table = report.sweep_table(rows)
+    (ctx.outdir / "sweep.md").write_text(f"# Token-budget sweep\n\n{note}\n\n" + (f"`{command}`\n\n" if command else "")
+                                         + table + "\n")
+    report.write_json(ctx.outdir / "results.json", data)
+    report.plot_sweep(rows, ctx.outdir / "sweep.png", note)
+    print(table)
+    print(f"results in {ctx.outdir}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# validate
+
+
+def _rel(pred: float | None, real: float | None) -> float | None:
+    return None if pred is None or not real else (pred - real) / real
+
+
+def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: str = "sarathi",
+             tolerance: float = 0.15, command: str = "") -> dict[str, Any]:
+    """Real run on A -> fit profile -> simulate B; real run on B; compare per-stage busy time and p50 TBT."""
+    from ppserve.sim.cost_model import fit_profile
+
+    wa = ctx.workload
+    wb = held_out or replace(wa, start=wa.start + wa.num_requests, seed=wa.seed + 1)
+    reqs_a, prompts_a, builder = _inputs(ctx, wa)
+    reqs_b, prompts_b, _ = _inputs(ctx, wb, builder)
+    llm = build_llm(ctx.engine, policy)
+    try:
+        warm_up(llm.engine)
+        num_blocks = llm.engine.executor.num_kv_blocks
+        runs = {}
+        for label, reqs, prompts in _bar([("A", reqs_a, prompts_a), ("B", reqs_b, prompts_b)], "workloads",
+                                         ctx.progress):
+            runs[label] = replay(llm.engine, reqs, prompts, name=f"real-{label}", progress=ctx.progress)
+            _save_trace(ctx, runs[label], f"real-{label}")
+    finally:
+        llm.shutdown()
+    profile = fit_profile(runs["A"].spans, note=f"fitted from workload A ({wa.label()})")
+    profile.save(ctx.outdir / "profile.json")
+    overhead = estimate_overhead_s(runs["A"].spans)
+    out: dict[str, Any] = {"suite": "validate", "command": command, "settings": ctx.settings(),
+                           "workload_a": wa.to_dict(), "workload_b": wb.to_dict(), "overhead_s": overhead,
+                           "profile": dataclasses.asdict(profile), "prompt_source": builder.source}
+    rows = []
+    for label, reqs in (("A (in-sample)", reqs_a), ("B (held out)", reqs_b)):
+        real = runs[label[0]].summary()
+        sim, res = simulate_summary(ctx, policy, reqs, profile, overhead, num_blocks)
+        report.write_json(ctx.outdir / f"sim-{label[0]}.json", sim)
+        row: dict[str, Any] = {"workload": label}
+        for st_real, st_sim in zip(real["bubbles"]["stages"], sim["bubbles"]["stages"], strict=True):
+            k = st_real["stage"]
+            row[f"stage{k}_busy_real_s"] = st_real["busy_s"]
+            row[f"stage{k}_busy_sim_s"] = st_sim["busy_s"]
+            row[f"stage{k}_busy_err"] = _rel(st_sim["busy_s"], st_real["busy_s"])
+        for key, path in (("tbt_p50", "latency.tbt_s.p50"), ("tbt_p99", "latency.tbt_s.p99"),
+                          ("ttft_p50", "latency.ttft_s.p50"), ("bubble_mean", "bubbles.mean_bubble_fraction"),
+                          ("duration", "throughput.duration_s")):
+            r, s = report._get(real, path), report._get(sim, path)
+            row[f"{key}_real"], row[f"{key}_sim"], row[f"{key}_err"] = r, s, _rel(s, r)
+        rows.append(row)
+    out["rows"] = rows
+    held = rows[1]
+    errs = [abs(v) for k, v in held.items() if k.endswith("_busy_err") and v is not None]
+    errs.append(abs(held["tbt_p50_err"]) if held["tbt_p50_err"] is not None else float("inf"))
+    out["max_abs_error_held_out"] = max(errs)
+    out["within_tolerance"] = max(errs) <= tolerance
+    lines = ["| workload | " + " | ".join(k for k in rows[0] if k != "workload") + " |",
+             "|---|" + "---|" * (len(rows[0]) - 1)]
+    for r in rows:
+        lines.append(f"| {r['workload']} | " + " | ".join(
+            "-" if v is None else (f"{100 * v:+.1f}%" if k.endswith("_err") else f"{v:.4g}")
+            for k, v in r.items() if k != "workload") + " |")
+    table = "\n".join(lines)
+    note = (f"{ctx.scale_note()}; A = rows {wa.start}..{wa.start + wa.num_requests - 1}, B = rows "
+            f"{wb.start}..{wb.start + wb.num_requests - 1} (seed {wb.seed}); overhead {overhead * 1e3:.2f} ms")
+    (ctx.outdir / "validate.md").write_text(
+        f"# Simulator validation\n\n{note}\n\n" + (f"`{command}`\n\n" if command else "") + table
+        + f"\n\nmax |error| on held-out B (per-stage busy, p50 TBT): {100 * out['max_abs_error_held_out']:.1f}% "
+        f"(tolerance {100 * tolerance:.0f}%)\n")
+    report.write_json(ctx.outdir / "results.json", out)
+    print(table)
+    print(f"held-out max |error| {100 * out['max_abs_error_held_out']:.1f}% "
+          f"({'within' if out['within_tolerance'] else 'outside'} {100 * tolerance:.0f}%); results in {ctx.outdir}")
+    return out
+
+
+SUITES: dict[str, Callable[..., dict[str, Any]]] = {
+    "compare": compare, "capacity": capacity, "sweep": sweep, "validate": validate,
+}
