@@ -11,7 +11,7 @@ import importlib.util
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,9 @@ class AttentionMetadata:
     cu_context_lens_t: Tensor  # [S + 1] int32, for flash-attn
     max_query_len: int
     max_context_len: int
+    # Tensors derived on first use by the first layer of a step and reused by the others (masks, gather
+    # indices): the backends' per-step work is done once, not once per layer.
+    scratch: dict[object, Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -148,40 +151,54 @@ class AttentionBackend(ABC):
 
 
 class SdpaBackend(AttentionBackend):
-    """torch SDPA: all decodes in one padded call with a key-padding mask, prefill chunks one by one."""
+    """torch SDPA: all decodes in one padded call with a key-padding mask, prefill chunks one by one.
+
+    Cached context is gathered block by block with one `index_select` per K and V over the flattened
+    block table (a contiguous copy of whole blocks, ~2.5x faster than advanced indexing). Grouped-query
+    heads are folded into the query length ([Hq] -> [Hkv, G]) instead of expanding K/V to every query head.
+    Masks and gather indices are built once per step (`meta.scratch`) and shared by all layers.
+    """
 
     name = "sdpa"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 scale: float) -> Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not meta.prefill_seqs:
+            return self._decodes(q, kv_cache, meta, scale)
         out = torch.empty_like(q)
-        gqa = q.shape[1] != k.shape[1]
         if meta.decode_seqs:
-            out.index_copy_(0, meta.decode_token_idx, self._decodes(q, kv_cache, meta, scale, gqa))
+            out.index_copy_(0, meta.decode_token_idx, self._decodes(q.index_select(0, meta.decode_token_idx),
+                                                                    kv_cache, meta, scale))
         for i in meta.prefill_seqs:
             start, end = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
-            out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale, gqa)
+            out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
         return out
 
     @staticmethod
-    def _decodes(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, gqa: bool) -> Tensor:
-        tables = meta.decode_block_tables  # [Nd, nb]
-        nd, nb = tables.shape
-        _, _, bs, hkv, d = kv_cache.shape
-        # Gather only the blocks the decodes use: [Nd, nb, bs, Hkv, D] -> [Nd, Hkv, nb * bs, D]
-        keys = kv_cache[0][tables].reshape(nd, nb * bs, hkv, d).transpose(1, 2)
-        values = kv_cache[1][tables].reshape(nd, nb * bs, hkv, d).transpose(1, 2)
-        valid = torch.arange(nb * bs, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [Nd, L]
-        query = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # [Nd, Hq, 1, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=valid[:, None, None, :],
-                                             scale=scale, enable_gqa=gqa)
-        return out.squeeze(2)  # [Nd, Hq, D]
+    def _decodes(query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """query [Nd, Hq, D] (the decodes' tokens, in decode order) -> [Nd, Hq, D]."""
+        nd, hq, d = query.shape
+        _, num_blocks, bs, hkv, _ = kv_cache.shape
+        nb = meta.decode_block_tables.shape[1]
+        if "dec_mask" not in meta.scratch:
+            valid = torch.arange(nb * bs, device=query.device)[None, :] < meta.decode_context_lens[:, None]
+            bias = torch.zeros(valid.shape, dtype=query.dtype, device=query.device)
+            meta.scratch["dec_mask"] = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]  # [Nd, 1, 1, L]
+            meta.scratch["dec_blocks"] = meta.decode_block_tables.reshape(-1)
+        blocks = meta.scratch["dec_blocks"]
+        # [Nd * nb, bs * Hkv * D] -> [Nd, Hkv, nb * bs, D] (a strided view; SDPA reads it as is)
+        keys = kv_cache[0].view(num_blocks, -1).index_select(0, blocks).view(nd, nb * bs, hkv, d).transpose(1, 2)
+        values = kv_cache[1].view(num_blocks, -1).index_select(0, blocks).view(nd, nb * bs, hkv, d).transpose(1, 2)
+        grouped = query.view(nd, hkv, hq // hkv, d)  # query heads of one KV head side by side
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.scratch["dec_mask"], scale=scale)
+        return out.reshape(nd, hq, d)
 
     @staticmethod
     def _chunk(q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,
-               scale: float, gqa: bool) -> Tensor:
+               scale: float) -> Tensor:
         ql, ctx = meta.query_lens[seq], meta.context_lens[seq]
+        gqa = q.shape[1] != k.shape[1]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, D]
         if ctx == ql:
             # No earlier context: this step's own k/v are the whole context, no cache read needed.
@@ -189,16 +206,20 @@ class SdpaBackend(AttentionBackend):
             values = v.transpose(0, 1).unsqueeze(0)
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            _, _, bs, hkv, d = kv_cache.shape
+            _, num_blocks, bs, hkv, d = kv_cache.shape
             nb = -(-ctx // bs)
+            key = ("chunk", seq)
+            if key not in meta.scratch:
+                # Query i sits at position ctx - ql + i and sees keys 0..that position (bottom-right causal).
+                q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+                meta.scratch[key] = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [ql, ctx]
             blocks = meta.block_tables[seq, :nb]
-            # [nb, bs, Hkv, D] -> [1, Hkv, ctx, D]
-            keys = kv_cache[0].index_select(0, blocks).reshape(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            values = kv_cache[1].index_select(0, blocks).reshape(nb * bs, hkv, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            # Query i sits at position ctx - ql + i and sees keys 0..that position (bottom-right causal).
-            q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [ql, ctx]
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            # [nb, bs * Hkv * D] -> [1, Hkv, ctx, D]
+            keys = kv_cache[0].view(num_blocks, -1).index_select(0, blocks).view(nb * bs, hkv, d)[:ctx]
+            values = kv_cache[1].view(num_blocks, -1).index_select(0, blocks).view(nb * bs, hkv, d)[:ctx]
+            out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
+                                                 values.transpose(0, 1).unsqueeze(0), attn_mask=meta.scratch[key],
+                                                 scale=scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)  # [ql, Hq, D]
 
 

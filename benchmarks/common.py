@@ -1,0 +1,186 @@
+"""Shared benchmark helpers: workloads cut from real English text, model FLOPs, latency and memory figures.
+
+Standard library only at import time, so the vLLM runner (its own virtual environment) can use it too;
+a tokenizer is passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LICENCE_DIR = Path("/usr/share/common-licenses")
+# Long licences in plain English, read in this order; whichever exist are used.
+LICENCE_FILES = ("GPL-3", "GFDL-1.3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "Artistic", "GPL-2", "CC0-1.0")
+_FALLBACK = (
+    "The licenses for most software and other practical works are designed to take away your freedom to "
+    "share and change the works. By contrast, the General Public License is intended to guarantee your "
+    "freedom to share and change all versions of a program, to make sure it remains free software for all "
+    "its users. When we speak of free software, we are referring to freedom, not price. Our General Public "
+    "Licenses are designed to make sure that you have the freedom to distribute copies of free software "
+    "(and charge for them if you wish), that you receive source code or can get it if you want it. "
+)
+
+
+def english_text() -> str:
+    """Real English prose: the licence texts Debian ships, or a short built-in excerpt repeated."""
+    parts = [(LICENCE_DIR / name).read_text(errors="replace") for name in LICENCE_FILES
+             if (LICENCE_DIR / name).is_file()]
+    return "\n\n".join(parts) if parts else _FALLBACK * 200
+
+
+def build_text_prompts(tokenizer: Any, n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of token ids, lengths uniform in [min_len, max_len], each a contiguous window of the text.
+
+    Windows start at random token offsets, so prompts share no common prefix by construction.
+    """
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
+    ids: list[int] = list(tokenizer.encode(english_text(), add_special_tokens=False))
+    while len(ids) < max_len + 1:
+        ids = ids + ids
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        start = rng.randint(0, len(ids) - length)
+        prompts.append(ids[start:start + length])
+    return prompts
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What FLOP counting needs from a Llama-family config."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        heads = int(cfg["num_attention_heads"])
+        return cls(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["intermediate_size"]), heads,
+                   int(cfg.get("num_key_value_heads") or heads),
+                   int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), int(cfg["vocab_size"]))
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        qkv = self.hidden * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        o = self.num_heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return qkv + o + mlp
+
+
+def workload_flops(shape: ModelShape, prompt_lens: Sequence[int], output_len: int) -> float:
+    """Model FLOPs to serve the workload once, with logits only where a token is due.
+
+    Each request computes prompt_len + output_len - 1 tokens (the last sampled token is never fed back);
+    a token at position p costs 2 * linear params (per layer) plus 4 * heads * head_dim * (p + 1) for the
+    causal QK^T and PV products, and each of the output_len sampled tokens one LM-head GEMV (2 * V * H).
+    """
+    per_token_linear = 2 * shape.linear_params_per_layer * shape.num_layers
+    attn_per_pos = 4 * shape.num_heads * shape.head_dim * shape.num_layers
+    total = 0.0
+    for plen in prompt_lens:
+        n = plen + output_len - 1
+        total += n * per_token_linear
+        total += attn_per_pos * n * (n + 1) / 2  # sum over positions p of (p + 1)
+        total += output_len * 2 * shape.vocab * shape.hidden
+    return total
+
+
+@dataclass
+class EngineResult:
+    """One engine's figures on one workload; what every runner prints as JSON."""
+
+    engine: str
+    wall_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    mean_ttft_s: float
+    mean_tbt_s: float
+    p99_tbt_s: float
+    peak_rss_mib: float
+    extra: dict[str, Any]
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def latency_figures(start: float, token_times: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """(mean TTFT, mean TBT, p99 TBT) from each request's token timestamps; every request arrived at `start`."""
+    ttft = [t[0] - start for t in token_times if t]
+    gaps = [b - a for t in token_times for a, b in zip(t, t[1:], strict=False)]
+    p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
+    return (statistics.fmean(ttft) if ttft else 0.0, statistics.fmean(gaps) if gaps else 0.0, p99)
+
+
+def peak_rss_mib(pids: Sequence[int] | None = None, with_children: bool = True) -> float:
+    """Sum of peak resident memory (VmHWM) of the given processes (default: this one) and, optionally,
+    of all their live descendants (engine-core or worker processes)."""
+    roots = list(pids) if pids else [os.getpid()]
+    seen: set[int] = set()
+    todo = list(roots)
+    children = _children_map() if with_children else {}
+    total_kib = 0
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total_kib += _vm_hwm_kib(pid)
+        todo.extend(children.get(pid, ()))
+    return total_kib / 1024
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _children_map() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # field 4, after the parenthesised command name
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def save_workload(path: Path, prompts: list[list[int]], output_len: int, model_dir: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"prompts": prompts, "output_len": output_len, "model_dir": model_dir}))
+
+
+def load_workload(path: Path) -> tuple[list[list[int]], int, str]:
+    d = json.loads(Path(path).read_text())
+    return d["prompts"], int(d["output_len"]), d["model_dir"]
