@@ -3,7 +3,7 @@
 Two measurements in one run:
 1. Pure Python: schedule() + update_from_output() on a scheduler holding 512 decoding requests
    (no model), averaged over many steps.
-2. Real engine: 512 requests decoding through the default model (pp=1, token budget 512); the
+2. Real engine: 512 requests decoding through the default model (pp=1, all prompts in one prefill); the
    engine's own `schedule` spans are compared with the stage's `compute` spans of the same microbatches.
 Goal (issue 2 / issue 7): schedule() <= 1 % of a step.
 
@@ -50,7 +50,9 @@ def pure_schedule_us(num_requests: int, steps: int = 200) -> dict[str, float]:
 def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
     from ppserve import LLM
 
-    with LLM(token_budget=num_requests, max_num_seqs=num_requests, dtype="float32") as llm:
+    blocks = num_requests * -(-(16 + max_tokens) // 16)  # room for every request: no preemption
+    # A budget that holds every prompt at once: one prefill step, then every microbatch decodes all requests.
+    with LLM(token_budget=num_requests * 16, max_num_seqs=num_requests, dtype="float32", num_kv_blocks=blocks) as llm:
         prompts = [[1 + (i * 7 + j) % 4000 for j in range(16)] for i in range(num_requests)]
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         spans = llm.spans()
@@ -58,6 +60,8 @@ def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
     compute = {s.step_id: (s.duration_ns, s.num_decode_tokens) for s in spans if s.kind == "compute"}
     # Steady decode microbatches: every request decodes once.
     steps = [sid for sid, (_, dec) in compute.items() if dec == num_requests]
+    if not steps:
+        raise RuntimeError(f"no microbatch held {num_requests} decodes; raise --max-tokens")
     ratios = [sched[sid] / compute[sid][0] for sid in steps]
     return {
         "decode_steps": len(steps),
@@ -70,7 +74,7 @@ def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--skip-engine", action="store_true", help="only the pure-Python measurement")
     ap.add_argument("--out", default="results/bench_schedule.json")
     args = ap.parse_args()

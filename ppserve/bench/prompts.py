@@ -1,8 +1,7 @@
 """Prompts of exact token lengths: real text tokenized by the served model's tokenizer, or random ids.
 
-The text is English prose: the licence texts the OS ships, via `benchmarks.common.english_text` (the
-repository's shared benchmark helper) when the repository root is importable, else the Python
-standard library's own documentation (module and function docstrings); no download either way. It is tokenized
+The text is English prose: the licence texts the OS ships (/usr/share/common-licenses), else the
+Python standard library's own documentation (module and function docstrings); no download either way. It is tokenized
 once; a prompt of n tokens is a slice of n consecutive token ids starting at a seeded offset, so its
 length is exact (re-encoding decoded text would not be) and its content is real text.
 Models without a tokenizer (tiny test checkpoints) get seeded random ids instead.
@@ -14,6 +13,7 @@ import importlib
 import inspect
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["corpus_text", "english_text", "PromptBuilder"]
@@ -47,14 +47,16 @@ def corpus_text(min_chars: int = 400_000) -> str:
     return "\n\n".join(parts)
 
 
-def english_text() -> tuple[str, str]:
-    """(text, where it came from): the shared benchmark corpus when importable, else stdlib docstrings."""
-    try:
-        from benchmarks.common import english_text as shared  # the repository's benchmark helper
+LICENCE_DIR = Path("/usr/share/common-licenses")  # Debian ships these licence texts: real English prose
 
-        return shared(), "benchmarks.common.english_text"
-    except ImportError:
-        return corpus_text(), "stdlib docstrings"
+
+def english_text() -> tuple[str, str]:
+    """(text, where it came from): the licence texts the OS ships, else standard-library docstrings."""
+    if LICENCE_DIR.is_dir():
+        parts = [p.read_text(errors="replace") for p in sorted(LICENCE_DIR.iterdir()) if p.is_file()]
+        if sum(map(len, parts)) > 100_000:
+            return "\n\n".join(parts), str(LICENCE_DIR)
+    return corpus_text(), "stdlib docstrings"
 
 
 class PromptBuilder:
