@@ -34,6 +34,8 @@ from common import (  # noqa: E402
     load_workload,
     peak_rss_mib,
     save_workload,
+    text_prompts_of_lengths,
+    trace_prompt_lengths,
     workload_flops,
 )
 
@@ -213,6 +215,9 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=128)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--trace", help="take prompt lengths from this request trace CSV (e.g. ../shared/traces/"
+                    "splitwise_conv.csv) instead of --min-len/--max-len")
+    ap.add_argument("--prefill-scale", type=float, default=0.25, help="with --trace: prompt lengths scaled by this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
     ap.add_argument("--dtype", default="bfloat16", help="ppserve and transformers dtype (vLLM always bf16)")
@@ -248,7 +253,11 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     shape = ModelShape.from_hf_config(read_hf_config(model_dir))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = build_text_prompts(tok, args.num_requests, args.min_len, args.max_len, args.seed)
+    if args.trace:
+        lengths = trace_prompt_lengths(args.trace, args.num_requests, args.prefill_scale)
+        prompts = text_prompts_of_lengths(tok, lengths, args.seed)
+    else:
+        prompts = build_text_prompts(tok, args.num_requests, args.min_len, args.max_len, args.seed)
     out_path = Path(args.out)
     workload = out_path.with_name(out_path.stem + "_workload.json")
     save_workload(workload, prompts, args.output_len, str(model_dir))

@@ -42,16 +42,33 @@ def build_text_prompts(tokenizer: Any, n: int, min_len: int, max_len: int, seed:
     """
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
-    ids: list[int] = list(tokenizer.encode(english_text(), add_special_tokens=False))
-    while len(ids) < max_len + 1:
-        ids = ids + ids
     rng = random.Random(seed)
+    return text_prompts_of_lengths(tokenizer, [rng.randint(min_len, max_len) for _ in range(n)], seed)
+
+
+def text_prompts_of_lengths(tokenizer: Any, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """One prompt of exactly each length: windows of the tokenized text at seeded random offsets."""
+    ids: list[int] = list(tokenizer.encode(english_text(), add_special_tokens=False))
+    while len(ids) < max(lengths) + 1:
+        ids = ids + ids
+    rng = random.Random(seed + 1)
     prompts = []
-    for _ in range(n):
-        length = rng.randint(min_len, max_len)
+    for length in lengths:
         start = rng.randint(0, len(ids) - length)
         prompts.append(ids[start:start + length])
     return prompts
+
+
+def trace_prompt_lengths(path: str | Path, n: int, scale: float) -> list[int]:
+    """Prompt lengths of the first `n` rows of a request trace (arrived_at, num_prefill_tokens, ...), scaled."""
+    import csv
+    import itertools
+
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [int(r["num_prefill_tokens"]) for r in itertools.islice(csv.DictReader(f), n)]
+    if len(rows) < n:
+        raise ValueError(f"{path} has {len(rows)} rows, {n} requested")
+    return [max(1, round(x * scale)) for x in rows]
 
 
 @dataclass(frozen=True)
