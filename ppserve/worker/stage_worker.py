@@ -59,7 +59,8 @@ class StageSpec:
     layer_end: int
     tp_rank: int = 0
     tp_size: int = 1
-    dtype: str = "float32"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" = the model's dtype
     block_size: int = 16
     attention_backend: str = "auto"
     num_threads: int | None = None
@@ -73,6 +74,7 @@ class StageWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.arch = LlamaArch.from_hf_config(spec.hf_config)
         self.dtype = resolve_dtype(spec.dtype, spec.hf_config, self.device)
+        self.kv_dtype = self.dtype if spec.kv_cache_dtype == "auto" else _DTYPES[spec.kv_cache_dtype]
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
         self.init_model()
@@ -112,7 +114,7 @@ class StageWorker:
     # ---- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         per_layer = kv_cache_bytes_per_block(
-            self.spec.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.dtype
+            self.spec.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype
         )
         return int(per_layer) * self.model.num_local_layers
 
@@ -130,11 +132,11 @@ class StageWorker:
     def init_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_cache(
             self.model.num_local_layers, num_blocks, self.spec.block_size, self.model.num_kv_heads_local,
-            self.arch.head_dim, self.dtype, self.device,
+            self.arch.head_dim, self.kv_dtype, self.device,
         )
-        logger.info("stage %d tp %d: KV cache of %d blocks (%d tokens, %.1f MiB)", self.spec.stage,
+        logger.info("stage %d tp %d: KV cache of %d blocks (%d tokens, %.1f MiB, %s)", self.spec.stage,
                     self.spec.tp_rank, num_blocks, num_blocks * self.spec.block_size,
-                    num_blocks * self.kv_bytes_per_block() / 2**20)
+                    num_blocks * self.kv_bytes_per_block() / 2**20, self.kv_dtype)
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()

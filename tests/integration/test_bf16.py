@@ -92,3 +92,20 @@ def test_greedy_agrees_with_transformers_bf16(default_model_dir, prompts, hf_bf1
         margin = (logits[r[j]] - logits[g[j]]).item()
         print(f"prompt of {len(p)} tokens differs at token {j}: reference margin {margin:.3f}")
         assert margin <= 0.25, (j, margin)  # ~2 bf16 ulps at a logit scale of 16-32
+
+
+def test_kv_cache_dtype_of_its_own(default_model_dir, prompts):
+    """A float32 model over a bfloat16 KV cache: twice the blocks from the same memory budget, and greedy
+    output that follows the all-float32 run on its first tokens (rounding K/V only perturbs logits slightly)."""
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    runs = {}
+    for kv in ("auto", "bfloat16"):
+        with LLM(str(default_model_dir), dtype="float32", kv_cache_dtype=kv, token_budget=64,
+                 overrides=["cache.kv_cache_memory=67108864"]) as llm:
+            runs[kv] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.stats()["kv_blocks_total"])
+    (full, blocks_full), (half, blocks_half) = runs["auto"], runs["bfloat16"]
+    assert blocks_half == 2 * blocks_full
+    agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)
+             for g, r in zip(half, full, strict=True)]
+    print(f"bf16 KV cache vs float32 KV cache, tokens before the first difference (of {MAX_NEW}): {agree}")
+    assert sum(a >= AGREE_FIRST for a in agree) >= len(agree) - 1, agree

@@ -26,7 +26,7 @@ def expected(default_model_dir, prompts):
 
 
 def run(model_dir, prompts, **kwargs):
-    with LLM(str(model_dir), **kwargs) as llm:
+    with LLM(str(model_dir), dtype="float32", **kwargs) as llm:  # exactness is a float32 property
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 

@@ -53,7 +53,7 @@ def _child_main(model_dir: str) -> dict[str, Any]:
             None,
             [],
             {
-                "model": {"model": model_dir},
+                "model": {"model": model_dir, "dtype": "float32"},
                 "parallel": {
                     "pipeline_parallel_size": 2,
                     "executor": "ray",

@@ -27,7 +27,7 @@ def expected(tiny_llama_dir, prompts):
 
 
 def generate(model_dir, prompts, **kwargs):
-    with LLM(str(model_dir), **kwargs) as llm:
+    with LLM(str(model_dir), dtype="float32", **kwargs) as llm:  # exactness is a float32 property
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 
@@ -62,7 +62,7 @@ def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_pat
     """Count in-flight microbatches and per-request membership from the stages' own spans."""
     rng = random.Random(1)
     pp = 3
-    with LLM(str(tiny_llama_dir), pipeline_parallel_size=pp, token_budget=20, block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=pp, token_budget=20, block_size=4) as llm:
         prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(1, 80))] for _ in range(12)]
         params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True) for _ in prompts]
         outs = llm.generate(prompts, params)
@@ -114,6 +114,6 @@ def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_pat
 
 
 def test_tracing_off_records_nothing(ray_session, tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), pipeline_parallel_size=2, trace=False, block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, trace=False, block_size=4) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
         assert [s for s in llm.spans() if s.kind != "schedule"] == []

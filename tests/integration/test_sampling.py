@@ -11,7 +11,7 @@ from ppserve.worker.sampler import sample
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), token_budget=16, block_size=4, num_kv_blocks=128) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", token_budget=16, block_size=4, num_kv_blocks=128) as llm:
         yield llm
 
 
@@ -53,7 +53,7 @@ def test_stop_token_ids_and_eos(llm):
 
 
 def test_stop_strings_and_detokenization(default_model_dir):
-    with LLM(str(default_model_dir), token_budget=64) as llm:
+    with LLM(str(default_model_dir), dtype="float32", token_budget=64) as llm:
         tok = llm.tokenizer
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,105 @@
+"""The native CPU paged-decode kernel against the torch gather + SDPA path, and its build fallback."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ppserve.model import cpu_kernels
+from ppserve.model.attention import (
+    AttentionMetadata,
+    CpuPagedBackend,
+    SdpaBackend,
+    allocate_kv_cache,
+    select_backend,
+)
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler to build the kernel")
+
+
+def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_blocks: int,
+           seed: int) -> AttentionMetadata:
+    rng = random.Random(seed)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # blocks scattered through the cache, as after many allocations and frees
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in context_lens]
+    return AttentionMetadata.build(query_lens, context_lens, tables, block_size)
+
+
+@needs_compiler
+def test_kernel_builds_here() -> None:
+    # CI machines have a compiler: the fast path must really be taken there, not silently skipped.
+    assert cpu_kernels.load_paged_decode() is not None
+    assert isinstance(select_backend("cpu"), CpuPagedBackend)
+    assert isinstance(select_backend("cpu", "cpu_paged"), CpuPagedBackend)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 16, 1)])
+def test_mixed_batch_matches_sdpa(dtype: torch.dtype, tol: float, hq: int, hkv: int, d: int,
+                                  block_size: int) -> None:
+    """Decodes of lengths 1, block-aligned and ragged, beside two prefill chunks (which stay on SDPA)."""
+    torch.manual_seed(hq * d + block_size)
+    query_lens = [1, 1, 7, 1, 1, 20]
+    context_lens = [1, 4 * block_size, 7, 3 * block_size + 5, 57, 20 + 33]
+    num_blocks = sum(-(-c // block_size) for c in context_lens) + 5
+    meta = _batch(query_lens, context_lens, block_size, num_blocks, seed=d)
+    t = meta.num_tokens
+    q, k, v = (torch.randn(t, h, d, dtype=dtype) for h in (hq, hkv, hkv))
+    cache_ref = allocate_kv_cache(1, num_blocks, block_size, hkv, d, dtype, "cpu")[0].normal_()
+    cache_native = cache_ref.clone()
+    scale = d ** -0.5
+    expected = SdpaBackend().forward(q, k, v, cache_ref, meta, scale)
+    got = select_backend("cpu", "cpu_paged").forward(q, k, v, cache_native, meta, scale)
+    assert torch.equal(cache_native, cache_ref)  # both wrote this step's K/V to the same slots
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_compiler
+def test_decode_only_batch_with_strided_block_table() -> None:
+    """A decode-only step passes the block table as a column slice (row stride > its width)."""
+    torch.manual_seed(1)
+    meta = _batch([1, 1, 1], [200, 3, 64], 16, 40, seed=3)
+    assert meta.decode_block_tables.stride(0) >= meta.decode_block_tables.shape[1]
+    q, k, v = torch.randn(3, 6, 64), torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    cache = allocate_kv_cache(1, 40, 16, 2, 64, torch.float32, "cpu")[0].normal_()
+    expected = SdpaBackend().forward(q, k, v, cache.clone(), meta, 0.1)
+    got = select_backend("cpu", "cpu_paged").forward(q, k, v, cache, meta, 0.1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_loading_keeps_denormals() -> None:
+    # A shared object linked with -ffast-math would switch the process to flush-to-zero on load and
+    # change every float32 result torch computes afterwards.
+    code = ("import torch; from ppserve.model.cpu_kernels import load_paged_decode; "
+            "assert load_paged_decode() is not None; "
+            "x = torch.tensor([1e-39]); assert (x * 1.5).item() != 0.0, 'denormals flushed'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PPSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
+    cpu_kernels.load_paged_decode.cache_clear()
+    try:
+        assert cpu_kernels.load_paged_decode() is None
+        backend = select_backend("cpu")
+        assert type(backend) is SdpaBackend
+        with pytest.raises(ValueError, match="cpu_paged"):
+            select_backend("cpu", "cpu_paged")
+    finally:
+        cpu_kernels.load_paged_decode.cache_clear()
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_unknown_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_backend("cpu", "magic")
