@@ -323,6 +323,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "num_restarts": self.num_restarts,
             "last_recovery_s": self.last_recovery_s,
+            "total_recovery_s": sum(self.recovery_times_s),
         }
 
     def shutdown(self) -> None:

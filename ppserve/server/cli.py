@@ -131,6 +131,9 @@ def format_stats(s: dict[str, Any]) -> str:
         f"kv blocks    {s['kv_blocks_used']} / {s['kv_blocks_total']} used   preemptions {s['num_preemptions']}",
         f"throughput   {s['tokens_per_s']:.1f} tok/s over the last {s['window_s']:.1f} s   "
         f"({s['tokens_generated']} tokens since start, up {s['uptime_s']:.0f} s)",
+        f"recovery     {s['num_restarts']} pipeline restart(s)"
+        + (f", last took {s['last_recovery_s']:.2f} s, {s['total_recovery_s']:.2f} s in all"
+           if s["num_restarts"] else ""),
         "",
         f"{'stage':>5} {'busy%':>7} {'bubble%':>8} {'starve%':>8}",
     ]

@@ -282,6 +282,9 @@ def stats_to_proto(s: dict[str, Any]) -> pb.Stats:
         requests_finished=s.get("requests_finished", 0),
         tokens_generated=s.get("tokens_generated", 0),
         uptime_s=s.get("uptime_s", 0.0),
+        num_restarts=s.get("num_restarts", 0),
+        last_recovery_s=s.get("last_recovery_s") or 0.0,  # None before the first rebuild
+        total_recovery_s=s.get("total_recovery_s", 0.0),
     )
     for st in s.get("stages", []):
         msg.stages.add(

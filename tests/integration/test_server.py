@@ -268,6 +268,7 @@ def test_stats_report_stages_and_config(client: PPServeClient) -> None:
     s = client.stats()
     assert s["config"]["pipeline_parallel_size"] == 2 and s["config"]["policy"] == "sarathi"
     assert s["kv_blocks_total"] > 0 and s["tokens_generated"] > 0
+    assert (s["num_restarts"], s["last_recovery_s"], s["total_recovery_s"]) == (0, 0.0, 0.0)  # healthy
     workers = sorted(s["workers"], key=lambda w: w["stage"])
     assert [w["stage"] for w in workers] == [0, 1]
     assert workers[0]["layer_end"] == workers[1]["layer_start"]
@@ -306,7 +307,7 @@ def test_generate_and_stats_cli(server: ServerProcess, reference: Any) -> None:
         timeout=60,
     )
     assert st.returncode == 0, st.stderr
-    assert "pp=2" in st.stdout and "bubble" in st.stdout
+    assert "pp=2" in st.stdout and "bubble" in st.stdout and "0 pipeline restart(s)" in st.stdout
 
 
 def test_sigterm_shuts_down_within_grace(server: ServerProcess, client: PPServeClient) -> None:

@@ -110,6 +110,9 @@ def test_stats_round_trip() -> None:
         "requests_finished": 9,
         "tokens_generated": 400,
         "uptime_s": 60.0,
+        "num_restarts": 2,
+        "last_recovery_s": 1.5,
+        "total_recovery_s": 4.0,
         "stages": [{"stage": 0, "busy_fraction": 0.7, "bubble_fraction": 0.2, "starvation_fraction": 0.1}],
         "workers": [
             {"stage": 0, "tp_rank": 0, "layers": [0, 15], "node_ip": "10.0.0.1", "node_id": "abc", "pid": 42}
@@ -140,6 +143,15 @@ def test_stats_round_trip() -> None:
     }
     assert back["stages"][0]["bubble_fraction"] == pytest.approx(0.2)
     assert back["config"]["policy"] == "sarathi"
+    assert (back["num_restarts"], back["last_recovery_s"], back["total_recovery_s"]) == (2, 1.5, 4.0)
+    from ppserve.server.cli import format_stats
+
+    assert "2 pipeline restart(s), last took 1.50 s, 4.00 s in all" in format_stats(back)
+    # Before any rebuild the engine reports last_recovery_s=None: zero on the wire.
+    fresh = convert.stats_from_proto(convert.stats_to_proto(dict(s, num_restarts=0, last_recovery_s=None,
+                                                                 total_recovery_s=0.0)))
+    assert (fresh["num_restarts"], fresh["last_recovery_s"]) == (0, 0.0)
+    assert "0 pipeline restart(s)\n" in format_stats(fresh)
 
 
 def test_server_package_keeps_torch_out() -> None:

@@ -165,7 +165,7 @@ class ServingConfig(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., policy: _Optional[str] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s")
+    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s", "num_restarts", "last_recovery_s", "total_recovery_s")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,9 @@ class Stats(_message.Message):
     REQUESTS_FINISHED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     in_flight_microbatches: int
@@ -196,4 +199,7 @@ class Stats(_message.Message):
     requests_finished: int
     tokens_generated: int
     uptime_s: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    num_restarts: int
+    last_recovery_s: float
+    total_recovery_s: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_restarts: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., total_recovery_s: _Optional[float] = ...) -> None: ...
