@@ -29,9 +29,12 @@ def ray_session():
     """One local Ray for every test that builds a pipeline (starting Ray costs seconds)."""
     import ray
 
+    from ppserve.engine.ray_executor import ray_single_machine_mode
+
     if not ray.is_initialized():
         # Logical CPUs may exceed physical ones: a 2-core machine hosts 4-actor pipelines.
-        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        with ray_single_machine_mode():  # loopback only, like ppserve's embedded Ray
+            ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -8,11 +8,14 @@ The last stage's TP rank 0 returns the StepResult.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import socket
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from ppserve.config import EngineConfig
@@ -22,8 +25,37 @@ from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
+# Start-up and rebuild calls (placement, weight loading) may take minutes on big models; a microbatch
+# must not: the hot path waits parallel.stage_timeout_s, so a hung stage is rebuilt like a dead one.
 RAY_GET_TIMEOUT_S = 600.0  # no ray.get waits forever: a dead stage must surface as an error
 FAILURE_POLL_S = 0.5  # while waiting for a microbatch, look this often for a stage that already failed
+
+
+@contextlib.contextmanager
+def ray_single_machine_mode() -> Iterator[None]:
+    """Make an embedded Ray's servers listen on 127.0.0.1 only.
+
+    Ray (2.60) rewrites `_node_ip_address="127.0.0.1"` to the machine's routable address
+    (services.resolve_ip_for_localhost), and its GCS, raylet, worker and agent servers then listen on
+    all interfaces (they pick 127.0.0.1 only when the node IP is 127.0.0.1). Its single-machine mode,
+    the default on macOS and Windows, keeps the node IP on loopback; RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    selects it. Ray reads that variable when it is imported, so the module constant is set as well.
+    Both are restored afterwards: the started processes have inherited the environment by then.
+    """
+    from ray._private import ray_constants
+
+    env_key = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    old_env, old_const = os.environ.get(env_key), getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    os.environ[env_key] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = old_env
+        ray_constants.ENABLE_RAY_CLUSTER = old_const
 
 
 class StageFailure(RuntimeError):
@@ -40,6 +72,7 @@ class StageActor:
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.worker: Any = None
+        self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
         self._pending_send: Any = None
         self._send_buf: Any = None
 
@@ -49,11 +82,17 @@ class StageActor:
         return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid()}
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port: int = s.getsockname()[1]
-            return port
+    def listen_for_store(self, host: str) -> int:
+        """Rank 0: bind the TCPStore's socket now, on `host` only, and return its port.
+
+        TCPStore itself listens on all interfaces; handed this socket (master_listen_fd) it listens
+        where we bound. Holding it open until init_distributed also leaves no window for another
+        process to take the port.
+        """
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        self._store_sock = socket.create_server((host, 0), family=family)
+        port: int = self._store_sock.getsockname()[1]
+        return port
 
     def clock_ns(self) -> int:
         return time.perf_counter_ns()
@@ -61,6 +100,7 @@ class StageActor:
     def init_distributed(self, master: str, port: int, tp_groups: list[list[int]]) -> None:
         import torch
         import torch.distributed as dist
+        from torch.distributed.constants import default_pg_timeout
 
         from ppserve.model.parallel import TPContext
         from ppserve.worker.stage_worker import StageWorker
@@ -70,8 +110,17 @@ class StageActor:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=self.rank,
-                                world_size=self.world_size)
+        if ipaddress.ip_address(master).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Every rank is on this machine. Gloo otherwise listens on whatever the host name resolves
+            # to, often a routable address.
+            lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+            if lo:
+                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        # Same store as init_method="tcp://..." (multi-tenant, default timeout), on rank 0's bound socket.
+        store = dist.TCPStore(master, port, self.world_size, is_master=self.rank == 0, multi_tenant=True,
+                              timeout=default_pg_timeout,
+                              master_listen_fd=self._store_sock.fileno() if self._store_sock else None)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         my_group = None
         for ranks in tp_groups:  # every rank must create every group, in the same order
             g = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -160,9 +209,13 @@ class RayExecutor:
             # ones so a 2-core machine can host a 4-stage pipeline.
             need = int(par.world_size * max(par.cpus_per_worker, 1.0))
             # address="local" never attaches to a `ray start` cluster that happens to run on this machine.
-            ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=True)
+            with ray_single_machine_mode():
+                ray.init(address="local", num_cpus=max(need, os.cpu_count() or 1), include_dashboard=False,
+                         _node_ip_address="127.0.0.1", log_to_driver=True)
             self.owns_ray = True
+            ip = ray.util.get_node_ip_address()
+            if ip != "127.0.0.1":
+                logger.warning("embedded Ray runs on %s, not loopback: its servers listen on all interfaces", ip)
 
     def compute_partition(self, hf_config: dict[str, Any]) -> list[tuple[int, int]]:
         par = self.config.parallel
@@ -221,7 +274,7 @@ class RayExecutor:
         for lay, info in zip(self.layout, infos, strict=True):
             lay.update(info)
         master = infos[0]["node_ip"]
-        port = ray.get(self.actors[0].free_port.remote(), timeout=RAY_GET_TIMEOUT_S)
+        port = ray.get(self.actors[0].listen_for_store.remote(master), timeout=RAY_GET_TIMEOUT_S)
         tp_groups = [[s * self.tp + r for r in range(self.tp)] for s in range(self.pp)]
         ray.get([a.init_distributed.remote(master, port, tp_groups) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
         for lay in self.layout:
@@ -251,7 +304,7 @@ class RayExecutor:
         import ray
 
         step_id, refs = self.in_flight.popleft()
-        limit = timeout_s or RAY_GET_TIMEOUT_S
+        limit = timeout_s or self.config.parallel.stage_timeout_s
         deadline = time.monotonic() + limit
         pending = list(refs)
         try:
@@ -260,7 +313,8 @@ class RayExecutor:
             while pending:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StageFailure(f"step {step_id}: no answer from {len(pending)} stage actor(s) in {limit:.0f} s")
+                    raise StageFailure(f"step {step_id}: no answer from {len(pending)} stage actor(s) in {limit:g} s "
+                                       "(parallel.stage_timeout_s): hung")
                 ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(FAILURE_POLL_S, left))
                 if ready:
                     ray.get(ready, timeout=RAY_GET_TIMEOUT_S)  # raises at once for a dead or failed stage
@@ -275,7 +329,8 @@ class RayExecutor:
     def drain_spans(self) -> list[dict[str, Any]]:
         import ray
 
-        batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        # Queued behind the in-flight microbatches, so it is bounded like them.
+        batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=self.config.parallel.stage_timeout_s)
         out = []
         for offset, spans in zip(self.offsets, batches, strict=True):
             for d in spans:

@@ -215,6 +215,8 @@ class AsyncEngine:
         self._inbox.put(("cancel", request_id, None))
 
     async def cancel(self, request_id: str) -> bool:
+        # Checked first: once the engine thread has stopped, nothing would ever answer the command.
+        self._check_available()
         return bool(await self._post_call(("cancel", request_id)))
 
     def release(self, request_id: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +90,77 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir, tls_files) 
 
 def test_binds_loopback_by_default(server: ServerProcess) -> None:
     assert (server.address or "").startswith("127.0.0.1:")
+
+
+def _listening_tcp() -> dict[str, str]:
+    """Socket inode -> local address of every listening TCP socket on the machine (/proc/net/tcp{,6})."""
+    out = {}
+    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(path).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # TCP_LISTEN
+                continue
+            raw = bytes.fromhex(f[1].split(":")[0])
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out[f[9]] = socket.inet_ntop(family, raw)
+    return out
+
+
+def _process_tree(root: int) -> set[int]:
+    """root and its descendants, plus anything else in its session (ServerProcess starts one)."""
+    parent, session = {}, set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # exited meanwhile
+                continue
+            parent[int(d.name)] = int(stat[1])
+            if int(stat[3]) == root:
+                session.add(int(d.name))
+    tree, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier.extend(kids)
+    return tree | session
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+def test_every_server_process_listens_on_loopback_only(server: ServerProcess, tls_files) -> None:
+    """The gRPC server, the embedded Ray (GCS, raylet, agents, workers) and the stage actors' gloo store
+    and pairs: no listening socket of the server's process tree is reachable from another machine."""
+    with PPServeClient(server.address or "", root_certificates=str(tls_files[0]), token=TOKEN) as c:
+        c.generate([5, 6, 7], max_tokens=2, ignore_eos=True, timeout=60)  # the pipeline has been used
+        stage_pids = {w["pid"] for w in c.stats()["workers"]}
+    listening = _listening_tcp()
+    found: dict[int, list[str]] = {}
+    for pid in _process_tree(server.proc.pid):
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            inode = target[len("socket:["):-1] if target.startswith("socket:[") else None
+            if inode in listening:
+                found.setdefault(pid, []).append(listening[inode])
+    assert stage_pids <= set(found), f"stage actors {stage_pids} not seen among {sorted(found)}"
+    assert len(found) >= 4  # server, GCS, raylet, stage actors at least: the walk saw the whole tree
+    exposed = {}
+    for pid, addrs in found.items():
+        for a in addrs:
+            ip = ipaddress.ip_address(a)
+            ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1 is loopback too
+            if not ip.is_loopback:
+                exposed.setdefault(pid, []).append(a)
+    names = {pid: Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:80] for pid in exposed}
+    assert not exposed, f"listening beyond loopback: {exposed} {names}"
 
 
 def test_tls_and_token_work(server: ServerProcess, tls_files) -> None:

@@ -89,6 +89,13 @@ def test_server_config_security_fields():
         load_config(None, ["parallel.max_restarts=-1"])
 
 
+def test_stage_timeout_is_configurable_and_positive():
+    assert load_config(None, ["parallel.stage_timeout_s=2.5"]).parallel.stage_timeout_s == 2.5
+    for bad in ("0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="parallel.stage_timeout_s must be a finite number > 0"):
+            load_config(None, [f"parallel.stage_timeout_s={bad}"])
+
+
 _floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.0, -1.0, 0.5]))
 _ints32 = st.integers(-(2**31), 2**31 - 1)
 
