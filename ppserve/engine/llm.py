@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 _SHORTCUTS = {
     "model": ("model", "model"),
     "dtype": ("model", "dtype"),
+    "attention_backend": ("model", "attention_backend"),
     "cache_dir": ("model", "cache_dir"),
     "max_model_len": ("model", "max_model_len"),
     "token_budget": ("scheduler", "token_budget"),

@@ -258,7 +258,7 @@ class RayExecutor:
                 rank = s * self.tp + r
                 spec = StageSpec(
                     model_dir=model_dir, hf_config=hf_config, stage=s, num_stages=self.pp, layer_start=start,
-                    layer_end=end, tp_rank=r, tp_size=self.tp, dtype=cfg.model.dtype,
+                    layer_end=end, tp_rank=r, tp_size=self.tp, dtype=cfg.model.dtype, kv_cache_dtype=cfg.cache.dtype,
                     block_size=cfg.cache.block_size, attention_backend=cfg.model.attention_backend,
                     num_threads=par.num_threads or max(1, int(par.cpus_per_worker)), trace=cfg.trace.enabled,
                 )

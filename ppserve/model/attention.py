@@ -214,7 +214,10 @@ class SdpaBackend(AttentionBackend):
             if key not in meta.scratch:
                 # Query i sits at position ctx - ql + i and sees keys 0..that position (bottom-right causal).
                 q_pos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
-                meta.scratch[key] = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [ql, ctx]
+                visible = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [ql, ctx]
+                # An additive bias, not a bool mask: SDPA would convert a bool mask again in every layer.
+                bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+                meta.scratch[key] = bias.masked_fill_(~visible, float("-inf"))
             blocks = meta.block_tables[seq, :nb]
             # [nb, bs * Hkv * D] -> [1, Hkv, ctx, D]
             keys = kv_cache[0].view(num_blocks, -1).index_select(0, blocks).view(nb * bs, hkv, d)[:ctx]

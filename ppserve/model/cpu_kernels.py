@@ -29,7 +29,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+_CSRC = Path(__file__).with_name("csrc")  # every .c file here goes into one shared object
 # -ffast-math lets gcc vectorise the dot-product reductions and expf (libmvec). It is passed to the compile
 # step only: linking a shared object with it would pull in crtfastmath, which switches the whole process
 # (torch included) to flush-denormals-to-zero when the library loads.
@@ -58,22 +58,45 @@ def _compiler() -> str | None:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_COMPILE_FLAGS, *_LINK_FLAGS, *_LINK_LIBS, version,
-                                    _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    target = kernel_cache_dir() / f"paged_attention-{key}.so"
+    sources = sorted(f for f in _CSRC.iterdir() if f.suffix in (".c", ".h"))
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in sources), *_COMPILE_FLAGS, *_LINK_FLAGS,
+                                    *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+    target = kernel_cache_dir() / f"ppserve_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build in a private directory and rename into place: stage actors starting together may all build.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "paged_attention.o", Path(tmp) / "paged_attention.so"
-        for cmd in ([compiler, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
-                    [compiler, *_LINK_FLAGS, str(obj), "-o", str(lib), *_LINK_LIBS]):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        objects = []
+        for src in (f for f in sources if f.suffix == ".c"):
+            objects.append(str(Path(tmp) / f"{src.stem}.o"))
+            _run([compiler, *_COMPILE_FLAGS, "-c", str(src), "-o", objects[-1]])
+        lib = Path(tmp) / "ppserve_kernels.so"
+        _run([compiler, *_LINK_FLAGS, *objects, "-o", str(lib), *_LINK_LIBS])
         os.replace(lib, target)
     return target
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+
+
+@cache
+def load_library() -> ctypes.CDLL | None:
+    """The kernels' shared object, or None (logged once) where it cannot be built on this machine."""
+    if platform.system() != "Linux" or os.environ.get("PPSERVE_DISABLE_NATIVE_KERNELS"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: native CPU kernels off, the torch path is used")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("native CPU kernels unavailable (%s): using the torch path", exc)
+        return None
 
 
 class PagedDecode:
@@ -115,17 +138,54 @@ class PagedDecode:
         return out
 
 
+class Elementwise:
+    """Fused bfloat16 RMSNorm, SiLU-and-mul and in-place rotary (see csrc/elementwise_bf16.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        self._rms = self._bind(lib.rms_norm_bf16, [ptr, i64, ptr, ptr, i64, i64, f32, nt])
+        self._silu = self._bind(lib.silu_mul_bf16, [ptr, i64, ptr, i64, i64, nt])
+        self._rope = self._bind(lib.rope_bf16, [ptr, i64, ptr, ptr, i64, i64, i64, nt])
+
+    @staticmethod
+    def _bind(fn, args):
+        fn.argtypes, fn.restype = args, None
+        return fn
+
+    @staticmethod
+    def applies(x: Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x [T, H] (rows may be strided) -> [T, H]."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._rms(x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), x.shape[0],
+                  x.shape[1], eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+        return out
+
+    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous); cos/sin [T, 1, D]."""
+        t, h, d = x.shape
+        if d > 1024 or d % 2 or x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError(f"rope: unsupported layout shape={tuple(x.shape)} stride={x.stride()}")
+        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
-    """The native kernel, or None (logged once) where it cannot be built on this machine."""
-    if platform.system() != "Linux" or os.environ.get("PPSERVE_DISABLE_NATIVE_KERNELS"):
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: decode attention uses the torch (gather + SDPA) path")
-        return None
-    try:
-        return PagedDecode(ctypes.CDLL(str(_build(compiler))))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native paged-attention kernel unavailable (%s): using the torch path", exc)
-        return None
+    lib = load_library()
+    return None if lib is None else PagedDecode(lib)
+
+
+@cache
+def load_elementwise() -> Elementwise | None:
+    lib = load_library()
+    return None if lib is None else Elementwise(lib)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
+from ppserve.model.cpu_kernels import load_elementwise
 from ppserve.model.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -123,8 +124,8 @@ class LlamaAttention(nn.Module):
         proj = self.qkv_proj
         qkv = proj(x)  # [T, (Hq + 2 Hkv) D]
         t, hq, hkv, d = qkv.shape[0], proj.num_heads_local, proj.num_kv_heads_local, proj.head_dim
-        # q and k are adjacent in the fused output: rotate both heads groups in one op.
-        qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), *rope)  # [T, Hq + Hkv, D]
+        # q and k are adjacent in the fused output: rotate both heads groups in one op (in place for bf16).
+        qk = RotaryEmbedding.apply(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), *rope, inplace=True)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
@@ -140,7 +141,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, tp, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2 I_local] -> 2 x [T, I_local]
+        gate_up = self.gate_up_proj(x)  # [T, 2 I_local]
+        fused = load_elementwise()
+        if fused is not None and fused.applies(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))  # bf16: one pass, no silu(gate) temporary
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I_local]
         return self.down_proj(F.silu(gate) * up)
 
 

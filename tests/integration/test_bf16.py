@@ -81,9 +81,11 @@ def test_greedy_agrees_with_transformers_bf16(default_model_dir, prompts, hf_bf1
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)
              for g, r in zip(got, ref, strict=True)]
     print(f"bf16 greedy agreement with transformers bf16 (tokens before the first difference, of {MAX_NEW}): {agree}")
-    # Most prompts agree on their first tokens; where one does not, the reference itself must be at a
-    # near-tie there (two bf16 implementations may break a tie either way), not at a clear winner.
-    assert sum(a >= AGREE_FIRST for a in agree) >= len(agree) - 2, agree
+    # Where a prompt does not agree on its first tokens, the reference itself must be at a near-tie
+    # there (two bf16 implementations may break a tie either way), not at a clear winner. Three of these
+    # eight prompts have their first token at a reference margin of 0, 0.125 and 0.25 (one or two bf16
+    # steps at logit ~29), so a count of agreeing prompts alone would only measure which way ties fall.
+    assert sum(a >= AGREE_FIRST for a in agree) >= len(agree) // 2, agree
     for p, g, r, j in zip(prompts, got, ref, agree, strict=True):
         if j >= AGREE_FIRST:
             continue

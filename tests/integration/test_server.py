@@ -48,6 +48,8 @@ class ServerProcess:
             "parallel.pipeline_parallel_size=2",
             "--set",
             f"server.grace_seconds={GRACE_S}",
+            "--set",
+            "model.dtype=float32",  # exactness against transformers is checked in float32
             *extra,
         ]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -111,7 +113,7 @@ def reference() -> Iterator[Any]:
     """The offline API in this process at pp=1: greedy outputs must be identical to the server's."""
     from ppserve import LLM
 
-    llm = LLM(pipeline_parallel_size=1)
+    llm = LLM(pipeline_parallel_size=1, dtype="float32")
     yield llm
     llm.shutdown()
 

@@ -88,18 +88,68 @@ def test_loading_keeps_denormals() -> None:
 def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PPSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
-    cpu_kernels.load_paged_decode.cache_clear()
+    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
+        fn.cache_clear()
     try:
         assert cpu_kernels.load_paged_decode() is None
         backend = select_backend("cpu")
         assert type(backend) is SdpaBackend
         with pytest.raises(ValueError, match="cpu_paged"):
             select_backend("cpu", "cpu_paged")
+        assert cpu_kernels.load_elementwise() is None
     finally:
-        cpu_kernels.load_paged_decode.cache_clear()
+        for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
+            fn.cache_clear()
     assert not list(tmp_path.glob("*.so"))
 
 
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown attention backend"):
         select_backend("cpu", "magic")
+
+
+def _one_ulp_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results of the same rounded arithmetic: equal, or one bf16 step apart where float32 sums
+    were accumulated in a different order."""
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -7)
+
+
+@needs_compiler
+def test_fused_rms_norm_matches_eager_bf16() -> None:
+    from ppserve.model.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5, torch.bfloat16)
+    norm.weight.data.normal_()
+    x = torch.randn(37, 2 * 96, dtype=torch.bfloat16)[:, :96]  # strided rows, as a slice of a wider output
+    got = norm(x)
+    want = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    _one_ulp_close(got, want)
+    assert norm(x.float()).dtype == torch.float32  # float32 takes the eager path
+
+
+@needs_compiler
+def test_fused_silu_mul_matches_eager_bf16() -> None:
+    fused = cpu_kernels.load_elementwise()
+    assert fused is not None
+    torch.manual_seed(1)
+    gate_up = torch.randn(29, 2 * 80, dtype=torch.bfloat16) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    _one_ulp_close(fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@needs_compiler
+def test_fused_rope_in_place_matches_eager_bf16() -> None:
+    from ppserve.model.layers import RotaryEmbedding
+
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(64, 10000.0)
+    cos, sin = rope.cos_sin(torch.arange(100, 117), torch.bfloat16)
+    qkv = torch.randn(17, 7 * 64, dtype=torch.bfloat16)
+    qk = qkv[:, :5 * 64].view(17, 5, 64)  # q and k heads of a fused QKV output, rows strided
+    want = RotaryEmbedding.apply(qk.clone(), cos, sin)  # the eager ops (a new tensor)
+    v_before = qkv[:, 5 * 64:].clone()
+    got = RotaryEmbedding.apply(qk, cos, sin, inplace=True)
+    assert got.data_ptr() == qk.data_ptr()  # rotated in place
+    _one_ulp_close(got, want)
+    assert torch.equal(qkv[:, 5 * 64:], v_before)  # the V part of the row is untouched
