@@ -114,7 +114,7 @@ class PagedDecode:
             self._fns[dtype] = fn
 
     def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-        return dtype in self._fns and head_dim <= 256 and group <= 64
+        return dtype in self._fns and head_dim <= 256
 
     def __call__(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
                  scale: float) -> Tensor:
