@@ -32,12 +32,25 @@ def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_
     return AttentionMetadata.build(query_lens, context_lens, tables, block_size)
 
 
+def _clear_kernel_caches() -> None:
+    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
+        fn.cache_clear()
+
+
 @needs_compiler
-def test_kernel_builds_here() -> None:
-    # CI machines have a compiler: the fast path must really be taken there, not silently skipped.
-    assert cpu_kernels.load_paged_decode() is not None
-    assert isinstance(select_backend("cpu"), CpuPagedBackend)
-    assert isinstance(select_backend("cpu", "cpu_paged"), CpuPagedBackend)
+def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
+    # CI machines have a compiler: the fast path must really be taken there, not silently skipped, and
+    # it must build from scratch (an empty cache), not only load a library an earlier run left behind.
+    monkeypatch.setenv("PPSERVE_KERNEL_CACHE", str(tmp_path))
+    _clear_kernel_caches()
+    try:
+        assert cpu_kernels.load_paged_decode() is not None
+        assert cpu_kernels.load_elementwise() is not None
+        assert len(list(tmp_path.glob("ppserve_kernels-*.so"))) == 1
+        assert isinstance(select_backend("cpu"), CpuPagedBackend)
+        assert isinstance(select_backend("cpu", "cpu_paged"), CpuPagedBackend)
+    finally:
+        _clear_kernel_caches()  # later tests load from the default cache again
 
 
 @needs_compiler
@@ -88,8 +101,7 @@ def test_loading_keeps_denormals() -> None:
 def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PPSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
-    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
-        fn.cache_clear()
+    _clear_kernel_caches()
     try:
         assert cpu_kernels.load_paged_decode() is None
         backend = select_backend("cpu")
@@ -98,8 +110,7 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
             select_backend("cpu", "cpu_paged")
         assert cpu_kernels.load_elementwise() is None
     finally:
-        for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
-            fn.cache_clear()
+        _clear_kernel_caches()
     assert not list(tmp_path.glob("*.so"))
 
 
