@@ -44,3 +44,7 @@ def test_soak_2000_requests_with_cancels(tiny_llama_dir, tmp_path) -> None:
     # Bounded memory: the server grows by no more than a little between 500 and 2,000 requests.
     growth = fig.rss_mib[str(REQUESTS)] - fig.rss_mib["500"]
     assert growth < 64, fig.rss_mib
+    # ... and so does the whole session, stage actors included (unbucketed oneDNN bf16 primitives once
+    # grew each stage by ~600 MiB here).
+    session_growth = fig.group_rss_mib[str(REQUESTS)] - fig.group_rss_mib["500"]
+    assert session_growth < 160, fig.group_rss_mib
