@@ -24,3 +24,16 @@ def test_step_efficiency_benchmark_runs(default_model_dir, tmp_path):
         assert row["wall_s"] > 0 and row["output_tok_s"] > 0 and row["peak_rss_mib"] > 0
     assert report["matmul_rate"]["bf16_peak_gflops"] > 0
     assert "| ppserve-pp1 |" in proc.stdout
+
+
+def test_paged_decode_benchmark_runs(tmp_path):
+    out = tmp_path / "decode.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_paged_decode.py"), "--decodes", "4", "--min-ctx", "5",
+           "--max-ctx", "40", "--calls", "2", "--repeats", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    for r in rows:
+        assert r["native_ms"] > 0 and r["torch_gather_sdpa_ms"] > 0
+        assert r["max_abs_diff"] < (1e-5 if r["dtype"] == "float32" else 2e-2)
