@@ -57,9 +57,13 @@ def _hf(model_dir: str):
 
 
 def reference_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    return greedy_continuations(_hf(str(model_dir)), prompts, max_new_tokens)
+
+
+def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate`, greedy, one prompt at a time (no padding): the new tokens of each."""
     import torch
 
-    model = _hf(str(model_dir))
     outs = []
     with torch.inference_mode():
         for p in prompts:

@@ -243,8 +243,7 @@ class CpuPagedBackend(SdpaBackend):
         self._kernel = kernel
 
     def _decodes(self, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        nd, hq, d = query.shape
-        if not self._kernel.supports(query.dtype, d, hq // kv_cache.shape[3]) or kv_cache.dtype != query.dtype:
+        if not self._kernel.supports(query.dtype, query.shape[2]) or kv_cache.dtype != query.dtype:
             return super()._decodes(query, kv_cache, meta, scale)
         return self._kernel(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 

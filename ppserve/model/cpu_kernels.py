@@ -113,7 +113,7 @@ class PagedDecode:
             fn.argtypes, fn.restype = args, ctypes.c_int
             self._fns[dtype] = fn
 
-    def supports(self, dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return dtype in self._fns and head_dim <= 256
 
     def __call__(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor,

@@ -13,7 +13,7 @@ import torch
 from ppserve import LLM, SamplingParams
 from ppserve.model.attention import AttentionMetadata, allocate_kv_cache
 from ppserve.model.loader import read_hf_config
-from tests.oracle import default_prompts
+from tests.oracle import default_prompts, greedy_continuations
 
 MAX_NEW = 16
 AGREE_FIRST = 4  # greedy tokens that must agree on every prompt
@@ -70,12 +70,7 @@ def test_prefill_logits_within_bf16_tolerance(default_model_dir, prompts, hf_bf1
 
 
 def test_greedy_agrees_with_transformers_bf16(default_model_dir, prompts, hf_bf16):
-    ref = []
-    with torch.inference_mode():
-        for p in prompts:
-            g = hf_bf16.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-            ref.append(g[0, len(p):].tolist())
+    ref = greedy_continuations(hf_bf16, prompts, MAX_NEW)
     with LLM(str(default_model_dir), dtype="bfloat16", token_budget=64) as llm:
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)
