@@ -29,6 +29,10 @@ class ModelConfig:
     cache_dir: str | None = None  # where the default GGUF is converted to safetensors; None = ~/.cache/ppserve
     max_model_len: int | None = None  # context limit; None = the model's max_position_embeddings
     attention_backend: str = "auto"  # auto | sdpa | cpu_paged | flash_attn
+    # Decode-only microbatches as CUDA graphs: auto (on CUDA) | off | capture | eager (the padded static
+    # inputs a graph replays, run without capture: checks that path on CPU).
+    cuda_graphs: str = "auto"
+    cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -38,6 +42,10 @@ class ModelConfig:
         if self.attention_backend not in ("auto", "sdpa", "cpu_paged", "flash_attn"):
             raise ValueError("model.attention_backend must be auto, sdpa, cpu_paged or flash_attn, "
                              f"got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "off", "capture", "eager"):
+            raise ValueError(f"model.cuda_graphs must be auto, off, capture or eager, got {self.cuda_graphs!r}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"model.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch!r}")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ class InProcExecutor:
             model_dir=model_dir, hf_config=hf_config, stage=0, num_stages=1, layer_start=0,
             layer_end=arch_layers, dtype=config.model.dtype, kv_cache_dtype=config.cache.dtype, block_size=config.cache.block_size,
             attention_backend=config.model.attention_backend, num_threads=config.parallel.num_threads,
-            trace=config.trace.enabled,
+            trace=config.trace.enabled, cuda_graphs=config.model.cuda_graphs,
+            cuda_graph_max_batch=config.model.cuda_graph_max_batch, max_model_len=config.model.max_model_len,
         )
         self.worker = StageWorker(spec)
         self.num_kv_blocks = config.cache.num_blocks or self.worker.num_blocks_for_memory(config.cache.kv_cache_memory)

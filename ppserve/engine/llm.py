@@ -20,6 +20,8 @@ _SHORTCUTS = {
     "model": ("model", "model"),
     "dtype": ("model", "dtype"),
     "attention_backend": ("model", "attention_backend"),
+    "cuda_graphs": ("model", "cuda_graphs"),
+    "cuda_graph_max_batch": ("model", "cuda_graph_max_batch"),
     "cache_dir": ("model", "cache_dir"),
     "max_model_len": ("model", "max_model_len"),
     "token_budget": ("scheduler", "token_budget"),

@@ -261,6 +261,8 @@ class RayExecutor:
                     layer_end=end, tp_rank=r, tp_size=self.tp, dtype=cfg.model.dtype, kv_cache_dtype=cfg.cache.dtype,
                     block_size=cfg.cache.block_size, attention_backend=cfg.model.attention_backend,
                     num_threads=par.num_threads or max(1, int(par.cpus_per_worker)), trace=cfg.trace.enabled,
+                    cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
+                    max_model_len=cfg.model.max_model_len,
                 )
                 actor = actor_cls.options(
                     num_cpus=par.cpus_per_worker, num_gpus=par.gpus_per_worker,

@@ -105,6 +105,38 @@ class AttentionMetadata:
             max_context_len=max(context_lens, default=0),
         )
 
+    @classmethod
+    def for_static_decodes(cls, slot_mapping: Tensor, context_lens: Tensor, block_tables: Tensor,
+                           block_size: int) -> AttentionMetadata:
+        """Decode-only metadata whose tensors are given buffers (a CUDA graph's static inputs).
+
+        Everything the backends read on the decode path is a tensor, so a graph captured with this
+        metadata and replayed after new values are copied into the buffers sees the new values. The
+        Python lists are fixed at their shapes: query lengths are all 1 and context lengths the table's
+        capacity (an upper bound; only `decode_context_lens`, the tensor, is read per token).
+        """
+        n, width = block_tables.shape
+        dev = block_tables.device
+        cu = list(range(n + 1))
+        capacity = width * block_size
+        return cls(
+            slot_mapping=slot_mapping,
+            query_lens=[1] * n,
+            context_lens=[capacity] * n,
+            block_tables=block_tables,
+            block_size=block_size,
+            cu_query_lens=cu,
+            decode_seqs=list(range(n)),
+            prefill_seqs=[],
+            decode_token_idx=torch.arange(n, dtype=torch.int64, device=dev),
+            decode_context_lens=context_lens,
+            decode_block_tables=block_tables,
+            cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=dev),
+            cu_context_lens_t=torch.arange(0, (n + 1) * capacity, capacity, dtype=torch.int32, device=dev),
+            max_query_len=1,
+            max_context_len=capacity,
+        )
+
     def context_slots(self) -> Tensor:
         """[sum(context_lens)] int64: cache slots of every sequence's whole context, in sequence order."""
         device = self.block_tables.device
@@ -263,9 +295,10 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func  # imported here: optional GPU-only dependency
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional, GPU only
 
         self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
         self._fallback = SdpaBackend()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
@@ -273,6 +306,8 @@ class FlashAttnBackend(AttentionBackend):
         if q.dtype not in (torch.float16, torch.bfloat16):
             return self._fallback.forward(q, k, v, kv_cache, meta, scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not meta.prefill_seqs:
+            return self._decodes(q, kv_cache, meta, scale)
         common = dict(cu_seqlens_q=meta.cu_query_lens_t, cu_seqlens_k=meta.cu_context_lens_t,
                       max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
                       softmax_scale=scale, causal=True)  # flash-attn >= 2.1 aligns causal bottom-right
@@ -284,6 +319,18 @@ class FlashAttnBackend(AttentionBackend):
         keys = kv_cache[0].view(-1, hkv, d).index_select(0, slots).to(q.dtype)  # [sum ctx, Hkv, D]
         values = kv_cache[1].view(-1, hkv, d).index_select(0, slots).to(q.dtype)
         return self._varlen(q, keys, values, **common)
+
+    def _decodes(self, q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+        """A decode-only batch (K/V already written). Reads only tensors of `meta` and launches no
+        host-synchronising op, so CUDA graphs can capture it: flash-attn's paged KV-cache kernel where
+        the block size allows, else SDPA over the gathered blocks."""
+        if meta.block_size % 256 == 0 and kv_cache.dtype == q.dtype:
+            out = self._with_kvcache(q.unsqueeze(1), kv_cache[0], kv_cache[1],
+                                     cache_seqlens=meta.decode_context_lens.to(torch.int32),
+                                     block_table=meta.decode_block_tables.to(torch.int32),
+                                     softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        return self._fallback._decodes(q, kv_cache, meta, scale)
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:

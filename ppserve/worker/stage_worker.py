@@ -22,6 +22,7 @@ from ppserve.model.llama import LlamaArch, LlamaForCausalLM
 from ppserve.model.loader import iter_weights
 from ppserve.model.parallel import TPContext
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.input_batch import InputBatch
 from ppserve.worker.sampler import sample
 
@@ -65,6 +66,9 @@ class StageSpec:
     attention_backend: str = "auto"
     num_threads: int | None = None
     trace: bool = True
+    cuda_graphs: str = "auto"  # auto (capture on CUDA) | off | eager (padded graph inputs, no capture)
+    cuda_graph_max_batch: int = 64
+    max_model_len: int | None = None  # sizes the graphs' block tables; None = max_position_embeddings
 
 
 class StageWorker:
@@ -80,6 +84,7 @@ class StageWorker:
         self.init_model()
         self.batch = InputBatch(spec.block_size, self.device)
         self.kv_caches: list[Tensor] = []
+        self.graphs: DecodeGraphRunner | None = None
 
     def init_threads(self) -> None:
         """torch intra-op threads = the cores given to this worker: `num_threads` when set (Ray actors get
@@ -129,11 +134,31 @@ class StageWorker:
             budget = int(kv_cache_memory * free_memory_bytes(self.device))
         return max(1, budget // self.kv_bytes_per_block())
 
+    def graphs_mode(self) -> str:
+        """'capture', 'eager' or 'off' for decode-only microbatches (see decode_graphs.py)."""
+        mode = self.spec.cuda_graphs
+        if mode == "auto":
+            return "capture" if self.device.type == "cuda" else "off"
+        if mode == "capture" and self.device.type != "cuda":
+            raise ValueError("model.cuda_graphs=capture needs a CUDA device")
+        return mode
+
     def init_cache(self, num_blocks: int) -> None:
+        """`num_blocks` for the block manager, plus one pad block (the last) when decode graphs are on."""
+        mode = self.graphs_mode()
+        pad = 0 if mode == "off" else 1
         self.kv_caches = allocate_kv_cache(
-            self.model.num_local_layers, num_blocks, self.spec.block_size, self.model.num_kv_heads_local,
+            self.model.num_local_layers, num_blocks + pad, self.spec.block_size, self.model.num_kv_heads_local,
             self.arch.head_dim, self.kv_dtype, self.device,
         )
+        self.graphs = None
+        if pad:
+            max_len = self.spec.max_model_len or self.arch.max_position_embeddings
+            self.graphs = DecodeGraphRunner(
+                self.model, self.kv_caches, block_size=self.spec.block_size,
+                max_batch=self.spec.cuda_graph_max_batch, max_blocks=-(-max_len // self.spec.block_size),
+                pad_block=num_blocks, dtype=self.dtype, device=self.device, capture=mode == "capture",
+            )
         logger.info("stage %d tp %d: KV cache of %d blocks (%d tokens, %.1f MiB, %s)", self.spec.stage,
                     self.spec.tp_rank, num_blocks, num_blocks * self.spec.block_size,
                     num_blocks * self.kv_bytes_per_block() / 2**20, self.kv_dtype)
@@ -149,11 +174,14 @@ class StageWorker:
         ):
             self.batch.apply(out)
             inp = self.batch.prepare(out)
-            hidden = self.model(
-                inp.input_ids if self.model.is_first else None,
-                None if self.model.is_first else hidden_in,
-                inp.positions, self.kv_caches, inp.meta,
-            )
+            if self.graphs is not None and self.graphs.applies(inp.meta):
+                hidden = self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
+            else:
+                hidden = self.model(
+                    inp.input_ids if self.model.is_first else None,
+                    None if self.model.is_first else hidden_in,
+                    inp.positions, self.kv_caches, inp.meta,
+                )
             if not self.model.is_last:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()  # spans measure the GPU work, not the launch

@@ -55,6 +55,27 @@ def test_flash_attn_matches_sdpa(block_size: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("block_size", [16, 256])  # 16: SDPA over gathered blocks; 256: flash_attn_with_kvcache
+def test_flash_attn_decode_only_matches_sdpa(block_size: int) -> None:
+    """The decode-only path (the one CUDA graphs capture) against SDPA."""
+    torch.manual_seed(1)
+    hq, hkv, d, dtype = 8, 2, 64, torch.bfloat16
+    num_blocks = 4 * (-(-600 // block_size)) + 8
+    rng = random.Random(block_size)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    context_lens = [300, 1, 45, 513]
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in context_lens]
+    meta = AttentionMetadata.build([1] * 4, context_lens, tables, block_size, "cuda")
+    q, k, v = (torch.randn(4, h, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv))
+    cache_ref = allocate_kv_cache(1, num_blocks, block_size, hkv, d, dtype, "cuda")[0].normal_()
+    cache_fa = cache_ref.clone()
+    expected = SdpaBackend().forward(q, k, v, cache_ref, meta, d ** -0.5)
+    got = FlashAttnBackend().forward(q, k, v, cache_fa, meta, d ** -0.5)
+    torch.testing.assert_close(cache_fa, cache_ref)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_auto_selects_flash_attn_on_cuda() -> None:
     assert isinstance(select_backend("cuda"), FlashAttnBackend)
     assert isinstance(select_backend("cpu"), SdpaBackend)

@@ -1,0 +1,114 @@
+"""Decode-only microbatches through the CUDA-graph runner's padded static buffers.
+
+On CPU the runner runs in `eager` mode: the same buffers, padding and pad block a captured graph replays,
+without the capture. The GPU tests (marked `gpu`) capture real graphs and compare against eager CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ppserve.engine.llm import LLM
+from ppserve.request import SamplingParams
+from ppserve.worker.decode_graphs import graph_batch_sizes, round_up_to, table_widths
+from tests.model_helpers import hf_model
+from tests.oracle import greedy_continuations
+
+MAX_NEW = 12
+
+
+def test_batch_sizes_and_widths() -> None:
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert table_widths(1) == [1]
+    assert table_widths(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert round_up_to(5, [1, 2, 4, 8]) == 8
+    assert round_up_to(9, [1, 2, 4, 8]) is None
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 256) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+def _generate(model_dir, prompts, **kwargs):
+    with LLM(str(model_dir), dtype=kwargs.pop("dtype", "float32"), executor="inproc", **kwargs) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        worker = llm.engine.executor.worker
+        return [o.token_ids for o in outs], worker, llm.engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("max_batch", [3, 64])  # 3: batches above the cap run eagerly, below are padded
+def test_padded_decodes_match_transformers(tiny_llama_dir, max_batch: int) -> None:
+    prompts = _prompts(0, 11)
+    expected = greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+    # block_size 4 and a small cache: tables of many widths, and preemption (recompute) on the way
+    got, worker, preemptions = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", cuda_graph_max_batch=max_batch,
+                                         block_size=4, num_kv_blocks=60, token_budget=24)
+    assert got == expected
+    assert worker.graphs is not None and worker.graphs.num_runs > 0
+    assert preemptions > 0
+    assert worker.kv_caches[0].shape[1] == 61  # the block manager's 60 plus the pad block
+
+
+def test_padded_decodes_on_a_pipeline(ray_session, tiny_llama_dir) -> None:
+    """pp=2: the second stage's padded rows come in as hidden states, not token ids."""
+    prompts = _prompts(3, 7)
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, cuda_graphs="eager",
+             cuda_graph_max_batch=4, block_size=4, token_budget=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+
+
+def test_padding_writes_only_the_pad_block(tiny_llama_dir) -> None:
+    """Same run with and without the padded path: every KV block the block manager owns ends up the same;
+    only the pad block differs (it takes the padding rows' K/V)."""
+    prompts = _prompts(1, 5)
+    common = dict(block_size=4, num_kv_blocks=80, token_budget=32)
+    plain_tokens, plain, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="off", **common)
+    padded_tokens, padded, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", **common)
+    assert padded_tokens == plain_tokens
+    assert padded.graphs is not None and padded.graphs.num_runs > 0
+    for a, b in zip(plain.kv_caches, padded.kv_caches, strict=True):
+        torch.testing.assert_close(b[:, :80], a, rtol=1e-5, atol=1e-5)
+        assert b[:, 80].abs().sum() > 0  # the padding rows went somewhere: here
+
+
+def test_capture_mode_needs_cuda(tiny_llama_dir) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="CUDA"):
+        _generate(tiny_llama_dir, [[5, 6]], cuda_graphs="capture")
+
+
+def test_bad_cuda_graph_settings_are_rejected() -> None:
+    from ppserve.config import ModelConfig
+
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        ModelConfig(cuda_graphs="sometimes")
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        ModelConfig(cuda_graph_max_batch=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 256])  # 256: flash-attn's paged decode kernel inside the graph
+def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size: int) -> None:
+    prompts = _prompts(2, 9)
+    common = dict(dtype=dtype, block_size=block_size, token_budget=32, cuda_graph_max_batch=8)
+    eager, _, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="off", **common)
+    graphed, worker, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="capture", **common)
+    assert worker.graphs is not None and worker.graphs.graphs and worker.graphs.num_runs > 0
+    if dtype == "float32":
+        assert graphed == eager
+        assert graphed == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+    else:  # bf16: padding changes GEMM shapes; agree on the first tokens of every prompt
+        assert all(g[:2] == e[:2] for g, e in zip(graphed, eager, strict=True))
