@@ -5,15 +5,20 @@ its TP rank owns, so the loader never needs to know how a layer is sharded. At T
 is an ordinary dense layer.
 
 Linear layers own their fast path: `prepack()` (called once after loading) reorders a bf16 weight on
-CPU into oneDNN's blocked layout, so every later GEMM skips the per-call reorder (measured 1.1x at 512
-tokens, 1.7-2x at decode sizes on AMX). float32 always stays on plain `F.linear`, bit-exact with
-transformers.
+CPU into oneDNN's blocked layout, so GEMMs skip the per-call reorder (1.1-1.4x faster at decode sizes on
+AMX). The prepacked primitive is not faster everywhere: for this model's 576-wide outputs at 352+ rows it
+ran on one of two threads, 1.7-1.9x slower than plain `F.linear`. So the first GEMM of every
+(out, in, rows) shape times both paths and the faster one serves that shape from then on
+(`PPSERVE_LINEAR_PATH=packed|plain` forces one). float32 always stays on plain `F.linear`, bit-exact
+with transformers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +67,41 @@ class PackedWeight:
         padded = row_bucket(rows)
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")[:rows]
+        packed = self.packed
+
+        def with_packed() -> Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+        def plain() -> Tensor:
+            return F.linear(x, weight, bias)
+
+        return (with_packed if packed_is_faster(weight.shape, padded, with_packed, plain) else plain)()[:rows]
+
+
+# (out, in, rows) -> whether the prepacked primitive beat plain F.linear at that shape in this process.
+_PACKED_FASTER: dict[tuple[int, int, int], bool] = {}
+
+
+def packed_is_faster(weight_shape: torch.Size, rows: int, with_packed: Callable[[], Tensor],
+                     plain: Callable[[], Tensor], rounds: int = 3) -> bool:
+    """Time both paths once per shape (after an untimed call each: the first call JIT-compiles the
+    primitive), interleaved, best of `rounds`; every layer of that shape then uses the winner. Row counts
+    are bucketed, so this runs for a few dozen shapes per model at most."""
+    forced = os.environ.get("PPSERVE_LINEAR_PATH", "auto")
+    if forced in ("packed", "plain"):
+        return forced == "packed"
+    key = (int(weight_shape[0]), int(weight_shape[1]), rows)
+    choice = _PACKED_FASTER.get(key)
+    if choice is None:
+        with_packed(), plain()
+        best = {"packed": float("inf"), "plain": float("inf")}
+        for _ in range(rounds):
+            for name, fn in (("packed", with_packed), ("plain", plain)):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+        choice = _PACKED_FASTER[key] = best["packed"] <= best["plain"]
+    return choice
 
 
 def row_bucket(rows: int) -> int:
