@@ -147,9 +147,20 @@ def test_fused_silu_mul_matches_eager_bf16() -> None:
     fused = cpu_kernels.load_elementwise()
     assert fused is not None
     torch.manual_seed(1)
-    gate_up = torch.randn(29, 2 * 80, dtype=torch.bfloat16) * 4
+    gate_up = torch.randn(29, 2 * 85, dtype=torch.bfloat16) * 4
+    # gates past e^x's float32 range (below -88 used to come out NaN), zeros and tiny values
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5, 1e-30, -1e-30])
     gate, up = gate_up.chunk(2, dim=-1)
     _one_ulp_close(fused.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    # Wide gates at the model's width. Two roundings in a row (silu to bf16, then the product): where
+    # float32 exp implementations put silu one bf16 step apart, the product can be two steps apart.
+    wide = torch.randn(64, 2 * 1536, dtype=torch.bfloat16) * 12
+    gate, up = wide.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(wide).float(), (torch.nn.functional.silu(gate) * up).float(),
+                               atol=1e-6, rtol=2 ** -6)
+    inf_nan = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0] * 4 + [1.0] * 16], dtype=torch.bfloat16)
+    gate, up = inf_nan.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(inf_nan), torch.nn.functional.silu(gate) * up, equal_nan=True)
 
 
 @needs_compiler

@@ -54,7 +54,11 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, in
         uint16_t *o = out + r * inter;
         for (int64_t i = 0; i < inter; i++) {
             const float gv = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gv / (1.f + expf(-gv))) * bf16_to_f32(u[i]));
+            /* e^-g clamped to a finite value: this file is compiled with -ffast-math, which assumes no
+             * infinities, and the division by an infinite 1 + e^-g (a gate below -88) came out NaN.
+             * Written so that a NaN gate stays NaN (both comparisons false). */
+            const float neg = -gv > 88.f ? 88.f : (-gv < -88.f ? -88.f : -gv);
+            o[i] = f32_to_bf16(round_bf16(gv / (1.f + expf(neg))) * bf16_to_f32(u[i]));
         }
     }
 }
