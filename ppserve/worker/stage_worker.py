@@ -66,7 +66,7 @@ class StageSpec:
     attention_backend: str = "auto"
     num_threads: int | None = None
     trace: bool = True
-    cuda_graphs: str = "auto"  # auto (capture on CUDA) | off | eager (padded graph inputs, no capture)
+    cuda_graphs: str = "auto"  # auto (capture on CUDA) | off | capture | eager (padded inputs, no capture)
     cuda_graph_max_batch: int = 64
     max_model_len: int | None = None  # sizes the graphs' block tables; None = max_position_embeddings
 
