@@ -139,11 +139,13 @@ class PagedDecode:
 
 
 class Elementwise:
-    """Fused bfloat16 RMSNorm, SiLU-and-mul and in-place rotary (see csrc/elementwise_bf16.c)."""
+    """Fused bfloat16 RMSNorm (alone or after the residual add), SiLU-and-mul and in-place rotary
+    (see csrc/elementwise_bf16.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
         self._rms = self._bind(lib.rms_norm_bf16, [ptr, i64, ptr, ptr, i64, i64, f32, nt])
+        self._add_rms = self._bind(lib.add_rms_norm_bf16, [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, nt])
         self._silu = self._bind(lib.silu_mul_bf16, [ptr, i64, ptr, i64, i64, nt])
         self._rope = self._bind(lib.rope_bf16, [ptr, i64, ptr, ptr, i64, i64, i64, nt])
 
@@ -162,6 +164,16 @@ class Elementwise:
         self._rms(x.data_ptr(), x.stride(0), weight.contiguous().data_ptr(), out.data_ptr(), x.shape[0],
                   x.shape[1], eps, torch.get_num_threads())
         return out
+
+    def add_rms_norm(self, x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """x, y [T, H] -> (x + y, RMSNorm(x + y)), both new tensors, in one pass."""
+        if x.shape != y.shape:
+            raise ValueError(f"add_rms_norm: shapes differ {tuple(x.shape)} vs {tuple(y.shape)}")
+        x, y = x.contiguous(), y.contiguous()
+        total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+        self._add_rms(x.data_ptr(), y.data_ptr(), weight.contiguous().data_ptr(), total.data_ptr(), out.data_ptr(),
+                      x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        return total, out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""

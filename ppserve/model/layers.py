@@ -131,6 +131,15 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(in_dtype)
 
+    def add_and_norm(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + y, norm(x + y)): the residual add and the norm after it, one pass in bf16. Neither input
+        is modified (x may be a tensor the caller still holds, such as a stage's received input)."""
+        fused = load_elementwise()
+        if fused is not None and fused.applies(x) and fused.applies(y):
+            return fused.add_rms_norm(x, y, self.weight, self.eps)
+        total = x + y
+        return total, self(total)
+
     def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
         _copy_checked(param, full, "RMSNorm.weight")
 

@@ -158,9 +158,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.mlp = LlamaMLP(arch, tp, dtype, device)
 
-    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, residual: Tensor | None, kv_cache: Tensor,
+                meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """x: the previous layer's MLP output, not yet added to `residual` (None before the first layer,
+        where x is the stage's input). Returns (this layer's MLP output, the residual stream before it):
+        each residual add happens inside the norm that follows it, one fused pass in bf16."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(residual, x)
+        residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(rope, h, kv_cache, meta))
+        return self.mlp(h), residual
 
 
 # HF parameter name inside a layer -> (our module path, shard id for fused layers)
@@ -234,11 +242,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError("a non-first stage needs hidden_states")
             x = hidden_states
         rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, not once per layer
+        residual: Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, cache, meta)
+            x, residual = layer(rope, x, residual, cache, meta)
+        assert residual is not None  # a stage has at least one layer
         if self.norm is not None:
-            x = self.norm(x)
-        return x
+            return self.norm.add_and_norm(residual, x)[1]
+        return residual + x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, H] normed hidden states -> [N, vocab] float32 logits (gathered over TP ranks)."""

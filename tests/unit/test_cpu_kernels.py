@@ -143,6 +143,24 @@ def test_fused_rms_norm_matches_eager_bf16() -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("cols", [96, 576, 100])  # 100: a row that ends inside a 16-lane vector
+def test_fused_add_rms_norm_matches_eager_bf16(cols: int) -> None:
+    from ppserve.model.layers import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(cols, 1e-5, torch.bfloat16)
+    norm.weight.data.normal_()
+    x, y = torch.randn(37, cols, dtype=torch.bfloat16) * 3, torch.randn(37, cols, dtype=torch.bfloat16)
+    x_before, y_before = x.clone(), y.clone()
+    total, normed = norm.add_and_norm(x, y)
+    assert torch.equal(total, x + y)  # one bf16 rounding of a float32 sum, as torch's add
+    _one_ulp_close(normed, norm(x + y))
+    assert torch.equal(x, x_before) and torch.equal(y, y_before)  # inputs untouched
+    total32, normed32 = norm.float().add_and_norm(x.float(), y.float())  # float32: the eager ops exactly
+    assert torch.equal(total32, x.float() + y.float()) and torch.equal(normed32, norm(x.float() + y.float()))
+
+
+@needs_compiler
 def test_fused_silu_mul_matches_eager_bf16() -> None:
     fused = cpu_kernels.load_elementwise()
     assert fused is not None
@@ -164,17 +182,18 @@ def test_fused_silu_mul_matches_eager_bf16() -> None:
 
 
 @needs_compiler
-def test_fused_rope_in_place_matches_eager_bf16() -> None:
+@pytest.mark.parametrize("d", [64, 40])  # 40: half a head (20) is not a whole 16-lane vector
+def test_fused_rope_in_place_matches_eager_bf16(d: int) -> None:
     from ppserve.model.layers import RotaryEmbedding
 
     torch.manual_seed(2)
-    rope = RotaryEmbedding(64, 10000.0)
+    rope = RotaryEmbedding(d, 10000.0)
     cos, sin = rope.cos_sin(torch.arange(100, 117), torch.bfloat16)
-    qkv = torch.randn(17, 7 * 64, dtype=torch.bfloat16)
-    qk = qkv[:, :5 * 64].view(17, 5, 64)  # q and k heads of a fused QKV output, rows strided
+    qkv = torch.randn(17, 7 * d, dtype=torch.bfloat16)
+    qk = qkv[:, :5 * d].view(17, 5, d)  # q and k heads of a fused QKV output, rows strided
     want = RotaryEmbedding.apply(qk.clone(), cos, sin)  # the eager ops (a new tensor)
-    v_before = qkv[:, 5 * 64:].clone()
+    v_before = qkv[:, 5 * d:].clone()
     got = RotaryEmbedding.apply(qk, cos, sin, inplace=True)
     assert got.data_ptr() == qk.data_ptr()  # rotated in place
     _one_ulp_close(got, want)
-    assert torch.equal(qkv[:, 5 * 64:], v_before)  # the V part of the row is untouched
+    assert torch.equal(qkv[:, 5 * d:], v_before)  # the V part of the row is untouched
