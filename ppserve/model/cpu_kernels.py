@@ -191,6 +191,28 @@ class Elementwise:
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
 
 
+class GreedyArgmax:
+    """Row-wise argmax of float32 logits with torch.argmax's semantics (see csrc/argmax.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.argmax_rows_f32
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    @staticmethod
+    def applies(logits: Tensor) -> bool:
+        return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.shape[1] > 0 and logits.stride(1) == 1)
+
+    def __call__(self, logits: Tensor) -> list[int]:
+        """logits [N, V] -> N indices."""
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr(),
+                 torch.get_num_threads())
+        return out.tolist()
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
     lib = load_library()
@@ -201,3 +223,9 @@ def load_paged_decode() -> PagedDecode | None:
 def load_elementwise() -> Elementwise | None:
     lib = load_library()
     return None if lib is None else Elementwise(lib)
+
+
+@cache
+def load_greedy_argmax() -> GreedyArgmax | None:
+    lib = load_library()
+    return None if lib is None else GreedyArgmax(lib)

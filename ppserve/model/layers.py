@@ -7,9 +7,9 @@ is an ordinary dense layer.
 Linear layers own their fast path: `prepack()` (called once after loading) reorders a bf16 weight on
 CPU into oneDNN's blocked layout, so GEMMs skip the per-call reorder (1.1-1.4x faster at decode sizes on
 AMX). The prepacked primitive is not faster everywhere: for this model's 576-wide outputs at 352+ rows it
-ran on one of two threads, 1.7-1.9x slower than plain `F.linear`. So the first GEMM of every
-(out, in, rows) shape times both paths and the faster one serves that shape from then on
-(`PPSERVE_LINEAR_PATH=packed|plain` forces one). float32 always stays on plain `F.linear`, bit-exact
+ran on one of two threads, 1.7-1.9x slower than plain `F.linear`, and below 64 rows some shapes ran
+faster padded to 64. So the first GEMM of every (out, in, rows) shape times the candidate paths and the
+fastest serves that shape from then on (`PPSERVE_LINEAR_PATH=packed|plain` forces one). float32 always stays on plain `F.linear`, bit-exact
 with transformers.
 """
 
@@ -64,43 +64,57 @@ class PackedWeight:
         if self.packed is None or x.dtype != weight.dtype or x.dim() != 2:
             return F.linear(x, weight, bias)
         rows = x.shape[0]
-        padded = row_bucket(rows)
-        if padded != rows:
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        packed = self.packed
+        bucket = row_bucket(rows)
 
-        def with_packed() -> Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        def candidates() -> dict[LinearPath, Callable[[], Tensor]]:
+            paths = [("packed", bucket), ("plain", bucket)]
+            if bucket < SMALL_GEMM_ROWS:
+                paths.append(("packed", SMALL_GEMM_ROWS))
+            return {path: (lambda path=path: self.run(x, weight, bias, path)) for path in paths}
 
-        def plain() -> Tensor:
-            return F.linear(x, weight, bias)
+        path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
+        return self.run(x, weight, bias, path)[:rows]
 
-        return (with_packed if packed_is_faster(weight.shape, padded, with_packed, plain) else plain)()[:rows]
+    def run(self, x: Tensor, weight: Tensor, bias: Tensor | None, path: LinearPath) -> Tensor:
+        """One GEMM on `path`: x's rows zero-padded to the path's row count (the output keeps them)."""
+        kind, padded = path
+        if padded != x.shape[0]:
+            x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
+        if kind == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
 
 
-# (out, in, rows) -> whether the prepacked primitive beat plain F.linear at that shape in this process.
-_PACKED_FASTER: dict[tuple[int, int, int], bool] = {}
+# How a bf16 GEMM runs: ("packed" | "plain", the row count it runs with, rows zero-padded up to it).
+LinearPath = tuple[str, int]
+# Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
+# (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.
+SMALL_GEMM_ROWS = 64
+# (out, in, row bucket) -> the path that was fastest for that shape in this process.
+_FASTEST: dict[tuple[int, int, int], LinearPath] = {}
 
 
-def packed_is_faster(weight_shape: torch.Size, rows: int, with_packed: Callable[[], Tensor],
-                     plain: Callable[[], Tensor], rounds: int = 3) -> bool:
-    """Time both paths once per shape (after an untimed call each: the first call JIT-compiles the
+def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[LinearPath, Callable[[], Tensor]]],
+                 rounds: int = 3) -> LinearPath:
+    """Time every candidate path (`candidates()` builds them) once per shape (after an untimed call each: the first call JIT-compiles the
     primitive), interleaved, best of `rounds`; every layer of that shape then uses the winner. Row counts
-    are bucketed, so this runs for a few dozen shapes per model at most."""
+    are bucketed, so this runs for a few dozen shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain
+    forces that kind at the bucket's row count, untimed."""
     forced = os.environ.get("PPSERVE_LINEAR_PATH", "auto")
     if forced in ("packed", "plain"):
-        return forced == "packed"
-    key = (int(weight_shape[0]), int(weight_shape[1]), rows)
-    choice = _PACKED_FASTER.get(key)
+        return forced, key[2]
+    choice = _FASTEST.get(key)
     if choice is None:
-        with_packed(), plain()
-        best = {"packed": float("inf"), "plain": float("inf")}
+        timed = candidates()
+        for fn in timed.values():
+            fn()
+        best = dict.fromkeys(timed, float("inf"))
         for _ in range(rounds):
-            for name, fn in (("packed", with_packed), ("plain", plain)):
+            for path, fn in timed.items():
                 start = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-        choice = _PACKED_FASTER[key] = best["packed"] <= best["plain"]
+                best[path] = min(best[path], time.perf_counter() - start)
+        choice = _FASTEST[key] = min(best, key=best.__getitem__)
     return choice
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ppserve.model.cpu_kernels import load_greedy_argmax
 from ppserve.request import SamplingParams
 
 
@@ -37,11 +38,20 @@ def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
+def greedy(logits: Tensor) -> list[int]:
+    """Row-wise argmax: the native kernel on CPU float32 (torch's took ~2 ms a step for 37 rows of a 49k
+    vocabulary), torch.argmax elsewhere; the same indices either way (first maximum, NaN wins)."""
+    kernel = load_greedy_argmax()
+    if kernel is not None and kernel.applies(logits):
+        return kernel(logits)
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample(logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     """logits [N, V] float32 -> N token ids. `output_indices[i]` is the position of the token among outputs."""
     if logits.shape[0] != len(params):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} requests")
-    out = logits.argmax(dim=-1).tolist() if logits.shape[0] else []
+    out = greedy(logits) if logits.shape[0] else []
     for i, sp in enumerate(params):
         if sp.greedy:
             continue

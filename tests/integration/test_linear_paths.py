@@ -1,4 +1,5 @@
-"""bf16 linears choose, per GEMM shape, between the prepacked oneDNN primitive and plain F.linear."""
+"""bf16 linears choose, per GEMM shape, between the prepacked oneDNN primitive and plain F.linear, and
+for small row counts also the prepacked primitive run padded to 64 rows."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 from ppserve.model import layers
-from ppserve.model.layers import PackedWeight, can_prepack, packed_is_faster
+from ppserve.model.layers import SMALL_GEMM_ROWS, PackedWeight, can_prepack, fastest_path
 
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(layers, "_PACKED_FASTER", {})
+    monkeypatch.setattr(layers, "_FASTEST", {})
     monkeypatch.delenv("PPSERVE_LINEAR_PATH", raising=False)
 
 
@@ -24,29 +25,32 @@ def _sleeper(seconds: float):
     return fn
 
 
-def test_the_faster_path_wins_and_is_remembered_per_shape() -> None:
-    shape = torch.Size([8, 4])
+def test_the_fastest_path_wins_and_is_remembered_per_shape() -> None:
     slow, fast = _sleeper(0.004), _sleeper(0.0)
-    assert packed_is_faster(shape, 32, with_packed=slow, plain=fast) is False
-    assert packed_is_faster(shape, 64, with_packed=fast, plain=slow) is True
-    # remembered: the same shape is not timed again, even if the paths now behave the other way
-    assert packed_is_faster(shape, 32, with_packed=fast, plain=slow) is False
-    assert layers._PACKED_FASTER == {(8, 4, 32): False, (8, 4, 64): True}
+    small, big = (8, 4, 32), (8, 4, 64)
+    assert fastest_path(small, lambda: {("packed", 32): slow, ("plain", 32): slow, ("packed", 64): fast}) == ("packed", 64)
+    assert fastest_path(big, lambda: {("packed", 64): fast, ("plain", 64): slow}) == ("packed", 64)
+
+    def never() -> dict:
+        raise AssertionError("a remembered shape must not be timed again")
+
+    assert fastest_path(small, never) == ("packed", 64)
+    assert layers._FASTEST == {small: ("packed", 64), big: ("packed", 64)}
 
 
 def test_environment_forces_a_path(monkeypatch) -> None:
-    def never() -> torch.Tensor:
+    def never() -> dict:
         raise AssertionError("a forced path must not be timed")
 
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "plain")
-    assert packed_is_faster(torch.Size([8, 4]), 32, with_packed=never, plain=never) is False
+    assert fastest_path((8, 4, 32), never) == ("plain", 32)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
-    assert packed_is_faster(torch.Size([8, 4]), 32, with_packed=never, plain=never) is True
-    assert layers._PACKED_FASTER == {}
+    assert fastest_path((8, 4, 32), never) == ("packed", 32)
+    assert layers._FASTEST == {}
 
 
 @pytest.mark.parametrize("rows", [1, 48, 512, 600])
-def test_both_paths_agree(monkeypatch, rows: int) -> None:
+def test_every_path_agrees(monkeypatch, rows: int) -> None:
     torch.manual_seed(rows)
     weight = torch.randn(576, 1536).bfloat16()
     bias = torch.randn(576).bfloat16()
@@ -61,6 +65,10 @@ def test_both_paths_agree(monkeypatch, rows: int) -> None:
         outs[path] = fast.linear(x, weight, bias)
     assert outs["packed"].shape == (rows, 576)
     torch.testing.assert_close(outs["packed"].float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
+    padded = fast.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, layers.row_bucket(rows))))[:rows]
+    torch.testing.assert_close(padded.float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
     torch.testing.assert_close(fast.linear(x, weight, bias).float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
-    assert (576, 1536, layers.row_bucket(rows)) in layers._PACKED_FASTER
+    bucket = layers.row_bucket(rows)
+    kind, ran_rows = layers._FASTEST[(576, 1536, bucket)]
+    assert kind in ("packed", "plain") and ran_rows in (bucket, SMALL_GEMM_ROWS)

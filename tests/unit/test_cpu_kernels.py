@@ -33,7 +33,8 @@ def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_
 
 
 def _clear_kernel_caches() -> None:
-    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise):
+    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise,
+               cpu_kernels.load_greedy_argmax):
         fn.cache_clear()
 
 
@@ -46,6 +47,7 @@ def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
     try:
         assert cpu_kernels.load_paged_decode() is not None
         assert cpu_kernels.load_elementwise() is not None
+        assert cpu_kernels.load_greedy_argmax() is not None
         assert len(list(tmp_path.glob("ppserve_kernels-*.so"))) == 1
         assert isinstance(select_backend("cpu"), CpuPagedBackend)
         assert isinstance(select_backend("cpu", "cpu_paged"), CpuPagedBackend)
@@ -112,6 +114,10 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
         with pytest.raises(ValueError, match="cpu_paged"):
             select_backend("cpu", "cpu_paged")
         assert cpu_kernels.load_elementwise() is None
+        assert cpu_kernels.load_greedy_argmax() is None
+        from ppserve.worker.sampler import greedy
+
+        assert greedy(torch.tensor([[0.0, 2.0, 1.0]])) == [1]  # torch.argmax serves instead
     finally:
         _clear_kernel_caches()
     assert not list(tmp_path.glob("*.so"))
@@ -197,3 +203,25 @@ def test_fused_rope_in_place_matches_eager_bf16(d: int) -> None:
     assert got.data_ptr() == qk.data_ptr()  # rotated in place
     _one_ulp_close(got, want)
     assert torch.equal(qkv[:, 5 * d:], v_before)  # the V part of the row is untouched
+
+
+@needs_compiler
+def test_greedy_argmax_matches_torch() -> None:
+    kernel = cpu_kernels.load_greedy_argmax()
+    assert kernel is not None
+    torch.manual_seed(4)
+    logits = torch.randn(37, 49152 + 16)[:, :49152]  # strided rows, as a slice of a padded vocabulary
+    assert kernel(logits) == logits.argmax(-1).tolist()
+    odd = torch.randn(12, 37)  # a row length that ends inside a 16-lane vector
+    odd[0] = 1.0  # all equal: the first index
+    odd[1, [3, 20, 36]] = 9.0  # ties in different lanes and in the tail: the first one
+    odd[2, 5], odd[2, 30] = float("nan"), float("nan")  # NaN counts as the maximum, the first one wins
+    odd[3, 33] = float("nan")  # a NaN in the scalar tail
+    odd[4] = float("-inf")
+    odd[5, 17] = float("inf")
+    odd[6, 0] = float("nan")
+    odd[7, 36] = 50.0  # the maximum in the tail
+    assert kernel(odd) == odd.argmax(-1).tolist()
+    short = torch.randn(3, 5)
+    assert kernel(short) == short.argmax(-1).tolist()
+    assert not kernel.applies(torch.randn(2, 4).bfloat16())  # other dtypes stay with torch
