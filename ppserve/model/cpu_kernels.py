@@ -213,6 +213,42 @@ class GreedyArgmax:
         return out.tolist()
 
 
+class AmxGemm:
+    """bf16 GEMM on Intel AMX tiles against a weight prepacked by `pack` (see csrc/gemm_amx.c)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.gemm_bf16_amx
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def fits(weight: Tensor) -> bool:
+        """Weights [N, K] the kernel takes: bf16 on CPU, N and K multiples of 32."""
+        return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+                and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+
+    @staticmethod
+    def pack(weight: Tensor) -> Tensor:
+        """[N, K] -> [N/16, K/32, 16, 16, 2]: 16-column panels in AMX's pair-interleaved B-tile layout."""
+        n, k = weight.shape
+        return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+    def __call__(self, x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        """x [M, K] bf16 (M a multiple of 32) -> x @ W^T + bias, [M, N] bf16."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = packed.shape[0] * 16
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                          out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"AMX GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
+        return out
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
     lib = load_library()
@@ -229,3 +265,16 @@ def load_elementwise() -> Elementwise | None:
 def load_greedy_argmax() -> GreedyArgmax | None:
     lib = load_library()
     return None if lib is None else GreedyArgmax(lib)
+
+
+@cache
+def load_amx_gemm() -> AmxGemm | None:
+    """The AMX GEMM where the library was built with AMX and the kernel grants this process tile state."""
+    lib = load_library()
+    if lib is None or os.environ.get("PPSERVE_DISABLE_AMX"):
+        return None
+    lib.amx_init.restype = ctypes.c_int
+    if lib.amx_init() != 0:
+        logger.info("no AMX here (CPU, compiler or kernel): bf16 GEMMs use oneDNN")
+        return None
+    return AmxGemm(lib)

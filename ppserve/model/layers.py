@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppserve.model.cpu_kernels import load_elementwise
+from ppserve.model.cpu_kernels import load_amx_gemm, load_elementwise
 from ppserve.model.parallel import TPContext
 
 
@@ -47,18 +48,22 @@ def can_prepack(weight: Tensor) -> bool:
 
 
 class PackedWeight:
-    """A weight [out, in] in oneDNN's blocked layout, or nothing: then `linear` is plain `F.linear`.
+    """A weight [out, in] in oneDNN's blocked layout and, where the CPU has AMX, in the AMX kernel's tile
+    layout; or nothing: then `linear` is plain `F.linear`.
 
-    Held outside the module's parameters and state dict: it is derived from `weight` and rebuilt by
-    `prepack()` after every load.
+    Held outside the module's parameters and state dict: derived from `weight` and rebuilt by `prepack()`
+    after every load.
     """
 
     def __init__(self) -> None:
         self.packed: Tensor | None = None
+        self.amx: Tensor | None = None
 
     def pack(self, weight: Tensor) -> None:
         # No batch-size hint: one layout for every token count (a hint speeds up only that size).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if can_prepack(weight) else None
+        amx = load_amx_gemm() if self.packed is not None else None
+        self.amx = amx.pack(weight) if amx is not None and amx.fits(weight) else None
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.packed is None or x.dtype != weight.dtype or x.dim() != 2:
@@ -70,6 +75,8 @@ class PackedWeight:
             paths = [("packed", bucket), ("plain", bucket)]
             if bucket < SMALL_GEMM_ROWS:
                 paths.append(("packed", SMALL_GEMM_ROWS))
+            if self.amx is not None:
+                paths.append(("amx", bucket))  # buckets are multiples of 32, as the kernel needs
             return {path: (lambda path=path: self.run(x, weight, bias, path)) for path in paths}
 
         path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
@@ -82,10 +89,14 @@ class PackedWeight:
             x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        if kind == "amx":
+            amx = load_amx_gemm()
+            assert amx is not None and self.amx is not None  # only offered where both exist
+            return amx(x, self.amx, bias)
         return F.linear(x, weight, bias)
 
 
-# How a bf16 GEMM runs: ("packed" | "plain", the row count it runs with, rows zero-padded up to it).
+# How a bf16 GEMM runs: ("packed" | "plain" | "amx", the row count it runs with, rows zero-padded up to it).
 LinearPath = tuple[str, int]
 # Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
 # (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.
@@ -95,26 +106,29 @@ _FASTEST: dict[tuple[int, int, int], LinearPath] = {}
 
 
 def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[LinearPath, Callable[[], Tensor]]],
-                 rounds: int = 3) -> LinearPath:
-    """Time every candidate path (`candidates()` builds them) once per shape (after an untimed call each: the first call JIT-compiles the
-    primitive), interleaved, best of `rounds`; every layer of that shape then uses the winner. Row counts
-    are bucketed, so this runs for a few dozen shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain
-    forces that kind at the bucket's row count, untimed."""
+                 rounds: int = 5) -> LinearPath:
+    """Time every candidate path (`candidates()` builds them) once per shape, after an untimed call each
+    (the first call JIT-compiles the primitive), interleaved over `rounds`; the lowest median wins and
+    every layer of that shape uses it from then on. The median, not the best run: oneDNN's prepacked
+    GEMM at 512 rows sometimes ran at full speed on both threads and mostly on one (best 0.9 ms, median
+    2.2 ms at 3072 x 576), and the best run picked it. Row counts are bucketed, so this runs for a few dozen
+    shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain|amx forces that kind at the bucket's row
+    count, untimed (amx only where the weight has an AMX layout)."""
     forced = os.environ.get("PPSERVE_LINEAR_PATH", "auto")
-    if forced in ("packed", "plain"):
+    if forced in ("packed", "plain") or (forced == "amx" and any(kind == "amx" for kind, _ in candidates())):
         return forced, key[2]
     choice = _FASTEST.get(key)
     if choice is None:
         timed = candidates()
         for fn in timed.values():
             fn()
-        best = dict.fromkeys(timed, float("inf"))
+        runs: dict[LinearPath, list[float]] = {path: [] for path in timed}
         for _ in range(rounds):
             for path, fn in timed.items():
                 start = time.perf_counter()
                 fn()
-                best[path] = min(best[path], time.perf_counter() - start)
-        choice = _FASTEST[key] = min(best, key=best.__getitem__)
+                runs[path].append(time.perf_counter() - start)
+        choice = _FASTEST[key] = min(runs, key=lambda path: statistics.median(runs[path]))
     return choice
 
 

@@ -1,5 +1,6 @@
-"""bf16 linears choose, per GEMM shape, between the prepacked oneDNN primitive and plain F.linear, and
-for small row counts also the prepacked primitive run padded to 64 rows."""
+"""bf16 linears choose, per GEMM shape, between the prepacked oneDNN primitive, plain F.linear and (on
+CPUs with AMX) ppserve's tile kernel, and for small row counts also the prepacked primitive run padded
+to 64 rows."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def test_every_path_agrees(monkeypatch, rows: int) -> None:
     torch.testing.assert_close(outs["packed"].float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
     padded = fast.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, layers.row_bucket(rows))))[:rows]
     torch.testing.assert_close(padded.float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
+    if fast.amx is not None:  # CPUs with AMX: the tile kernel's path too
+        monkeypatch.setenv("PPSERVE_LINEAR_PATH", "amx")
+        torch.testing.assert_close(fast.linear(x, weight, bias).float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
     torch.testing.assert_close(fast.linear(x, weight, bias).float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
     bucket = layers.row_bucket(rows)
     kind, ran_rows = layers._FASTEST[(576, 1536, bucket)]
-    assert kind in ("packed", "plain") and ran_rows in (bucket, SMALL_GEMM_ROWS)
+    assert kind in ("packed", "plain", "amx") and ran_rows in (bucket, SMALL_GEMM_ROWS)

@@ -34,7 +34,7 @@ def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_
 
 def _clear_kernel_caches() -> None:
     for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise,
-               cpu_kernels.load_greedy_argmax):
+               cpu_kernels.load_greedy_argmax, cpu_kernels.load_amx_gemm):
         fn.cache_clear()
 
 
@@ -115,6 +115,7 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
             select_backend("cpu", "cpu_paged")
         assert cpu_kernels.load_elementwise() is None
         assert cpu_kernels.load_greedy_argmax() is None
+        assert cpu_kernels.load_amx_gemm() is None
         from ppserve.worker.sampler import greedy
 
         assert greedy(torch.tensor([[0.0, 2.0, 1.0]])) == [1]  # torch.argmax serves instead
@@ -225,3 +226,37 @@ def test_greedy_argmax_matches_torch() -> None:
     short = torch.randn(3, 5)
     assert kernel(short) == short.argmax(-1).tolist()
     assert not kernel.applies(torch.randn(2, 4).bfloat16())  # other dtypes stay with torch
+
+
+def _amx_or_skip() -> cpu_kernels.AmxGemm:
+    amx = cpu_kernels.load_amx_gemm()
+    if amx is None:
+        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
+    return amx
+
+
+@needs_compiler
+@pytest.mark.parametrize(("m", "n", "k"), [(32, 576, 576), (64, 960, 576), (512, 576, 1536), (96, 3072, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_gemm_matches_linear(m: int, n: int, k: int, with_bias: bool) -> None:
+    amx = _amx_or_skip()
+    torch.manual_seed(m + n + k)
+    weight = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
+    x = torch.randn(m, k + 64, dtype=torch.bfloat16)[:, :k]  # strided rows, as a slice of a wider output
+    got = amx(x, amx.pack(weight), bias)
+    want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    # float32 accumulation rounded once to bf16: within one bf16 step of the float32 result
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
+
+
+@needs_compiler
+def test_amx_gemm_layout_and_refusals() -> None:
+    amx = _amx_or_skip()
+    weight = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
+    packed = amx.pack(weight)
+    # panel 1, k-block 1, pair row 3, column 5 holds W[16 + 5, 32 + 2 * 3 + {0, 1}]
+    assert torch.equal(packed[1, 1, 3, 5], weight[21, 38:40])
+    assert amx.fits(weight) and not amx.fits(weight[:, :48]) and not amx.fits(weight.float())
+    with pytest.raises(RuntimeError, match="AMX GEMM refused"):
+        amx(torch.randn(48, 64, dtype=torch.bfloat16), packed, None)  # rows not a multiple of 32
