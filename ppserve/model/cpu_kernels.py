@@ -191,6 +191,39 @@ class Elementwise:
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
 
 
+class PrefillAttention:
+    """Causal attention of one bf16 prefill chunk on AMX tiles, K/V read through the block table (see
+    csrc/prefill_attention_amx.c). Head dim 64 only."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.prefill_attention_bf16_amx
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes += [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    @staticmethod
+    def supports(q: Tensor, kv_cache: Tensor) -> bool:
+        return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and q.shape[2] == 64
+                and q.stride(2) == 1 and q.stride(1) == 64 and kv_cache.is_contiguous())
+
+    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, context_len: int, scale: float) -> Tensor:
+        """q [ql, Hq, 64] (token rows may be strided); kv_cache [2, blocks, bs, Hkv, 64] already holding
+        the chunk's own K/V; block_table [>= blocks needed] int64 -> [ql, Hq, 64]."""
+        ql, hq, d = q.shape
+        _, _, bs, hkv, _ = kv_cache.shape
+        table = block_table.contiguous()
+        if table.dtype != torch.int64 or table.numel() * bs < context_len:
+            raise ValueError("prefill attention: the block table must be int64 and cover the context")
+        out = torch.empty((ql, hq, d), dtype=q.dtype)
+        status = self._fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), table.data_ptr(),
+                          ql, context_len, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"prefill attention kernel failed (status {status}: 1 = unsupported shape, "
+                               "2 = out of memory, 3 = built without AMX)")
+        return out
+
+
 class GreedyArgmax:
     """Row-wise argmax of float32 logits with torch.argmax's semantics (see csrc/argmax.c)."""
 
@@ -278,3 +311,10 @@ def load_amx_gemm() -> AmxGemm | None:
         logger.info("no AMX here (CPU, compiler or kernel): bf16 GEMMs use oneDNN")
         return None
     return AmxGemm(lib)
+
+
+@cache
+def load_prefill_attention() -> PrefillAttention | None:
+    """The AMX prefill attention where AMX GEMMs work (same build and tile permission)."""
+    lib = load_library()
+    return None if lib is None or load_amx_gemm() is None else PrefillAttention(lib)

@@ -34,7 +34,7 @@ def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_
 
 def _clear_kernel_caches() -> None:
     for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise,
-               cpu_kernels.load_greedy_argmax, cpu_kernels.load_amx_gemm):
+               cpu_kernels.load_greedy_argmax, cpu_kernels.load_amx_gemm, cpu_kernels.load_prefill_attention):
         fn.cache_clear()
 
 
@@ -63,7 +63,8 @@ def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
                                                  (9, 3, 64, 48), (4, 2, 256, 32)])
 def test_mixed_batch_matches_sdpa(dtype: torch.dtype, tol: float, hq: int, hkv: int, d: int,
                                   block_size: int) -> None:
-    """Decodes of lengths 1, block-aligned and ragged, beside two prefill chunks (which stay on SDPA)."""
+    """Decodes of lengths 1, block-aligned and ragged, beside two prefill chunks (bf16 with head_dim 64:
+    the AMX prefill kernel where the CPU has AMX; otherwise SDPA)."""
     torch.manual_seed(hq * d + block_size)
     query_lens = [1, 1, 7, 1, 1, 20]
     context_lens = [1, 4 * block_size, 7, 3 * block_size + 5, 57, 20 + 33]
@@ -116,6 +117,7 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
         assert cpu_kernels.load_elementwise() is None
         assert cpu_kernels.load_greedy_argmax() is None
         assert cpu_kernels.load_amx_gemm() is None
+        assert cpu_kernels.load_prefill_attention() is None
         from ppserve.worker.sampler import greedy
 
         assert greedy(torch.tensor([[0.0, 2.0, 1.0]])) == [1]  # torch.argmax serves instead
@@ -260,3 +262,53 @@ def test_amx_gemm_layout_and_refusals() -> None:
     assert amx.fits(weight) and not amx.fits(weight[:, :48]) and not amx.fits(weight.float())
     with pytest.raises(RuntimeError, match="AMX GEMM refused"):
         amx(torch.randn(48, 64, dtype=torch.bfloat16), packed, None)  # rows not a multiple of 32
+
+
+def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: list[int], ctx: int,
+                               scale: float) -> torch.Tensor:
+    """float32 attention of a chunk's queries (the last ql positions of ctx) over the cached context."""
+    ql, hq, d = q.shape
+    _, _, bs, hkv, _ = cache.shape
+    keys = cache[0][blocks].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+    values = cache[1][blocks].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - ql, ctx)[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+@needs_compiler
+# ql and ctx off the kernel's 16-query and 32-key grids, a first chunk (ql == ctx), one query, block sizes
+# 16 and 48, grouped (9/3) and plain (4/4) heads.
+@pytest.mark.parametrize(("ql", "ctx", "hq", "hkv", "block_size"),
+                         [(486, 786, 9, 3, 16), (512, 512, 9, 3, 16), (37, 37, 4, 4, 48), (1, 100, 9, 3, 16),
+                          (50, 333, 4, 4, 48), (16, 33, 9, 3, 16)])
+def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv: int, block_size: int) -> None:
+    kernel = cpu_kernels.load_prefill_attention()
+    if kernel is None:
+        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
+    torch.manual_seed(ql + ctx)
+    num_blocks = -(-ctx // block_size) + 7
+    cache = torch.randn(2, num_blocks, block_size, hkv, 64).bfloat16()
+    blocks = torch.randperm(num_blocks)[:-(-ctx // block_size)]
+    qkv = torch.randn(ql, (hq + 2 * hkv) * 64).bfloat16() * 2
+    q = qkv[:, :hq * 64].view(ql, hq, 64)  # token rows strided, as in a fused QKV output
+    assert kernel.supports(q, cache)
+    got = kernel(q, cache, blocks, ctx, 0.125)
+    want = _reference_chunk_attention(q, cache, blocks.tolist(), ctx, 0.125)
+    # bf16 inputs and probabilities, float32 accumulation: a few bf16 steps of outputs of order 1
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_compiler
+def test_amx_prefill_attention_refuses_what_it_cannot_do() -> None:
+    kernel = cpu_kernels.load_prefill_attention()
+    if kernel is None:
+        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
+    cache = torch.randn(2, 4, 16, 2, 64).bfloat16()
+    assert not kernel.supports(torch.randn(8, 4, 32).bfloat16(), cache)  # head_dim 32: SDPA serves it
+    assert not kernel.supports(torch.randn(8, 4, 64), cache)  # float32
+    with pytest.raises(ValueError, match="cover the context"):
+        kernel(torch.randn(8, 4, 64).bfloat16(), cache, torch.tensor([0, 1]), 40, 0.125)
+    with pytest.raises(RuntimeError, match="unsupported shape"):
+        kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)  # 3 heads over 2 KV heads

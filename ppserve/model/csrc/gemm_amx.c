@@ -15,8 +15,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "amx.h"
+
+#ifdef HAVE_AMX
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -24,22 +25,8 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
 /* Linux hands out AMX state only to processes that ask (oneDNN has usually asked already). */
 int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 16 rows x 64 bytes each */
-    _tile_loadconfig(&cfg);
-}
 
 /* Round a 16 x 16 float tile (+ bias) to bf16 into out (rows ldc apart). */
 static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *out, int64_t ldc) {
