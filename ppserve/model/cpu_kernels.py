@@ -269,11 +269,14 @@ class AmxGemm:
         return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
     def __call__(self, x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        """x [M, K] bf16 (M a multiple of 32) -> x @ W^T + bias, [M, N] bf16."""
+        """x [M, K] bf16 (any M; rows may be strided) -> x @ W^T + bias, [M, N] bf16."""
         if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
         n = packed.shape[0] * 16
+        if x.dtype != torch.bfloat16 or k != packed.shape[1] * 32:
+            raise ValueError(f"AMX GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight [{n}, "
+                             f"{packed.shape[1] * 32}]")
         out = torch.empty((m, n), dtype=torch.bfloat16)
         status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                           out.data_ptr(), n, m, n, k, torch.get_num_threads())

@@ -4,13 +4,14 @@ Every parallel layer takes the FULL Hugging Face tensor in `weight_loader` and k
 its TP rank owns, so the loader never needs to know how a layer is sharded. At TP size 1 each layer
 is an ordinary dense layer.
 
-Linear layers own their fast path: `prepack()` (called once after loading) reorders a bf16 weight on
-CPU into oneDNN's blocked layout, so GEMMs skip the per-call reorder (1.1-1.4x faster at decode sizes on
-AMX). The prepacked primitive is not faster everywhere: for this model's 576-wide outputs at 352+ rows it
-ran on one of two threads, 1.7-1.9x slower than plain `F.linear`, and below 64 rows some shapes ran
-faster padded to 64. So the first GEMM of every (out, in, rows) shape times the candidate paths and the
-fastest serves that shape from then on (`PPSERVE_LINEAR_PATH=packed|plain` forces one). float32 always stays on plain `F.linear`, bit-exact
-with transformers.
+Linear layers own their fast path (`PackedWeight`): `prepack()` (called once after loading) lays a
+bf16 CPU weight out for ppserve's AMX GEMM kernel where the CPU has AMX, else in oneDNN's blocked layout
+(1.1-1.4x faster than plain `F.linear` at decode sizes). oneDNN's prepacked primitive is not faster
+everywhere: for this model's 576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x slower
+than plain `F.linear`, and below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the
+first GEMM of every (out, in, rows) shape times the candidates and the fastest serves that shape from
+then on (`PPSERVE_LINEAR_PATH=packed|plain` forces one; `PPSERVE_DISABLE_AMX=1` turns the AMX kernels
+off). float32 always stays on plain `F.linear`, bit-exact with transformers.
 """
 
 from __future__ import annotations
@@ -48,25 +49,38 @@ def can_prepack(weight: Tensor) -> bool:
 
 
 class PackedWeight:
-    """A weight [out, in] in oneDNN's blocked layout and, where the CPU has AMX, in the AMX kernel's tile
-    layout; or nothing: then `linear` is plain `F.linear`.
+    """A bf16 weight [out, in] laid out for a fast CPU GEMM, or nothing: then `linear` is plain `F.linear`.
 
-    Held outside the module's parameters and state dict: derived from `weight` and rebuilt by `prepack()`
-    after every load.
+    On CPUs with AMX, weights whose sides are multiples of 32 go to ppserve's AMX kernel
+    (csrc/gemm_amx.c) in its tile layout, always: in the model its median beat oneDNN's best path at
+    every shape and row count timed (e.g. 3072 x 576 at 512 rows: 1.2 ms against 2.2 ms), and a fixed
+    choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep oneDNN's
+    prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
+    `fastest_path`). Held outside the module's parameters and state dict: derived from `weight` and
+    rebuilt by `prepack()` after every load.
     """
 
     def __init__(self) -> None:
         self.packed: Tensor | None = None
         self.amx: Tensor | None = None
 
-    def pack(self, weight: Tensor) -> None:
-        # No batch-size hint: one layout for every token count (a hint speeds up only that size).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if can_prepack(weight) else None
-        amx = load_amx_gemm() if self.packed is not None else None
-        self.amx = amx.pack(weight) if amx is not None and amx.fits(weight) else None
+    def pack(self, weight: Tensor, use_amx: bool = True) -> None:
+        self.packed = self.amx = None
+        if not can_prepack(weight):
+            return
+        amx = load_amx_gemm() if use_amx else None
+        if amx is not None and amx.fits(weight):
+            self.amx = amx.pack(weight)
+        else:
+            # No batch-size hint: one layout for every token count (a hint speeds up only that size).
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if self.packed is None or x.dtype != weight.dtype or x.dim() != 2:
+        if x.dtype != weight.dtype or x.dim() != 2:
+            return F.linear(x, weight, bias)
+        if self.amx is not None:
+            return self.run(x, weight, bias, ("amx", x.shape[0]))
+        if self.packed is None:
             return F.linear(x, weight, bias)
         rows = x.shape[0]
         bucket = row_bucket(rows)
@@ -75,8 +89,6 @@ class PackedWeight:
             paths = [("packed", bucket), ("plain", bucket)]
             if bucket < SMALL_GEMM_ROWS:
                 paths.append(("packed", SMALL_GEMM_ROWS))
-            if self.amx is not None:
-                paths.append(("amx", bucket))  # buckets are multiples of 32, as the kernel needs
             return {path: (lambda path=path: self.run(x, weight, bias, path)) for path in paths}
 
         path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
@@ -85,18 +97,19 @@ class PackedWeight:
     def run(self, x: Tensor, weight: Tensor, bias: Tensor | None, path: LinearPath) -> Tensor:
         """One GEMM on `path`: x's rows zero-padded to the path's row count (the output keeps them)."""
         kind, padded = path
+        if kind == "amx":  # any row count: the kernel pads only its last 32-row block, internally
+            amx = load_amx_gemm()
+            assert amx is not None and self.amx is not None  # only taken where both exist
+            return amx(x, self.amx, bias)
         if padded != x.shape[0]:
             x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
         if kind == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        if kind == "amx":
-            amx = load_amx_gemm()
-            assert amx is not None and self.amx is not None  # only offered where both exist
-            return amx(x, self.amx, bias)
         return F.linear(x, weight, bias)
 
 
-# How a bf16 GEMM runs: ("packed" | "plain" | "amx", the row count it runs with, rows zero-padded up to it).
+# How a bf16 GEMM runs: ("packed" | "plain" | "amx", the row count it runs with, rows zero-padded up to it
+# for the oneDNN paths).
 LinearPath = tuple[str, int]
 # Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
 # (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.
@@ -112,10 +125,10 @@ def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[Linear
     every layer of that shape uses it from then on. The median, not the best run: oneDNN's prepacked
     GEMM at 512 rows sometimes ran at full speed on both threads and mostly on one (best 0.9 ms, median
     2.2 ms at 3072 x 576), and the best run picked it. Row counts are bucketed, so this runs for a few dozen
-    shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain|amx forces that kind at the bucket's row
-    count, untimed (amx only where the weight has an AMX layout)."""
+    shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain forces that kind at the bucket's row count,
+    untimed."""
     forced = os.environ.get("PPSERVE_LINEAR_PATH", "auto")
-    if forced in ("packed", "plain") or (forced == "amx" and any(kind == "amx" for kind, _ in candidates())):
+    if forced in ("packed", "plain"):
         return forced, key[2]
     choice = _FASTEST.get(key)
     if choice is None:

@@ -1,6 +1,6 @@
-"""bf16 linears choose, per GEMM shape, between the prepacked oneDNN primitive, plain F.linear and (on
-CPUs with AMX) ppserve's tile kernel, and for small row counts also the prepacked primitive run padded
-to 64 rows."""
+"""bf16 linears: on CPUs with AMX, ppserve's tile kernel for every weight it can take; otherwise a
+per-shape timed choice between the prepacked oneDNN primitive and plain F.linear (and for small row
+counts the prepacked primitive run padded to 64 rows)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from ppserve.model import layers
+from ppserve.model import cpu_kernels, layers
 from ppserve.model.layers import SMALL_GEMM_ROWS, PackedWeight, can_prepack, fastest_path
 
 
@@ -57,22 +57,42 @@ def test_every_path_agrees(monkeypatch, rows: int) -> None:
     bias = torch.randn(576).bfloat16()
     if not can_prepack(weight):
         pytest.skip("this CPU has no native bf16: there is no packed path")
-    fast = PackedWeight()
-    fast.pack(weight)
     x = torch.randn(rows, 1536).bfloat16()
-    outs = {}
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    onednn = PackedWeight()
+    onednn.pack(weight, use_amx=False)
+    assert onednn.amx is None and onednn.packed is not None
     for path in ("packed", "plain"):
         monkeypatch.setenv("PPSERVE_LINEAR_PATH", path)
-        outs[path] = fast.linear(x, weight, bias)
-    assert outs["packed"].shape == (rows, 576)
-    torch.testing.assert_close(outs["packed"].float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
-    padded = fast.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, layers.row_bucket(rows))))[:rows]
-    torch.testing.assert_close(padded.float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
-    if fast.amx is not None:  # CPUs with AMX: the tile kernel's path too
-        monkeypatch.setenv("PPSERVE_LINEAR_PATH", "amx")
-        torch.testing.assert_close(fast.linear(x, weight, bias).float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
+        got = onednn.linear(x, weight, bias)
+        assert got.shape == (rows, 576)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    padded = onednn.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, layers.row_bucket(rows))))[:rows]
+    torch.testing.assert_close(padded.float(), want, rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
-    torch.testing.assert_close(fast.linear(x, weight, bias).float(), outs["plain"].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(onednn.linear(x, weight, bias).float(), want, rtol=2e-2, atol=2e-2)
     bucket = layers.row_bucket(rows)
     kind, ran_rows = layers._FASTEST[(576, 1536, bucket)]
-    assert kind in ("packed", "plain", "amx") and ran_rows in (bucket, SMALL_GEMM_ROWS)
+    assert kind in ("packed", "plain") and ran_rows in (bucket, SMALL_GEMM_ROWS)
+
+    default = PackedWeight()
+    default.pack(weight)
+    if cpu_kernels.load_amx_gemm() is None:
+        assert default.amx is None and default.packed is not None  # no AMX here: oneDNN as above
+        return
+    # With AMX the tile kernel serves every row count, untimed, and no oneDNN copy is kept.
+    assert default.amx is not None and default.packed is None
+    layers._FASTEST.clear()
+    torch.testing.assert_close(default.linear(x, weight, bias).float(), want, rtol=2e-2, atol=2e-2)
+    assert layers._FASTEST == {}
+
+
+def test_weights_the_amx_kernel_cannot_take_stay_with_onednn() -> None:
+    weight = torch.randn(100, 64).bfloat16()  # 100 outputs: not a multiple of 32
+    if not can_prepack(weight):
+        pytest.skip("this CPU has no native bf16: there is no packed path")
+    fast = PackedWeight()
+    fast.pack(weight)
+    assert fast.amx is None and fast.packed is not None
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(fast.linear(x, weight, None).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)

@@ -238,7 +238,9 @@ def _amx_or_skip() -> cpu_kernels.AmxGemm:
 
 
 @needs_compiler
-@pytest.mark.parametrize(("m", "n", "k"), [(32, 576, 576), (64, 960, 576), (512, 576, 1536), (96, 3072, 576)])
+# row counts on and off the 32-row blocks (1, 37 and 500 run their last block from a padded copy)
+@pytest.mark.parametrize(("m", "n", "k"), [(32, 576, 576), (64, 960, 576), (512, 576, 1536), (96, 3072, 576),
+                                           (1, 576, 576), (37, 960, 576), (500, 576, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_gemm_matches_linear(m: int, n: int, k: int, with_bias: bool) -> None:
     amx = _amx_or_skip()
@@ -260,8 +262,10 @@ def test_amx_gemm_layout_and_refusals() -> None:
     # panel 1, k-block 1, pair row 3, column 5 holds W[16 + 5, 32 + 2 * 3 + {0, 1}]
     assert torch.equal(packed[1, 1, 3, 5], weight[21, 38:40])
     assert amx.fits(weight) and not amx.fits(weight[:, :48]) and not amx.fits(weight.float())
-    with pytest.raises(RuntimeError, match="AMX GEMM refused"):
-        amx(torch.randn(48, 64, dtype=torch.bfloat16), packed, None)  # rows not a multiple of 32
+    with pytest.raises(ValueError, match="does not match"):
+        amx(torch.randn(48, 96, dtype=torch.bfloat16), packed, None)  # K of 96 against a weight of K 64
+    with pytest.raises(ValueError, match="does not match"):
+        amx(torch.randn(48, 64), packed, None)  # float32 input
 
 
 def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: list[int], ctx: int,

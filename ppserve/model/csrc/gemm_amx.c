@@ -8,11 +8,12 @@
  *
  * W is prepacked once (cpu_kernels.py) into AMX's pair-interleaved ("VNNI") layout, 16 output columns
  * per panel: packed[n / 16][k / 32][kk = 0..15][nn = 0..15][2] = W[n16 + nn][k32 + 2 kk + {0, 1}], so
- * every B tile is one contiguous 1 KiB load. Shapes: M and N multiples of 32, K of 32 (the caller pads
- * rows; other shapes use oneDNN). Threads split the output columns (each streams its own share of W
+ * every B tile is one contiguous 1 KiB load. Shapes: N and K multiples of 32 (other shapes use oneDNN),
+ * any M. Threads split the output columns (each streams its own share of W
  * once) and walk every 32-row block of A, which stays in L2 (see COL_BLOCKS_PER_SWEEP). */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "amx.h"
@@ -28,11 +29,11 @@
 /* Linux hands out AMX state only to processes that ask (oneDNN has usually asked already). */
 int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1; }
 
-/* Round a 16 x 16 float tile (+ bias) to bf16 into out (rows ldc apart). */
-static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *out, int64_t ldc) {
+/* Round the first `rows` rows of a 16 x 16 float tile (+ bias) to bf16 into out (rows ldc apart). */
+static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *out, int64_t ldc, int64_t rows) {
     const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
                           : _mm512_setzero_ps();
-    for (int r = 0; r < 16; r++)
+    for (int r = 0; r < rows && r < 16; r++)
         _mm256_storeu_si256((__m256i *)(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
 }
 
@@ -72,9 +73,18 @@ static inline void block_32x32(const uint16_t *a0, int64_t lda, const uint16_t *
 
 int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, const uint16_t *bias, uint16_t *out,
                   int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (m % 32 || n % 32 || k % 32 || m <= 0 || n <= 0 || k <= 0) return 1;
+    if (n % 32 || k % 32 || m <= 0 || n <= 0 || k <= 0) return 1;
     const int64_t kb_count = k / 32, panel = kb_count * 512; /* uint16 per 16-column panel */
-    const int64_t col_blocks = n / 32, row_blocks = m / 32;
+    const int64_t col_blocks = n / 32, full_blocks = m / 32, row_blocks = (m + 31) / 32;
+    /* Rows past the last multiple of 32 run from a zero-padded copy (only their outputs are stored), so
+     * callers need not pad: padding every GEMM's input with torch.cat cost ~40 us a call at decode sizes. */
+    uint16_t *tail = NULL;
+    if (row_blocks > full_blocks) {
+        tail = aligned_alloc(64, (size_t)(32 * k * 2));
+        if (tail == NULL) return 2;
+        memset(tail, 0, (size_t)(32 * k * 2));
+        for (int64_t r = 0; r < m - full_blocks * 32; r++) memcpy(tail + r * k, a + (full_blocks * 32 + r) * lda, (size_t)(k * 2));
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         float acc[4][256] __attribute__((aligned(64)));
@@ -85,22 +95,26 @@ int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, cons
         for (int64_t c0 = lo; c0 < hi; c0 += COL_BLOCKS_PER_SWEEP) {
             const int64_t c1 = c0 + COL_BLOCKS_PER_SWEEP < hi ? c0 + COL_BLOCKS_PER_SWEEP : hi;
             for (int64_t rb = 0; rb < row_blocks; rb++) {
+                const int64_t rows = m - rb * 32; /* rows of this block that exist (>= 32: all) */
+                const uint16_t *ab = rb < full_blocks ? a + rb * 32 * lda : tail;
+                const int64_t ld = rb < full_blocks ? lda : k;
                 for (int64_t cb = c0; cb < c1; cb++) {
                     const uint16_t *w = w_packed + 2 * cb * panel;
                     /* Only the first row block reads the weights from memory; prefetch the next ones. */
                     const uint16_t *next = rb == 0 && cb + 1 < hi ? w + 2 * panel : NULL;
-                    block_32x32(a + rb * 32 * lda, lda, w, panel, kb_count, next, acc);
+                    block_32x32(ab, ld, w, panel, kb_count, next, acc);
                     uint16_t *o = out + rb * 32 * ldc + cb * 32;
                     const uint16_t *bs = bias ? bias + cb * 32 : NULL;
-                    store_tile(acc[0], bs, o, ldc);
-                    store_tile(acc[1], bs ? bs + 16 : NULL, o + 16, ldc);
-                    store_tile(acc[2], bs, o + 16 * ldc, ldc);
-                    store_tile(acc[3], bs ? bs + 16 : NULL, o + 16 * ldc + 16, ldc);
+                    store_tile(acc[0], bs, o, ldc, rows);
+                    store_tile(acc[1], bs ? bs + 16 : NULL, o + 16, ldc, rows);
+                    store_tile(acc[2], bs, o + 16 * ldc, ldc, rows - 16);
+                    store_tile(acc[3], bs ? bs + 16 : NULL, o + 16 * ldc + 16, ldc, rows - 16);
                 }
             }
         }
         _tile_release();
     }
+    free(tail);
     return 0;
 }
 #else
