@@ -252,7 +252,7 @@ class AmxGemm:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.gemm_bf16_amx
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -268,8 +268,17 @@ class AmxGemm:
         n, k = weight.shape
         return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
-    def __call__(self, x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-        """x [M, K] bf16 (any M; rows may be strided) -> x @ W^T + bias, [M, N] bf16."""
+    @staticmethod
+    def pack_gate_up(weight: Tensor) -> Tensor:
+        """[2I, K] (gate rows, then up rows) -> `pack` of the rows reordered so that 16-row panels alternate
+        gate, up: the layout `silu_mul` needs (I a multiple of 16)."""
+        two_i, k = weight.shape
+        halves = weight.detach().reshape(2, two_i // 32, 16, k)  # [gate | up][panel][row in panel]
+        return AmxGemm.pack(halves.transpose(0, 1).reshape(two_i, k))
+
+    def __call__(self, x: Tensor, packed: Tensor, bias: Tensor | None, silu_mul: bool = False) -> Tensor:
+        """x [M, K] bf16 (any M; rows may be strided) -> x @ W^T + bias, [M, N] bf16; with `silu_mul`
+        (a `pack_gate_up` weight, no bias) silu(gate) * up, [M, N/2], with the eager ops' roundings."""
         if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -277,9 +286,9 @@ class AmxGemm:
         if x.dtype != torch.bfloat16 or k != packed.shape[1] * 32:
             raise ValueError(f"AMX GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight [{n}, "
                              f"{packed.shape[1] * 32}]")
-        out = torch.empty((m, n), dtype=torch.bfloat16)
+        out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16)
         status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                          out.data_ptr(), n, m, n, k, torch.get_num_threads())
+                          out.data_ptr(), out.shape[1], m, n, k, int(silu_mul), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"AMX GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
         return out

@@ -288,16 +288,35 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one GEMM (gate and up).
 
     Each rank's weight is [shard of proj 0; shard of proj 1; ...] so the output splits locally.
+    `silu_mul` runs the gate/up pair with the activation in the GEMM's epilogue where the AMX kernel
+    takes the weight (a layout whose panels alternate gate and up), and returns None elsewhere.
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
                  tp: TPContext = TPContext(), dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(in_features, sum(out_sizes), bias, tp, dtype, device)
+        self.gate_up_amx: Tensor | None = None  # set by prepack() where the fused AMX path applies
         self.out_sizes = list(out_sizes)
         self.local_sizes = [s // tp.size for s in out_sizes]
         for s in out_sizes:
             tp.shard_range(s)  # validates divisibility of each part
+
+    def prepack(self) -> None:
+        super().prepack()
+        self.gate_up_amx = None
+        amx = load_amx_gemm()
+        if (self.fast.amx is not None and amx is not None and self.bias is None and len(self.local_sizes) == 2
+                and self.local_sizes[0] == self.local_sizes[1] and self.local_sizes[0] % 16 == 0):
+            self.gate_up_amx = amx.pack_gate_up(self.weight)
+            self.fast.amx = None  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
+
+    def silu_mul(self, x: Tensor) -> Tensor | None:
+        """silu(gate) * up [T, I_local] in one pass over the GEMM's output, or None where not available."""
+        amx = load_amx_gemm()
+        if self.gate_up_amx is None or amx is None or x.dtype != torch.bfloat16 or x.dim() != 2:
+            return None
+        return amx(x, self.gate_up_amx, None, silu_mul=True)
 
     def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
         if not isinstance(shard_id, int):

@@ -141,6 +141,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, arch.hidden_size, arch.mlp_bias, tp, dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
+        act = self.gate_up_proj.silu_mul(x)  # bf16 on AMX: the activation in the GEMM's epilogue
+        if act is not None:
+            return self.down_proj(act)
         gate_up = self.gate_up_proj(x)  # [T, 2 I_local]
         fused = load_elementwise()
         if fused is not None and fused.applies(gate_up):

@@ -96,3 +96,25 @@ def test_weights_the_amx_kernel_cannot_take_stay_with_onednn() -> None:
     assert fast.amx is None and fast.packed is not None
     x = torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(fast.linear(x, weight, None).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 37, 512])
+def test_gate_up_with_silu_in_the_amx_epilogue(rows: int) -> None:
+    from ppserve.model.layers import MergedColumnParallelLinear
+
+    if cpu_kernels.load_amx_gemm() is None:
+        pytest.skip("no AMX on this machine: the MLP runs gate/up and SiLU-and-mul separately")
+    torch.manual_seed(rows)
+    gate_up = MergedColumnParallelLinear(576, [1536, 1536], dtype=torch.bfloat16)
+    gate_up.weight.data.normal_(0, 0.05)
+    gate_up.prepack()
+    assert gate_up.gate_up_amx is not None
+    x = torch.randn(rows, 576).bfloat16()
+    gate, up = torch.nn.functional.linear(x, gate_up.weight).chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up  # the eager chain, each op rounding to bf16
+    got = gate_up.silu_mul(x)
+    assert got is not None and got.shape == (rows, 1536)
+    # the GEMMs accumulate in different orders, then three roundings follow: within two bf16 steps
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+    torch.testing.assert_close(gate_up(x).float(), torch.cat([gate, up], -1).float())  # a plain forward still works
+    assert gate_up.silu_mul(x.float()) is None  # float32: the caller's eager path

@@ -43,20 +43,6 @@ static inline float silu_scalar(float g) {
 
 #include "vec_bf16.h"
 
-#ifdef VEC_BF16
-/* silu(g) = g / (1 + e^-g), written as g * s / (1 + s) with s = e^-|g| for negative g (the same value):
- * the denominator stays in [1, 2], so a reciprocal estimate plus one Newton step is accurate to float
- * precision and nothing overflows. */
-static inline __m512 vsilu(__m512 g) {
-    const __m512 s = vexp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 den = _mm512_add_ps(s, _mm512_set1_ps(1.f));
-    __m512 inv = _mm512_rcp14_ps(den);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, s);
-    return _mm512_mul_ps(num, inv);
-}
-#endif
-
 /* o = w * bf16(r * rsqrt(mean(r^2) + eps)) for one row r of `cols` values. */
 static void norm_row(const uint16_t *r, const uint16_t *w, uint16_t *o, int64_t cols, float eps) {
 #ifdef VEC_BF16

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "vec_bf16.h"
 
 #ifdef HAVE_AMX
 #include <omp.h>
@@ -35,6 +36,16 @@ static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *
                           : _mm512_setzero_ps();
     for (int r = 0; r < rows && r < 16; r++)
         _mm256_storeu_si256((__m256i *)(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
+}
+
+/* The SiLU-and-mul epilogue for a gate/up weight whose 16-column panels alternate gate, up (see
+ * AmxGemm.pack_gate_up): out = bf16(bf16(silu(bf16(gate))) * bf16(up)), the eager chain's roundings,
+ * written to the first `rows` rows of a 16-column slice of the [M, N/2] output. */
+static inline void store_silu_mul(const float *gate, const float *up, uint16_t *out, int64_t ldc, int64_t rows) {
+    for (int r = 0; r < rows && r < 16; r++) {
+        const __m512 g = vround_f32(_mm512_loadu_ps(gate + 16 * r)), u = vround_f32(_mm512_loadu_ps(up + 16 * r));
+        _mm256_storeu_si256((__m256i *)(out + r * ldc), vround(_mm512_mul_ps(vround_f32(vsilu(g)), u)));
+    }
 }
 
 /* One 32 x 32 output block: rows a0 (16) and a0 + 16 lda, columns of panels b0 and b0 + panel. While it
@@ -71,9 +82,11 @@ static inline void block_32x32(const uint16_t *a0, int64_t lda, const uint16_t *
  * K = 576) stay in L2 across the row blocks, and each 32-row slice of A stays in L1 across them. */
 #define COL_BLOCKS_PER_SWEEP 4
 
+/* silu_mul = 0: out [M, N] = a W^T + bias. silu_mul = 1: W's panels alternate gate, up and out [M, N/2]
+ * = silu(gate) * up (no bias). */
 int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, const uint16_t *bias, uint16_t *out,
-                  int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (n % 32 || k % 32 || m <= 0 || n <= 0 || k <= 0) return 1;
+                  int64_t ldc, int64_t m, int64_t n, int64_t k, int silu_mul, int num_threads) {
+    if (n % 32 || k % 32 || m <= 0 || n <= 0 || k <= 0 || (silu_mul && bias)) return 1;
     const int64_t kb_count = k / 32, panel = kb_count * 512; /* uint16 per 16-column panel */
     const int64_t col_blocks = n / 32, full_blocks = m / 32, row_blocks = (m + 31) / 32;
     /* Rows past the last multiple of 32 run from a zero-padded copy (only their outputs are stored), so
@@ -103,6 +116,12 @@ int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, cons
                     /* Only the first row block reads the weights from memory; prefetch the next ones. */
                     const uint16_t *next = rb == 0 && cb + 1 < hi ? w + 2 * panel : NULL;
                     block_32x32(ab, ld, w, panel, kb_count, next, acc);
+                    if (silu_mul) { /* tiles 0, 2: gate rows 0-15, 16-31; tiles 1, 3: up */
+                        uint16_t *o = out + rb * 32 * ldc + cb * 16;
+                        store_silu_mul(acc[0], acc[1], o, ldc, rows);
+                        store_silu_mul(acc[2], acc[3], o + 16 * ldc, ldc, rows - 16);
+                        continue;
+                    }
                     uint16_t *o = out + rb * 32 * ldc + cb * 32;
                     const uint16_t *bs = bias ? bias + cb * 32 : NULL;
                     store_tile(acc[0], bs, o, ldc, rows);
@@ -121,8 +140,9 @@ int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, cons
 int amx_init(void) { return -1; }
 
 int gemm_bf16_amx(const uint16_t *a, int64_t lda, const uint16_t *w_packed, const uint16_t *bias, uint16_t *out,
-                  int64_t ldc, int64_t m, int64_t n, int64_t k, int num_threads) {
-    (void)a, (void)lda, (void)w_packed, (void)bias, (void)out, (void)ldc, (void)m, (void)n, (void)k, (void)num_threads;
+                  int64_t ldc, int64_t m, int64_t n, int64_t k, int silu_mul, int num_threads) {
+    (void)a, (void)lda, (void)w_packed, (void)bias, (void)out, (void)ldc, (void)m, (void)n, (void)k, (void)silu_mul;
+    (void)num_threads;
     return 2; /* not built with AMX */
 }
 #endif

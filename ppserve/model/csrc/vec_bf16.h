@@ -43,5 +43,16 @@ static inline __m512 vexp_nonpos(__m512 x) {
     return _mm512_maskz_scalef_ps((__mmask16)~underflow, p, n);
 }
 
+/* silu(g) = g / (1 + e^-g), written as g * s / (1 + s) with s = e^-|g| for negative g (the same value):
+ * the denominator stays in [1, 2], so a reciprocal estimate plus one Newton step is accurate to float
+ * precision and nothing overflows. */
+static inline __m512 vsilu(__m512 g) {
+    const __m512 s = vexp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 den = _mm512_add_ps(s, _mm512_set1_ps(1.f));
+    __m512 inv = _mm512_rcp14_ps(den);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, s);
+    return _mm512_mul_ps(num, inv);
+}
 #endif /* AVX512-BF16 */
 #endif /* PPSERVE_VEC_BF16_H */
