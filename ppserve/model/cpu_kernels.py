@@ -21,13 +21,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+_K = TypeVar("_K")
 
 _CSRC = Path(__file__).with_name("csrc")  # every .c file here goes into one shared object
 # -ffast-math lets gcc vectorise the dot-product reductions and expf (libmvec). It is passed to the compile
@@ -294,22 +297,25 @@ class AmxGemm:
         return out
 
 
+def _bound(kernel: Callable[[ctypes.CDLL], _K]) -> _K | None:
+    """`kernel` bound to the shared object, or None where it cannot be built."""
+    lib = load_library()
+    return None if lib is None else kernel(lib)
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
-    lib = load_library()
-    return None if lib is None else PagedDecode(lib)
+    return _bound(PagedDecode)
 
 
 @cache
 def load_elementwise() -> Elementwise | None:
-    lib = load_library()
-    return None if lib is None else Elementwise(lib)
+    return _bound(Elementwise)
 
 
 @cache
 def load_greedy_argmax() -> GreedyArgmax | None:
-    lib = load_library()
-    return None if lib is None else GreedyArgmax(lib)
+    return _bound(GreedyArgmax)
 
 
 @cache

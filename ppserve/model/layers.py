@@ -303,13 +303,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             tp.shard_range(s)  # validates divisibility of each part
 
     def prepack(self) -> None:
-        super().prepack()
-        self.gate_up_amx = None
-        amx = load_amx_gemm()
-        if (self.fast.amx is not None and amx is not None and self.bias is None and len(self.local_sizes) == 2
+        amx = load_amx_gemm() if can_prepack(self.weight) else None
+        if (amx is not None and amx.fits(self.weight) and self.bias is None and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1] and self.local_sizes[0] % 16 == 0):
             self.gate_up_amx = amx.pack_gate_up(self.weight)
-            self.fast.amx = None  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
+            self.fast = PackedWeight()  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
+        else:
+            self.gate_up_amx = None
+            super().prepack()
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """silu(gate) * up [T, I_local] in one pass over the GEMM's output, or None where not available."""

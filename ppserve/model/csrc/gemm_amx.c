@@ -32,10 +32,9 @@ int amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATUR
 
 /* Round the first `rows` rows of a 16 x 16 float tile (+ bias) to bf16 into out (rows ldc apart). */
 static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *out, int64_t ldc, int64_t rows) {
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias)), 16))
-                          : _mm512_setzero_ps();
+    const __m512 b = bias ? vload(bias, 0xffff) : _mm512_setzero_ps();
     for (int r = 0; r < rows && r < 16; r++)
-        _mm256_storeu_si256((__m256i *)(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
+        _mm256_storeu_si256((__m256i *)(out + r * ldc), vround(_mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), b)));
 }
 
 /* The SiLU-and-mul epilogue for a gate/up weight whose 16-column panels alternate gate, up (see

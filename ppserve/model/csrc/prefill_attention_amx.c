@@ -65,11 +65,6 @@ static void rearrange_kv(const uint16_t *k_cache, const uint16_t *v_cache, const
     }
 }
 
-/* Lanes of a 16-key vector a query sees when `visible` keys from the vector's first one are visible. */
-static inline __mmask16 visible_mask(int64_t visible) {
-    return visible >= 16 ? (__mmask16)0xffff : (visible <= 0 ? (__mmask16)0 : (__mmask16)((1u << visible) - 1u));
-}
-
 /* One (query head, 16-query tile) work item, over chunks of 64 keys: per chunk, the scores are 4 tiles
  * (16 keys each) and P V accumulates in the same 4 tiles (16 dims each), so the softmax bookkeeping per
  * row (max, rescale, accumulator update) is paid once per 64 keys. */
@@ -124,7 +119,7 @@ static void attend_tile(const uint16_t *q, int64_t q_stride, int64_t q0, int64_t
             __m512 sv[4];
             __m512 mx = ninf;
             for (int v = 0; v < 4; v++) {
-                sv[v] = _mm512_mask_mul_ps(ninf, visible_mask(visible - 16 * v), _mm512_load_ps(sbuf + r * CHUNK + 16 * v), vscale);
+                sv[v] = _mm512_mask_mul_ps(ninf, tail_mask(visible - 16 * v), _mm512_load_ps(sbuf + r * CHUNK + 16 * v), vscale);
                 mx = _mm512_max_ps(mx, sv[v]);
             }
             const float chunk_max = _mm512_reduce_max_ps(mx);

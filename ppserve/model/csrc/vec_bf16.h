@@ -8,7 +8,10 @@
 #include <immintrin.h>
 #define VEC_BF16 1
 
-static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+/* The first `left` of 16 lanes (all for 16 or more, none for 0 or fewer). */
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1u));
+}
 
 static inline __m512 vload(const uint16_t *p, __mmask16 m) {
     const __m256i h = _mm256_maskz_loadu_epi16(m, p);
