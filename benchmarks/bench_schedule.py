@@ -17,32 +17,45 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, StepResult
 
 
-def pure_schedule_us(num_requests: int, steps: int = 200) -> dict[str, float]:
+def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[str, float]:
+    """Median schedule() and update_from_output() per microbatch with `num_requests` decoding requests on a
+    pipeline of `pp` slots (pp microbatches in flight, each about num_requests / pp decodes)."""
     cfg = SchedulerConfig(policy="sarathi", token_budget=num_requests, max_num_seqs=num_requests)
-    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192)
+    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, max_in_flight=pp)
     for i in range(num_requests):
         s.add_request(Request(f"r{i}", list(range(1, 33)), SamplingParams(max_tokens=10_000, ignore_eos=True)))
-    # Prefill everything first (budget = num_requests tokens per step) until all requests decode.
-    while any(r.is_prefill for r in s.running) or s.waiting:
-        out = s.schedule()
-        assert out is not None
+
+    def complete_oldest() -> None:
+        out = s.in_flight[0]
         s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
+
+    # Prefill everything, then let the decodes settle into pp groups.
+    warm = 0
+    while warm < 4 * pp:
+        while s.schedule() is not None:
+            pass
+        complete_oldest()
+        settled = not s.waiting and not any(r.is_prefill for r in s.running.values())
+        warm = warm + 1 if settled else 0
+    while s.schedule() is not None:
+        pass
     sched_ns, update_ns = [], []
     for _ in range(steps):
         t0 = time.perf_counter_ns()
-        out = s.schedule()
+        complete_oldest()
         t1 = time.perf_counter_ns()
-        assert out is not None and len(out.order) == num_requests
-        s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
+        out = s.schedule()
         t2 = time.perf_counter_ns()
-        sched_ns.append(t1 - t0)
-        update_ns.append(t2 - t1)
+        assert out is not None and len(s.in_flight) == pp and s.schedule() is None
+        sched_ns.append(t2 - t1)
+        update_ns.append(t1 - t0)
     return {"schedule_us_median": statistics.median(sched_ns) / 1e3,
             "update_us_median": statistics.median(update_ns) / 1e3}
 
@@ -74,13 +87,20 @@ def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--pp", type=int, nargs="+", default=[1, 4], help="pipeline depths for the pure measurement")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--skip-engine", action="store_true", help="only the pure-Python measurement")
     ap.add_argument("--out", default="results/bench_schedule.json")
     args = ap.parse_args()
-    result: dict[str, object] = {"requests": args.requests, "pure": pure_schedule_us(args.requests)}
-    print(f"pure scheduler, {args.requests} decoding requests: schedule() {result['pure']['schedule_us_median']:.0f} us, "
-          f"update_from_output() {result['pure']['update_us_median']:.0f} us (medians)")
+    result: dict[str, Any] = {"requests": args.requests, "pure": {}}
+    for pp in args.pp:
+        for n in sorted({args.requests // 4, args.requests // 2, args.requests, 2 * args.requests}):
+            r = pure_schedule_us(n, pp=pp)
+            result["pure"][f"pp{pp}-{n}"] = r
+            total = r["schedule_us_median"] + r["update_us_median"]
+            print(f"pure scheduler, pp={pp}, {n} decoding requests: schedule() {r['schedule_us_median']:.0f} us + "
+                  f"update_from_output() {r['update_us_median']:.0f} us = {total:.0f} us per microbatch of {n // pp} "
+                  f"decodes ({1e3 * total / n:.0f} ns per running request; medians)")
     if not args.skip_engine:
         eng = engine_ratio(args.requests, args.max_tokens)
         result["engine"] = eng

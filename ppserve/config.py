@@ -102,6 +102,10 @@ class SchedulerConfig:
     token_budget: int = 512  # tokens per microbatch (sarathi; also the whole-prompt limit of vllm)
     max_num_seqs: int = 256  # requests running at once
     per_microbatch_seq_cap: bool = False  # cap requests per microbatch at max_num_seqs / pp_size
+    # sarathi: spread decodes and the work in reach evenly over the pipeline's in-flight microbatches, and
+    # let a prompt's chunks follow each other down the pipeline (ppserve/sched/balance.py); off = one
+    # request per in-flight microbatch, filled to the budget (the unbalanced formation, for comparison)
+    balance: bool = True
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
     budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)

@@ -97,7 +97,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    in_flight: bool = False  # part of a microbatch that has not come back yet (pipeline invariant)
+    # In-flight microbatches holding this request (pipeline invariant: at most one that samples it; a
+    # prompt's consecutive prefill chunks may ride in several).
+    num_in_flight: int = 0
+    ready_seq: int = 0  # when its last token came back (scheduler step count): older decodes go first
     first_scheduled_time: float | None = None
     # Set when the workers hold this request's per-request state (sent in full once, then diffs).
     sent_to_workers: bool = False
@@ -129,6 +132,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_flight(self) -> bool:
+        """Part of a microbatch that has not come back yet."""
+        return self.num_in_flight > 0
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,12 @@ class TokenBudget:
         self.tokens_used += num_tokens
         self.num_seqs += 1
 
+    def limit(self, tokens: int, seconds: float | None = None) -> None:
+        """Shrink this budget to a share of it (balanced formation): at most `tokens` tokens (and, for a
+        time budget, `seconds` predicted). Never grows it."""
+        if self.token_budget is not None:
+            self.token_budget = min(self.token_budget, max(1, tokens))
+
 
 class TimeBudget(TokenBudget):
     """A token budget that also keeps the microbatch's predicted time within `time_budget_s`.
@@ -109,6 +115,11 @@ class TimeBudget(TokenBudget):
         super().spend(num_tokens, context)
         if self.active:
             self.time_used_s += self.cost.marginal_s(num_tokens, context)
+
+    def limit(self, tokens: int, seconds: float | None = None) -> None:
+        super().limit(tokens, seconds)
+        if seconds is not None and self.active:
+            self.time_budget_s = min(self.time_budget_s, seconds)
 
 
 class BudgetFactory(Protocol):

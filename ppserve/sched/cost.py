@@ -35,9 +35,7 @@ def attention_keys(num_tokens: int, context: int) -> float:
 
 def step_chunks(out: SchedulerOutput) -> list[tuple[int, int]]:
     """(tokens this step, context before) for every request of a microbatch, in batch order."""
-    computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
-    computed.update({r.request_id: r.num_computed_tokens for r in out.cached_requests})
-    return [(n, computed.get(rid, 0)) for rid, n in zip(out.order, out.num_scheduled_tokens, strict=True)]
+    return out.chunks()
 
 
 class StepCostModel(Protocol):

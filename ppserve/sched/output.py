@@ -7,7 +7,7 @@ newly sampled tokens). Results come back as plain builtins too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NamedTuple
 
 from ppserve.request import FinishReason, SamplingParams
 
@@ -24,9 +24,9 @@ class NewRequestData:
     sampling: SamplingParams
 
 
-@dataclass(frozen=True)
-class CachedRequestData:
-    """A diff for a request the workers already hold."""
+class CachedRequestData(NamedTuple):
+    """A diff for a request the workers already hold (a named tuple: one is built per request per step,
+    and a tuple costs a third of a frozen dataclass to make)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]  # output tokens sampled since the workers last heard of it
@@ -41,6 +41,7 @@ class SchedulerOutput:
     step_id: int
     order: tuple[str, ...]
     num_scheduled_tokens: tuple[int, ...]  # aligned with `order`
+    num_computed_tokens: tuple[int, ...]  # aligned with `order`: tokens with KV before this step (the context)
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
     sample_request_ids: tuple[str, ...]  # requests whose next token is due at the end of this step
@@ -56,18 +57,23 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.order
 
+    def chunks(self) -> list[tuple[int, int]]:
+        """(tokens computed this step, tokens already in the KV cache) per request, in batch order: what a
+        step-cost model prices."""
+        return list(zip(self.num_scheduled_tokens, self.num_computed_tokens, strict=True))
+
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the last stage returns for one microbatch: sampled tokens by request id, plus spans."""
+    """What the pipeline returns for one microbatch: sampled tokens by request id, and each stage's compute
+    seconds for it (the slowest TP rank of the stage; empty when the executor cannot tell)."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    spans: tuple[dict[str, Any], ...] = ()
+    stage_seconds: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True)
-class RequestUpdate:
+class RequestUpdate(NamedTuple):
     """What the scheduler reports back to the engine for one request after a step."""
 
     request_id: str

@@ -2,48 +2,52 @@
 
 Every policy shares the request model, the block manager and the pipeline; only admission differs
 (DESIGN.md §4). A policy sees a `BatchBuilder`, which owns block allocation and preemption, and calls
-`builder.add(req, num_tokens)`.
+`builder.add(req, num_tokens)`. Attributes tell the scheduler what else a policy takes part in:
+`token_budgeted` (it consults the token budget, so the budget mode's time budget and TBT target apply
+too; orca and static admit whole prompts under no token budget), `chunked_prefill` (it cuts prompts
+into chunks, so no microbatch ever holds more than the budget: an invariant the scheduler checks;
+vllm runs a prompt longer than the budget alone), and `balanced` (the scheduler hands
+it a decode quota and a fair share of the work, and lets a prompt's chunks follow each other down the
+pipeline: `ppserve.sched.balance`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from ppserve.sched.budget import BudgetFactory, TokenBudget
+from ppserve.sched.batch import BatchBuilder
 
-if TYPE_CHECKING:
-    from ppserve.sched.scheduler import BatchBuilder
+__all__ = ["POLICIES", "Policy", "make_policy"]
 
 
 class Policy(Protocol):
     name: str
-
-    def make_budget(
-        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
-    ) -> TokenBudget:
-        """This microbatch's budget; `new_budget` is the scheduler's budget mode (tokens, or predicted time)."""
-        ...
+    token_budgeted: bool
+    chunked_prefill: bool
+    balanced: bool
 
     def fill(self, b: BatchBuilder) -> None: ...
 
 
 class SarathiPolicy:
     """Stall-free batching: decodes first, then unfinished prefill chunks, then new requests (FCFS),
-    chunking prefills so the microbatch holds exactly `token_budget` tokens when work allows."""
+    chunking prefills so the microbatch holds exactly its budget of tokens when work allows.
+
+    Balanced (the default with a pipeline): the decodes are spread over the in-flight microbatches and
+    the budget is a fair share of the work in reach (`ppserve.sched.balance`), so consecutive
+    microbatches cost the same on every stage; a decode left out by its quota goes first in the next
+    microbatch, and no decode ever waits behind a prefill."""
 
     name = "sarathi"
+    token_budgeted = True
+    chunked_prefill = True
 
-    def make_budget(
-        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
-    ) -> TokenBudget:
-        return new_budget(token_budget, seq_cap)
+    def __init__(self, balanced: bool = True) -> None:
+        self.balanced = balanced
 
     def fill(self, b: BatchBuilder) -> None:
-        # Phase 1: every schedulable decode gets its one token, so no decode is stalled by a prefill.
-        for req in b.schedulable_running(decodes=True):
-            if b.budget.chunk(1, req.num_computed_tokens) == 0:
-                break
-            b.add(req, 1, may_preempt=True)
+        # Phase 1: every schedulable decode (up to its quota) gets its one token, before any prefill.
+        b.add_decodes()
         # Phase 2: prefills already under way, then new arrivals, each chunked to the budget left.
         for req in b.schedulable_running(decodes=False):
             n = b.budget.chunk(req.num_uncomputed_tokens, req.num_computed_tokens)
@@ -61,11 +65,9 @@ class VllmPolicy:
     in the token budget; when no prompt can start, a decode-only microbatch."""
 
     name = "vllm"
-
-    def make_budget(
-        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
-    ) -> TokenBudget:
-        return new_budget(token_budget, seq_cap)
+    token_budgeted = True
+    chunked_prefill = False
+    balanced = False
 
     def fill(self, b: BatchBuilder) -> None:
         # Prefills already under way (recompute after preemption) run whole, like new prompts.
@@ -82,10 +84,7 @@ class VllmPolicy:
                 break
         if b.budget.num_seqs > 0:
             return
-        for req in b.schedulable_running(decodes=True):
-            if b.budget.chunk(1, req.num_computed_tokens) == 0:
-                break
-            b.add(req, 1, may_preempt=True)
+        b.add_decodes()
 
 
 def _runs_alone(b: BatchBuilder, num_tokens: int) -> bool:
@@ -98,17 +97,12 @@ class OrcaPolicy:
     """Iteration-level hybrid batches: all decodes plus whole (unchunked) prompts, no token budget."""
 
     name = "orca"
-
-    def make_budget(
-        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
-    ) -> TokenBudget:
-        return TokenBudget(None, seq_cap)  # no token budget, hence no time budget either
+    token_budgeted = False
+    chunked_prefill = False
+    balanced = False
 
     def fill(self, b: BatchBuilder) -> None:
-        for req in b.schedulable_running(decodes=True):
-            if not b.budget.has_seat:
-                return
-            b.add(req, 1, may_preempt=True)
+        b.add_decodes()
         for req in b.schedulable_running(decodes=False):
             if not b.budget.has_seat:
                 return
@@ -124,11 +118,9 @@ class StaticPolicy:
     A batch is formed only when no request is running; then its whole prompts run, then its decodes."""
 
     name = "static"
-
-    def make_budget(
-        self, token_budget: int, seq_cap: int | None, new_budget: BudgetFactory = TokenBudget
-    ) -> TokenBudget:
-        return TokenBudget(None, seq_cap)  # no token budget, hence no time budget either
+    token_budgeted = False
+    chunked_prefill = False
+    balanced = False
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:
@@ -140,18 +132,17 @@ class StaticPolicy:
             if not b.budget.has_seat:
                 return
             b.add(req, req.num_uncomputed_tokens, may_preempt=False)
-        for req in b.schedulable_running(decodes=True):
-            if not b.budget.has_seat:
-                return
-            b.add(req, 1, may_preempt=False)
+        b.add_decodes(may_preempt=False)
 
 
 POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, balanced: bool = True) -> Policy:
+    """The policy called `name`; `balanced` applies to the policies that can balance (sarathi)."""
     try:
-        policy: Policy = POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    policy: Policy = cls(balanced) if cls is SarathiPolicy else cls()
     return policy

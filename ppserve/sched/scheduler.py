@@ -1,105 +1,43 @@
 """The scheduler state machine: `schedule() -> SchedulerOutput`, `update_from_output(out, result)`.
 
 No torch, ray, grpc, I/O or clock reads of its own (the clock is injected). It owns the only KV block
-allocator and enforces the pipeline invariants: at most `max_in_flight` microbatches in flight, and a
-request in at most one of them.
+allocator and enforces the pipeline invariants: at most `max_in_flight` microbatches in flight, a
+decoding request in at most one of them (a prompt's consecutive prefill chunks may follow each other;
+only the last one samples).
+
+How a microbatch is formed (DESIGN.md §3-§4). The policy decides which requests join and how many
+tokens each computes; for `sarathi` that is: every schedulable decode first (one token each, never
+stalled by a prefill), then the prefill chunks already under way, then new requests in arrival
+order, chunked so the microbatch holds exactly its budget. With a pipeline (p > 1 slots) the
+formation is *balanced* (`ppserve.sched.balance`): the decodes are spread over the in-flight
+microbatches, about 1/p of all decoding requests each, those in flight counted; the budget shrinks to
+a fair share of the work in reach, (in flight + schedulable) / p, in tokens or, where a cost model
+prices steps, in predicted seconds; and a prompt's next chunk may join the next microbatch while its
+previous chunk is still in flight. So the pipeline holds p microbatches whenever there are p units of
+work, and consecutive microbatches cost the same on every stage. The other policies keep their own
+rules (the baselines are measured as they are).
+
+Per-request work is incremental and linear in the number of requests: one pass sorts the running
+requests, decodes carry one token and, every block_size tokens, one block id.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import FinishReason, Request, RequestStatus
+from ppserve.sched.balance import decode_quota, fair_share
+from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
-from ppserve.sched.budget import BudgetMode, make_budget_mode
+from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
 
-
-class BatchBuilder:
-    """One microbatch under construction. Policies decide; this object allocates, preempts and records."""
-
-    def __init__(self, sched: Scheduler, policy: Policy) -> None:
-        self.sched = sched
-        seq_cap = None
-        if sched.config.per_microbatch_seq_cap:
-            seq_cap = max(1, sched.config.max_num_seqs // sched.max_in_flight)
-        mode = sched.budget_mode
-        self.budget = policy.make_budget(mode.token_budget, seq_cap, mode.new_budget)
-        self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
-
-    @property
-    def num_running(self) -> int:
-        return len(self.sched.running)
-
-    def schedulable_running(self, decodes: bool) -> Iterator[Request]:
-        """Running requests not in flight and not yet in this batch: decodes, or prefills under way."""
-        for req in list(self.sched.running):
-            if req.in_flight or req.request_id in self.chosen or req.status is not RequestStatus.RUNNING:
-                continue
-            if req.is_prefill != decodes:
-                yield req
-
-    def waiting_head(self) -> Request | None:
-        return self.sched.waiting[0] if self.sched.waiting else None
-
-    def add(self, req: Request, num_tokens: int, may_preempt: bool, over_budget: bool = False) -> bool:
-        """Schedule `num_tokens` of a running request, preempting younger requests for blocks if allowed."""
-        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
-        if num_tokens <= 0:
-            return False
-        need = self.sched.blocks.blocks_needed(req, num_tokens)
-        while not self.sched.blocks.can_allocate(need):
-            victim = self._pick_victim() if may_preempt else None
-            if victim is None:
-                return False
-            self.sched._preempt(victim)
-            if victim is req:
-                return False
-        self.sched.blocks.allocate(req, num_tokens)
-        self._take(req, num_tokens, over_budget)
-        return True
-
-    def admit(self, req: Request, num_tokens: int, over_budget: bool = False, reserve_full: bool = False) -> bool:
-        """Move the head of the waiting queue to running if a seat and its blocks are free (FCFS: no skipping)."""
-        assert self.sched.waiting and self.sched.waiting[0] is req
-        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
-        if num_tokens <= 0 or len(self.sched.running) >= self.sched.config.max_num_seqs:
-            return False
-        reserve = num_tokens
-        if reserve_full:
-            reserve = self.sched.max_total_tokens(req) - req.num_computed_tokens
-        if not self.sched.blocks.can_allocate(self.sched.blocks.blocks_needed(req, reserve)):
-            return False
-        self.sched.waiting.popleft()
-        self.sched.blocks.allocate(req, reserve)
-        req.status = RequestStatus.RUNNING
-        self.sched.running.append(req)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = self.sched.clock()
-        self._take(req, num_tokens, over_budget)
-        return True
-
-    def _cap_to_budget(self, req: Request, num_tokens: int, over_budget: bool) -> int:
-        return num_tokens if over_budget else self.budget.chunk(num_tokens, req.num_computed_tokens)
-
-    def _take(self, req: Request, num_tokens: int, over_budget: bool) -> None:
-        if over_budget:
-            # A whole prompt longer than the budget runs alone (vllm policy); account it as the full budget.
-            self.budget.tokens_used = self.budget.token_budget or 0
-            self.budget.num_seqs += 1
-        else:
-            self.budget.spend(num_tokens, req.num_computed_tokens)
-        self.chosen[req.request_id] = num_tokens
-
-    def _pick_victim(self) -> Request | None:
-        """The most recently arrived running request that is neither in flight nor already chosen."""
-        for req in reversed(self.sched.running):
-            if not req.in_flight and req.request_id not in self.chosen:
-                return req
-        return None
+_RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
@@ -114,7 +52,7 @@ class Scheduler:
         budget_mode: BudgetMode | None = None,
     ) -> None:
         self.config = config
-        self.policy = make_policy(config.policy)
+        self.policy: Policy = make_policy(config.policy, balanced=config.balance)
         # How big each microbatch's budget is (fixed tokens unless the config asks for time or a TBT target).
         self.budget_mode = budget_mode or make_budget_mode(config, max_in_flight)
         self.blocks = BlockManager(num_blocks, block_size)
@@ -123,11 +61,16 @@ class Scheduler:
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: dict[str, Request] = {}  # by id, in admission order
         self.in_flight: deque[SchedulerOutput] = deque()
+        self._in_flight_seconds: deque[float] = deque()  # predicted marginal seconds, aligned with in_flight
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
+        self.balanced = self.policy.balanced and max_in_flight > 1
+        self._seq_cap: int | None = None
+        if config.per_microbatch_seq_cap:
+            self._seq_cap = max(1, config.max_num_seqs // max_in_flight)
 
     # ---- requests in and out -------------------------------------------------------------------
     def max_total_tokens(self, req: Request) -> int:
@@ -172,8 +115,8 @@ class Scheduler:
         return self.finish_request(request_id, FinishReason.CANCELLED)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+        if req.status is _RUNNING:
+            del self.running[req.request_id]
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
@@ -182,14 +125,14 @@ class Scheduler:
         if req.sent_to_workers:
             self._released.append(req.request_id)
             req.sent_to_workers = False
-        # An in-flight request is forgotten when its microbatch returns; otherwise now.
-        if not req.in_flight:
+        # An in-flight request is forgotten when its (last) microbatch returns; otherwise now.
+        if not req.num_in_flight:
             del self.requests[req.request_id]
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, keep prompt and generated tokens, requeue at the front."""
-        assert not req.in_flight, "an in-flight request cannot be preempted"
-        self.running.remove(req)
+        assert not req.num_in_flight, "an in-flight request cannot be preempted"
+        del self.running[req.request_id]
         self.blocks.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -210,13 +153,14 @@ class Scheduler:
         is arrival order. Returns the ids requeued.
         """
         self.in_flight.clear()
+        self._in_flight_seconds.clear()
         self._released = []  # the old workers are gone: nothing of theirs to drop
         for rid, req in list(self.requests.items()):
-            req.in_flight = False
+            req.num_in_flight = 0
             if req.is_finished:  # cancelled or stopped while its microbatch was in flight
                 del self.requests[rid]
         unfinished = sorted(
-            list(self.running) + list(self.waiting), key=lambda r: r.arrival_time
+            list(self.running.values()) + list(self.waiting), key=lambda r: r.arrival_time
         )  # sorted() is stable: equal arrival times keep their queue order
         self.running.clear()
         self.waiting.clear()
@@ -242,54 +186,99 @@ class Scheduler:
         """Form the next microbatch, or None when the pipeline is full or nothing can run now."""
         if not self.has_room():
             return None
-        b = BatchBuilder(self, self.policy)
+        if self.policy.token_budgeted:
+            mode = self.budget_mode
+            budget = mode.new_budget(mode.token_budget, self._seq_cap)
+        else:
+            budget = TokenBudget(None, self._seq_cap)  # whole prompts: no token budget, so no time budget
+        b = BatchBuilder(
+            budget=budget, blocks=self.blocks, running=self.running, waiting=self.waiting, preempt=self._preempt,
+            max_num_seqs=self.config.max_num_seqs, max_total_tokens=self.max_total_tokens, clock=self.clock,
+            pipeline_chunks=self.balanced,
+        )
+        if self.balanced:
+            self._balance(b)
         self.policy.fill(b)
         if not b.chosen:
             return None
         return self._emit(b)
 
+    def _balance(self, b: BatchBuilder) -> None:
+        """Give the builder its decode quota and shrink its budget to a fair share (sched/balance.py)."""
+        p = self.max_in_flight
+        num_ready = len(b.decodes)
+        awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight)  # decode next once back
+        b.decode_quota = decode_quota(num_ready + awaiting, num_ready, p, p - len(self.in_flight))
+        budget = b.budget
+        cap = budget.token_budget
+        assert cap is not None, "a balanced policy has a token budget"
+        timed = isinstance(budget, TimeBudget) and budget.active
+        if timed:
+            assert isinstance(budget, TimeBudget)
+            cost = budget.cost
+            seconds = sum(self._in_flight_seconds)
+            for req in b.decodes:
+                seconds += cost.marginal_s(1, req.num_computed_tokens)
+            for req in self._prefills_in_reach(b):
+                seconds += cost.marginal_s(req.num_uncomputed_tokens, req.num_computed_tokens)
+            per_step = budget.time_budget_s - cost.base_s
+            budget.limit(cap, cost.base_s + fair_share(seconds, p, per_step))
+            return
+        tokens = sum(mb.total_tokens for mb in self.in_flight) + num_ready
+        limit = p * cap  # beyond this the share is the whole budget: stop counting
+        for req in self._prefills_in_reach(b):
+            if tokens >= limit:
+                break
+            tokens += req.num_uncomputed_tokens
+        budget.limit(math.ceil(fair_share(tokens, p, cap)))
+
+    def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
+        """Prefills under way, then the waiting requests that could take the free seats (arrival order)."""
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        return b.prefills + list(itertools.islice(self.waiting, seats))
+
     def _emit(self, b: BatchBuilder) -> SchedulerOutput:
         new: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         sample: list[str] = []
+        computed: list[int] = []
         prefill_tokens = decode_tokens = 0
-        for rid, n in b.chosen.items():
-            req = self.requests[rid]
+        for req, n in zip(b.chosen_requests, b.chosen.values(), strict=True):
+            rid = req.request_id
+            done = req.num_computed_tokens
+            outputs = req.output_token_ids
+            num_outputs = len(outputs)
+            num_blocks = len(req.block_ids)
+            num_tokens = len(req.prompt_token_ids) + num_outputs
             if req.sent_to_workers:
-                cached.append(
-                    CachedRequestData(
-                        request_id=rid,
-                        new_token_ids=tuple(req.output_token_ids[req.num_output_tokens_sent :]),
-                        new_block_ids=tuple(req.block_ids[req.num_blocks_sent :]),
-                        num_computed_tokens=req.num_computed_tokens,
-                    )
-                )
+                # The usual diff is one new token and no block: spare the slicing.
+                k = req.num_output_tokens_sent
+                toks = () if k == num_outputs else (outputs[-1],) if k == num_outputs - 1 else tuple(outputs[k:])
+                k = req.num_blocks_sent
+                blocks = () if k == num_blocks else tuple(req.block_ids[k:])
+                cached.append(CachedRequestData(rid, toks, blocks, done))
             else:
-                new.append(
-                    NewRequestData(
-                        request_id=rid,
-                        token_ids=tuple(req.all_token_ids),
-                        num_prompt_tokens=req.num_prompt_tokens,
-                        block_ids=tuple(req.block_ids),
-                        num_computed_tokens=req.num_computed_tokens,
-                        sampling=req.sampling,
-                    )
-                )
+                new.append(NewRequestData(
+                    request_id=rid, token_ids=tuple(req.all_token_ids), num_prompt_tokens=len(req.prompt_token_ids),
+                    block_ids=tuple(req.block_ids), num_computed_tokens=done, sampling=req.sampling,
+                ))
                 req.sent_to_workers = True
-            req.num_output_tokens_sent = len(req.output_token_ids)
-            req.num_blocks_sent = len(req.block_ids)
-            if req.is_prefill:
+            req.num_output_tokens_sent = num_outputs
+            req.num_blocks_sent = num_blocks
+            if num_tokens - done > 1:
                 prefill_tokens += n
             else:
                 decode_tokens += n
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
+            computed.append(done)
+            req.num_computed_tokens = done + n
+            if done + n == num_tokens:
                 sample.append(rid)
-            req.in_flight = True
+            req.num_in_flight += 1
         out = SchedulerOutput(
             step_id=self._next_step,
             order=tuple(b.chosen),
             num_scheduled_tokens=tuple(b.chosen.values()),
+            num_computed_tokens=tuple(computed),
             new_requests=tuple(new),
             cached_requests=tuple(cached),
             sample_request_ids=tuple(sample),
@@ -300,35 +289,52 @@ class Scheduler:
         self._released = []
         self._next_step += 1
         self.in_flight.append(out)
+        budget = b.budget
+        self._in_flight_seconds.append(
+            budget.time_used_s - budget.cost.base_s if isinstance(budget, TimeBudget) and budget.active else 0.0
+        )
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
         """Take a finished microbatch back (oldest first), append sampled tokens, apply stop rules."""
         if not self.in_flight or self.in_flight[0].step_id != out.step_id:
             raise AssertionError(f"microbatch {out.step_id} returned out of order")
-        self.in_flight.popleft()
         if result.step_id != out.step_id:
             raise AssertionError(f"result for step {result.step_id} handed in for step {out.step_id}")
+        sampled = result.sampled_token_ids
+        missing = [rid for rid in out.sample_request_ids if rid not in sampled]
+        if missing:
+            raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
+        self.in_flight.popleft()
+        self._in_flight_seconds.popleft()
+        requests = self.requests
+        seq = self._next_step
+        max_len = self.max_model_len
         updates: list[RequestUpdate] = []
         for rid in out.order:
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            req.in_flight = False
-            if req.is_finished:  # cancelled or stopped while in flight: forget it now
-                del self.requests[rid]
+            req.num_in_flight -= 1
+            if req.status is RequestStatus.FINISHED:  # cancelled or stopped while in flight
+                if not req.num_in_flight:
+                    del requests[rid]
                 continue
-            if rid not in result.sampled_token_ids:
+            token = sampled.get(rid)
+            if token is None:  # a prefill chunk that was not the prompt's last
                 continue
-            token = result.sampled_token_ids[rid]
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
+            outputs = req.output_token_ids
+            outputs.append(token)
+            req.ready_seq = seq
+            sp = req.sampling
+            reason = None
+            if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            elif len(outputs) >= sp.max_tokens or len(req.prompt_token_ids) + len(outputs) >= max_len:
+                reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
             updates.append(RequestUpdate(rid, (token,), reason is not None, reason))
-        missing = set(out.sample_request_ids) - set(result.sampled_token_ids)
-        if missing:
-            raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
         return updates
 
     @property
@@ -340,38 +346,38 @@ class Scheduler:
         """Feedback after `update_from_output(out, ...)`: the measured compute seconds of `out` on each
         stage (empty when unknown). Calibrates the budget mode's cost model or its TBT controller; the
         scheduler itself reads no clock but the injected one."""
+        if not self.budget_mode.needs_feedback:
+            return
         finished = [rid for rid in out.order if rid not in self.requests]
         self.budget_mode.observe(out, stage_seconds, self.clock(), finished)
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        sp = req.sampling
-        if not sp.ignore_eos and token in req.eos_token_ids:
-            return FinishReason.STOP
-        if token in sp.stop_token_ids:
-            return FinishReason.STOP
-        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.blocks.check()
         if len(self.in_flight) > self.max_in_flight:
             raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.max_in_flight}")
-        seen: set[str] = set()
+        sampling: set[str] = set()  # requests whose token is due from an in-flight microbatch
+        counts: dict[str, int] = {}
         for out in self.in_flight:
             for rid in out.order:
                 req = self.requests.get(rid)
-                if rid in seen and req is not None and not req.is_finished:
-                    raise AssertionError(f"request {rid} is in two in-flight microbatches")
-                seen.add(rid)
-            if out.total_tokens > self.budget_mode.token_cap and self.policy.name == "sarathi":
+                if req is not None and not req.is_finished:
+                    if rid in sampling:
+                        raise AssertionError(f"request {rid} is in an in-flight microbatch after the one that samples it")
+                    if counts.get(rid) and not self.balanced:
+                        raise AssertionError(f"request {rid} is in two in-flight microbatches")
+                counts[rid] = counts.get(rid, 0) + 1
+            sampling.update(out.sample_request_ids)
+            if self.policy.chunked_prefill and out.total_tokens > self.budget_mode.token_cap:
                 raise AssertionError(f"microbatch {out.step_id} holds {out.total_tokens} > budget tokens")
-        used = sum(len(r.block_ids) for r in self.running)
+        for rid, n in counts.items():
+            req = self.requests.get(rid)
+            if req is not None and req.num_in_flight != n:
+                raise AssertionError(f"request {rid} counts {req.num_in_flight} in-flight microbatches, not {n}")
+        used = sum(len(r.block_ids) for r in self.running.values())
         if used != self.blocks.num_used:
             raise AssertionError(f"running requests hold {used} blocks but the allocator counts {self.blocks.num_used}")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
         if not self.has_unfinished and self.blocks.num_used:
             raise AssertionError(f"idle but {self.blocks.num_used} KV blocks are still in use")
-

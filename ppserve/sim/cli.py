@@ -7,6 +7,7 @@ pipeline (a Chrome trace or spans JSONL), to pass back as `--hardware P.json`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def _load_spans(path: str) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ppserve.config import SchedulerConfig, load_config
+    from ppserve.config import load_config
     from ppserve.sim.cost_model import (
         Profile,
         ProfileCostModel,
@@ -79,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     sc = cfg.scheduler
-    sched = SchedulerConfig(
+    # The config's scheduler section (every --set scheduler.* applies), with the flags on top.
+    sched = dataclasses.replace(
+        sc,
         policy=args.policy or sc.policy,
         token_budget=args.token_budget or sc.token_budget,
         max_num_seqs=args.max_num_seqs or sc.max_num_seqs,

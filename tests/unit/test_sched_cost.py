@@ -227,7 +227,7 @@ def test_adaptive_feedback_alone_shrinks_the_budget():
     from ppserve.sched.output import SchedulerOutput
 
     ad = AdaptiveTokenBudget(0.05, start=1000, min_samples=4)
-    out = SchedulerOutput(0, ("a", "b"), (1, 1), (), (), ("a", "b"))
+    out = SchedulerOutput(0, ("a", "b"), (1, 1), (5, 5), (), (), ("a", "b"))
     for t in range(1, 6):
         ad.observe(out, (), now=0.2 * t, finished=())
     assert ad.token_budget < 1000 and ad.history and ad.history[0][1] == pytest.approx(0.2)

@@ -133,13 +133,13 @@ def test_per_microbatch_seq_cap():
     assert s.schedule() is None  # pipeline full
 
 
-def test_pipeline_in_flight_bound_and_membership():
-    s = make_scheduler("sarathi", token_budget=6, pp=3)
+def test_pipeline_in_flight_bound_and_membership_unbalanced():
+    s = make_scheduler("sarathi", token_budget=6, pp=3, balance=False)
     s.add_request(make_request("a", 20, max_tokens=3))
     s.add_request(make_request("b", 4, max_tokens=3))
     o1 = s.schedule()
     assert composition(o1) == {"a": 6}
-    o2 = s.schedule()  # a is in flight: its next chunk waits; b takes this microbatch
+    o2 = s.schedule()  # a is in flight: unbalanced, its next chunk waits; b takes this microbatch
     assert composition(o2) == {"b": 4}
     assert s.schedule() is None  # nothing schedulable: a and b both in flight
     s.update_from_output(o1, fake_result(o1))
@@ -147,6 +147,30 @@ def test_pipeline_in_flight_bound_and_membership():
     assert composition(o3) == {"a": 6}
     with pytest.raises(AssertionError):
         s.update_from_output(o3, fake_result(o3))  # out of order: o2 is older
+
+
+def test_prompt_chunks_follow_each_other_down_the_pipeline():
+    s = make_scheduler("sarathi", token_budget=6, pp=3)
+    s.add_request(make_request("a", 20, max_tokens=3))
+    s.add_request(make_request("b", 4, max_tokens=3))
+    outs = [s.schedule() for _ in range(3)]
+    # a's chunks ride in consecutive in-flight microbatches (stages run them in order); FCFS keeps b waiting.
+    assert [composition(o) for o in outs] == [{"a": 6}, {"a": 6}, {"a": 6}]
+    assert [o.num_computed_tokens for o in outs] == [(0,), (6,), (12,)]
+    assert all(not o.sample_request_ids for o in outs)  # only the last chunk samples
+    assert s.requests["a"].num_in_flight == 3
+    s.check_invariants()
+    assert s.schedule() is None  # three in flight: the pipeline is full
+    s.update_from_output(outs[0], fake_result(outs[0]))
+    o4 = s.schedule()
+    assert composition(o4) == {"a": 2, "b": 4}  # a's last chunk samples; b fills the budget
+    assert o4.sample_request_ids == ("a", "b")
+    for o in (outs[1], outs[2]):
+        s.update_from_output(o, fake_result(o))
+    assert s.schedule() is None  # a and b wait for their first token
+    s.check_invariants()
+    with pytest.raises(AssertionError):
+        s.update_from_output(o4, StepResult(o4.step_id, {}))  # no token came back for a and b
 
 
 def test_preemption_by_recompute_keeps_tokens():

@@ -1,0 +1,40 @@
+"""Balanced microbatch formation: how big the next microbatch is, so that the pipeline stays full.
+
+A pipeline of p stages keeps p microbatches in flight; it is balanced when consecutive microbatches
+cost the same on every stage (DESIGN.md §3, "Balance"). Two numbers shape the next microbatch:
+
+- **Decode quota.** Each decoding request rides in one in-flight microbatch at a time (its next token
+  needs the last one), so the decodes split into p groups that follow each other around the pipeline.
+  The next microbatch takes about 1/p of *all* decoding requests, those in flight included:
+  min(ceil(D / p), ceil(R / F)) with D decoding requests, R of them ready now, F free slots. The first
+  term keeps every group near D/p and moves a surplus on to the next microbatch (so groups even out
+  as requests come and go); the second spreads what is ready over the slots still empty, so p = 4
+  slots and 9 decodes give 3, 2, 2, 2 rather than 3, 3, 3 and an idle stage.
+- **Fair share.** The microbatch is filled to an equal part of the work in reach: (work in flight +
+  work schedulable now) / p, never more than the budget (tokens, or predicted seconds where a cost
+  model prices the step). Under load the share is the budget itself (plain Sarathi-Serve); with little
+  work, a lone prompt is cut into p chunks that follow each other down the pipeline instead of one
+  chunk that visits the stages one at a time.
+
+Pure functions over numbers; the scheduler gathers the numbers. No torch, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["decode_quota", "fair_share"]
+
+
+def decode_quota(num_decoding: int, num_ready: int, slots: int, free_slots: int) -> int:
+    """How many of the `num_ready` schedulable decodes the next microbatch takes (see the module doc)."""
+    if num_ready <= 0 or free_slots <= 0:
+        return 0
+    per_group = math.ceil(max(num_decoding, num_ready) / slots)
+    per_free_slot = math.ceil(num_ready / free_slots)
+    return max(1, min(per_group, per_free_slot))
+
+
+def fair_share(work_in_reach: float, slots: int, cap: float) -> float:
+    """The next microbatch's share of the work in reach, at most `cap` (the budget)."""
+    return min(cap, work_in_reach / slots)

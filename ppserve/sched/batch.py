@@ -1,0 +1,183 @@
+"""One microbatch under construction: policies decide, the builder allocates, preempts and records.
+
+The builder is handed its collaborators (the block manager, the running and waiting requests, how to
+preempt) rather than the scheduler, so `sched/` has no import circle. At construction it sorts the
+running requests once into those that may take a decode token now and those that may take a prefill
+chunk, so a policy's `fill` costs time linear in the number of requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from ppserve.request import Request, RequestStatus
+from ppserve.sched.block_manager import BlockManager
+from ppserve.sched.budget import TokenBudget
+
+__all__ = ["BatchBuilder"]
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class BatchBuilder:
+    def __init__(
+        self,
+        *,
+        budget: TokenBudget,
+        blocks: BlockManager,
+        running: dict[str, Request],
+        waiting: deque[Request],
+        preempt: Callable[[Request], None],
+        max_num_seqs: int,
+        max_total_tokens: Callable[[Request], int],
+        clock: Callable[[], float],
+        pipeline_chunks: bool = False,
+    ) -> None:
+        self.budget = budget
+        self._blocks = blocks
+        self._running = running
+        self._waiting = waiting
+        self._preempt = preempt
+        self._max_num_seqs = max_num_seqs
+        self._max_total_tokens = max_total_tokens
+        self._clock = clock
+        self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
+        self.chosen_requests: list[Request] = []  # aligned with `chosen`
+        # How many decodes this microbatch may take (balanced formation); None = as many as fit.
+        self.decode_quota: int | None = None
+        # One pass over the running requests. A request whose every known token is scheduled waits for
+        # its next token. One with known tokens left may take them now if it is in no in-flight
+        # microbatch, or, with `pipeline_chunks`, behind its own in-flight prefill chunk: stages run
+        # microbatches in order, so the earlier chunk's KV is written before the next one reads it.
+        self.decodes: list[Request] = []  # one known token left: a decode (or a prompt's last token)
+        self.prefills: list[Request] = []  # more than one: a prefill (or a recompute) under way
+        for req in running.values():
+            left = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
+            if left == 0 or (req.num_in_flight and not pipeline_chunks):
+                continue
+            (self.decodes if left == 1 else self.prefills).append(req)
+
+    # ---- what a policy reads ---------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def schedulable_running(self, decodes: bool) -> Iterator[Request]:
+        """Running requests that may take tokens now and are not in this batch yet: decodes, or prefills."""
+        for req in self.decodes if decodes else self.prefills:
+            if req.status is _RUNNING and req.request_id not in self.chosen:
+                yield req
+
+    def waiting_head(self) -> Request | None:
+        return self._waiting[0] if self._waiting else None
+
+    # ---- what a policy does ----------------------------------------------------------------------
+    def add_decodes(self, may_preempt: bool = True) -> None:
+        """One token for each schedulable decode, oldest ready first, up to the decode quota and while
+        the budget lasts (a decode the budget cannot take waits: no token is split)."""
+        reqs = [r for r in self.schedulable_running(decodes=True)]
+        limit = len(reqs) if self.decode_quota is None else min(self.decode_quota, len(reqs))
+        budget = self.budget
+        if type(budget) is not TokenBudget:  # a time budget prices each decode by its context
+            reqs.sort(key=_ready_seq)
+            taken = 0
+            for req in reqs:
+                if taken >= limit or budget.chunk(1, req.num_computed_tokens) == 0:
+                    break
+                if req.status is _RUNNING and self.add(req, 1, may_preempt):
+                    taken += 1
+            return
+        # A plain token budget: a decode costs one token and one seat whatever its context, so how many
+        # fit is known up front, and only a decode that needs a new KV block goes through `add`.
+        if budget.token_budget is not None:
+            limit = min(limit, budget.token_budget - budget.tokens_used)
+        if budget.max_seqs is not None:
+            limit = min(limit, budget.max_seqs - budget.num_seqs)
+        if limit < len(reqs):
+            reqs.sort(key=_ready_seq)  # not all fit: the longest waiting go first
+        block_size = self._blocks.block_size
+        chosen, chosen_reqs = self.chosen, self.chosen_requests
+        taken = fast = 0
+        for req in reqs:
+            if taken >= limit:
+                break
+            if req.status is not _RUNNING:  # preempted for an earlier decode's block
+                continue
+            if req.num_computed_tokens < len(req.block_ids) * block_size:  # its last block has room
+                chosen[req.request_id] = 1
+                chosen_reqs.append(req)
+                fast += 1
+                taken += 1
+                continue
+            budget.tokens_used += fast  # settle the account before `add` consults it
+            budget.num_seqs += fast
+            fast = 0
+            if self.add(req, 1, may_preempt):
+                taken += 1
+        budget.tokens_used += fast
+        budget.num_seqs += fast
+
+    def add(self, req: Request, num_tokens: int, may_preempt: bool, over_budget: bool = False) -> bool:
+        """Schedule `num_tokens` of a running request, preempting younger requests for blocks if allowed."""
+        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
+        if num_tokens <= 0:
+            return False
+        blocks = self._blocks
+        need = blocks.blocks_needed(req, num_tokens)
+        if need:
+            while not blocks.can_allocate(need):
+                victim = self._pick_victim() if may_preempt else None
+                if victim is None:
+                    return False
+                self._preempt(victim)
+                if victim is req:
+                    return False
+            blocks.allocate(req, num_tokens)
+        self._take(req, num_tokens, over_budget)
+        return True
+
+    def admit(self, req: Request, num_tokens: int, over_budget: bool = False, reserve_full: bool = False) -> bool:
+        """Move the head of the waiting queue to running if a seat and its blocks are free (FCFS: no skipping)."""
+        assert self._waiting and self._waiting[0] is req
+        num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
+        if num_tokens <= 0 or len(self._running) >= self._max_num_seqs:
+            return False
+        reserve = num_tokens
+        if reserve_full:
+            reserve = self._max_total_tokens(req) - req.num_computed_tokens
+        if not self._blocks.can_allocate(self._blocks.blocks_needed(req, reserve)):
+            return False
+        self._waiting.popleft()
+        self._blocks.allocate(req, reserve)
+        req.status = _RUNNING
+        self._running[req.request_id] = req
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self._clock()
+        self._take(req, num_tokens, over_budget)
+        return True
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def _cap_to_budget(self, req: Request, num_tokens: int, over_budget: bool) -> int:
+        return num_tokens if over_budget else self.budget.chunk(num_tokens, req.num_computed_tokens)
+
+    def _take(self, req: Request, num_tokens: int, over_budget: bool) -> None:
+        if over_budget:
+            # A whole prompt longer than the budget runs alone (vllm policy); account it as the full budget.
+            self.budget.tokens_used = self.budget.token_budget or 0
+            self.budget.num_seqs += 1
+        else:
+            self.budget.spend(num_tokens, req.num_computed_tokens)
+        self.chosen[req.request_id] = num_tokens
+        self.chosen_requests.append(req)
+
+    def _pick_victim(self) -> Request | None:
+        """The most recently admitted running request that is neither in flight nor already chosen."""
+        for req in reversed(self._running.values()):
+            if not req.num_in_flight and req.request_id not in self.chosen:
+                return req
+        return None
+
+
+def _ready_seq(req: Request) -> int:
+    return req.ready_seq
