@@ -53,8 +53,12 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1  # stages; one Ray actor per (stage, tp rank)
     tensor_parallel_size: int = 1  # ranks per stage
     layer_partition: tuple[int, ...] | None = None  # explicit layers per stage, e.g. [14, 16]
-    partition_mode: str = "even"  # even | cost (counts embedding and LM head)
-    executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc | ray
+    # even | cost (prices the LM head as if every token got logits) | calibrated (per-layer and LM-head
+    # costs measured from the stages' own compute times: read from partition_profile, else a short
+    # calibration run at start-up on the configured budget, saved there when a path is given)
+    partition_mode: str = "even"
+    partition_profile: str | None = None  # JSON of measured stage costs (partition_mode: calibrated)
+    executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc (every stage in this process, tp 1) | ray
     ray_address: str | None = None  # None starts an embedded local Ray; "auto" or host:port attaches
     cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
     gpus_per_worker: float = 0.0  # Ray GPUs per actor; 0 on CPU machines
@@ -62,6 +66,10 @@ class ParallelConfig:
     stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
     max_restarts: int = 3  # pipeline rebuilds tried after a stage dies before requests fail (UNAVAILABLE)
     stage_timeout_s: float = 120.0  # a microbatch not back after this long means a hung stage: rebuild
+    # Ray control plane (engine/dispatch.py): auto (compiled on GPU workers, connections on CPU) |
+    # connections (one authenticated connection per actor, blocking reads) | compiled (a Ray Compiled
+    # Graph; its channel readers poll a core each) | classic (a Ray call per actor per microbatch)
+    dispatch: str = "auto"
 
     def __post_init__(self) -> None:
         if self.layer_partition is not None:
@@ -81,8 +89,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
         if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
             raise ValueError(f"parallel.stage_timeout_s must be a finite number > 0, got {self.stage_timeout_s!r}")
-        if self.partition_mode not in ("even", "cost"):
-            raise ValueError(f"parallel.partition_mode must be even or cost, got {self.partition_mode!r}")
+        if self.partition_mode not in ("even", "cost", "calibrated"):
+            raise ValueError(f"parallel.partition_mode must be even, cost or calibrated, got {self.partition_mode!r}")
+        if self.dispatch not in ("auto", "connections", "compiled", "classic"):
+            raise ValueError(f"parallel.dispatch must be auto, connections, compiled or classic, got {self.dispatch!r}")
         if self.executor not in ("auto", "inproc", "ray"):
             raise ValueError(f"parallel.executor must be auto, inproc or ray, got {self.executor!r}")
         if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:

@@ -178,10 +178,7 @@ def build_llm(spec: EngineSpec, policy: str, token_budget: int | None = None) ->
 
 def reset_observations(engine: Any) -> None:
     """Forget spans and work intervals recorded so far (warm-up), so a measured run starts clean."""
-    from ppserve.metrics.spans import WorkTracker
-
-    engine.collect_spans()
-    engine.work = WorkTracker()
+    engine.reset_observations()
 
 
 def warm_up(engine: Any, num_requests: int = 4, prompt_len: int = 64, max_tokens: int = 4) -> None:

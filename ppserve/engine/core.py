@@ -1,7 +1,14 @@
 """The engine step loop: schedule until the pipeline is full, take back the oldest microbatch, stream.
 
-Single-threaded by design. Concurrency comes from the executor (Ray futures); the engine keeps at
-most `pp_size` microbatches in flight so every stage has work while requests exist.
+Single-threaded by design. Concurrency comes from the executor (Ray); the engine keeps at most
+`pp_size` microbatches in flight so every stage has work while requests exist. One step reads:
+
+    fill the pipeline -> collect the oldest microbatch -> hand it to the scheduler (tokens, stage
+    times for its cost model) -> fill the pipeline again -> detokenize and check stop strings
+
+so the stages get their next microbatch before any text work is done: detokenization and stop
+strings are off the critical path. A request that hits a stop string may already ride in the
+microbatch just sent; it is finished at once (its blocks freed) and that token is dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.detokenizer import IncrementalDetokenizer
-from ppserve.engine.ray_executor import StageFailure
+from ppserve.engine.dispatch import StageFailure
 from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams
 from ppserve.sched.scheduler import Scheduler
@@ -59,8 +66,10 @@ class Engine:
         self.work = WorkTracker()
         self.engine_spans: list[Span] = []
         self._ids = itertools.count()
-        self._step_seconds: dict[int, float] = {}  # step id -> compute seconds (budget feedback, inproc only)
+        # When a list: every microbatch's per-stage compute seconds are appended (calibration runs).
+        self.stage_seconds_log: list[tuple[float, ...]] | None = None
         self.init_recovery_state()
+        self.init_partition()
 
     # ---- construction ----------------------------------------------------------------------------
     def init_model_source(self) -> None:
@@ -87,20 +96,21 @@ class Engine:
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
 
     def init_executor(self) -> None:
+        from ppserve.model.partition import initial_ranges
+
         par = self.config.parallel
         kind = par.executor
         if kind == "auto":
             kind = "inproc" if par.world_size == 1 else "ray"
+        ranges = initial_ranges(par, self.arch)
         if kind == "inproc":
-            if par.world_size != 1:
-                raise ValueError("parallel.executor=inproc runs one stage; use ray for pp or tp > 1")
             from ppserve.engine.executor import InProcExecutor
 
-            self.executor = InProcExecutor(self.config, str(self.model_dir), self.hf_config)
+            self.executor = InProcExecutor(self.config, str(self.model_dir), self.hf_config, ranges)
         else:
             from ppserve.engine.ray_executor import RayExecutor
 
-            self.executor = RayExecutor(self.config, str(self.model_dir), self.hf_config)
+            self.executor = RayExecutor(self.config, str(self.model_dir), self.hf_config, ranges)
 
     def init_scheduler(self) -> None:
         self.scheduler = Scheduler(
@@ -111,6 +121,17 @@ class Engine:
             max_in_flight=self.config.parallel.pipeline_parallel_size,
             clock=self.clock,
         )
+
+    def init_partition(self) -> None:
+        """partition_mode: calibrated: measure the stage costs (or read them) and re-split the layers."""
+        par = self.config.parallel
+        if par.partition_mode != "calibrated" or par.pipeline_parallel_size < 2 or par.layer_partition:
+            return
+        from ppserve.engine.calibration import calibrated_ranges
+
+        ranges = calibrated_ranges(self)
+        if ranges != self.executor.ranges:
+            self.executor.repartition(ranges)
 
     def init_recovery_state(self) -> None:
         self.recovering = False  # read by other threads (AsyncEngine): True while the pipeline is rebuilt
@@ -196,16 +217,7 @@ class Engine:
 
     def _step(self) -> list[TokenDelta]:
         sched = self.scheduler
-        while True:
-            t0 = time.perf_counter_ns()
-            out = sched.schedule()
-            if out is None:
-                break
-            self.engine_spans.append(
-                Span("schedule", t0, time.perf_counter_ns(), ENGINE_STAGE, 0, out.step_id,
-                     out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order))
-            )
-            self._submit(out)
+        self._fill_pipeline()
         if not sched.in_flight:
             self.work.update(sched.has_unfinished, time.perf_counter_ns())
             return []
@@ -213,11 +225,27 @@ class Engine:
         now = self.clock()
         done = sched.in_flight[0]
         updates = sched.update_from_output(done, result)
-        if sched.needs_step_feedback:
-            self._budget_feedback(done)
+        sched.observe_step(done, result.stage_seconds)
+        if self.stage_seconds_log is not None:
+            self.stage_seconds_log.append(result.stage_seconds)
+        self._fill_pipeline()  # the stages get their next work before any text work is done here
         deltas = [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
         self.work.update(sched.has_unfinished, time.perf_counter_ns())
         return deltas
+
+    def _fill_pipeline(self) -> None:
+        """Schedule and submit microbatches until the pipeline is full or nothing can run."""
+        sched = self.scheduler
+        while True:
+            t0 = time.perf_counter_ns()
+            out = sched.schedule()
+            if out is None:
+                return
+            self.engine_spans.append(
+                Span("schedule", t0, time.perf_counter_ns(), ENGINE_STAGE, 0, out.step_id,
+                     out.num_prefill_tokens, out.num_decode_tokens, out.order)
+            )
+            self.executor.submit(out)
 
     def recover(self, cause: BaseException) -> None:
         """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
@@ -249,21 +277,6 @@ class Engine:
         self.recovery_times_s.append(elapsed)
         logger.warning("pipeline rebuilt in %.2f s (restart %d); %d request(s) requeued for recompute",
                        elapsed, self.num_restarts, len(requeued))
-
-    # ---- budget feedback (scheduler.budget_mode: time, or scheduler.tbt_slo_ms) -----------------------
-    def _submit(self, out: Any) -> None:
-        """Submit; when the budget mode learns and the executor runs the step synchronously (inproc),
-        the submit's duration is the stage's compute time. Ray stages return no time synchronously."""
-        if not self.scheduler.needs_step_feedback or self.config.parallel.world_size != 1:
-            self.executor.submit(out)
-            return
-        t0 = time.perf_counter_ns()
-        self.executor.submit(out)
-        self._step_seconds[out.step_id] = (time.perf_counter_ns() - t0) * 1e-9
-
-    def _budget_feedback(self, out: Any) -> None:
-        seconds = self._step_seconds.pop(out.step_id, None)
-        self.scheduler.observe_step(out, () if seconds is None else (seconds,))
 
     def _process(self, rid: str, token_ids: tuple[int, ...], reason: FinishReason | None, now: float) -> TokenDelta | None:
         tr = self.tracked.get(rid)
@@ -306,6 +319,12 @@ class Engine:
         return self.tracked.get(rid)
 
     # ---- observability -------------------------------------------------------------------------
+    def reset_observations(self) -> None:
+        """Forget the spans and work intervals recorded so far (warm-up, calibration), so what is
+        measured next starts clean."""
+        self.collect_spans()
+        self.work = WorkTracker()
+
     def collect_spans(self) -> list[Span]:
         spans = [Span.from_dict(d) for d in self.executor.drain_spans()]
         spans.extend(self.engine_spans)

@@ -1,12 +1,16 @@
 """Executors run microbatches through the stages. The engine sees one small interface.
 
-`InProcExecutor` runs a single stage (pp=1, tp=1) in the engine's own process through the same
-StageWorker code that the Ray actors use; `RayExecutor` (ray_executor.py) runs one actor per
-(stage, tp rank).
+`InProcExecutor` runs every stage (pp >= 1, tp = 1) in the engine's own process, through the same
+StageActor body the Ray actors run, with hidden states handed over in memory: for unit tests, and for
+a single GPU with no Ray. `RayExecutor` (ray_executor.py) runs one actor per (stage, tp rank).
+
+Both return each microbatch's `StepResult` with every stage's compute seconds (the slowest TP rank of
+each stage), which the engine hands to the scheduler's cost model.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from typing import Any, Protocol
 
@@ -16,6 +20,7 @@ from ppserve.sched.output import SchedulerOutput, StepResult
 
 class Executor(Protocol):
     num_kv_blocks: int
+    ranges: list[tuple[int, int]]  # decoder layers [start, end) per stage
 
     def submit(self, out: SchedulerOutput) -> None:
         """Start a microbatch; returns without waiting when the executor is asynchronous."""
@@ -29,42 +34,93 @@ class Executor(Protocol):
     def describe(self) -> list[dict[str, Any]]:
         """One dict per (stage, tp rank): layers, node, pid."""
 
+    def repartition(self, ranges: list[tuple[int, int]]) -> None:
+        """Rebuild the stages with other layer ranges (empty KV caches, same block count)."""
+
     def shutdown(self) -> None: ...
 
 
-class InProcExecutor:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any]) -> None:
-        from ppserve.worker.stage_worker import StageSpec, StageWorker
+def stage_spec(config: EngineConfig, model_dir: str, hf_config: dict[str, Any], stage: int,
+               ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None) -> Any:
+    """What one (stage, tp rank) needs to build its shard, from the engine config."""
+    from ppserve.worker.stage_worker import StageSpec
 
-        arch_layers = int(hf_config["num_hidden_layers"])
-        spec = StageSpec(
-            model_dir=model_dir, hf_config=hf_config, stage=0, num_stages=1, layer_start=0,
-            layer_end=arch_layers, dtype=config.model.dtype, kv_cache_dtype=config.cache.dtype, block_size=config.cache.block_size,
-            attention_backend=config.model.attention_backend, num_threads=config.parallel.num_threads,
-            trace=config.trace.enabled, cuda_graphs=config.model.cuda_graphs,
-            cuda_graph_max_batch=config.model.cuda_graph_max_batch, max_model_len=config.model.max_model_len,
-        )
-        self.worker = StageWorker(spec)
-        self.num_kv_blocks = config.cache.num_blocks or self.worker.num_blocks_for_memory(config.cache.kv_cache_memory)
-        self.worker.init_cache(self.num_kv_blocks)
+    par, cfg = config.parallel, config
+    start, end = ranges[stage]
+    return StageSpec(
+        model_dir=model_dir, hf_config=hf_config, stage=stage, num_stages=len(ranges), layer_start=start,
+        layer_end=end, tp_rank=tp_rank, tp_size=par.tensor_parallel_size, dtype=cfg.model.dtype,
+        kv_cache_dtype=cfg.cache.dtype, block_size=cfg.cache.block_size,
+        attention_backend=cfg.model.attention_backend, num_threads=num_threads or par.num_threads,
+        trace=cfg.trace.enabled,
+        cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
+        max_model_len=cfg.model.max_model_len,
+    )
+
+
+class InProcExecutor:
+    """Every stage in this process, one after another per microbatch (tp = 1)."""
+
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any],
+                 ranges: list[tuple[int, int]]) -> None:
+        if config.parallel.tensor_parallel_size != 1:
+            raise ValueError("parallel.executor=inproc runs tp = 1; use ray for tensor parallelism")
+        self.config, self.model_dir, self.hf_config = config, model_dir, hf_config
+        self.num_kv_blocks = 0
+        self._build(ranges)
+        cache = config.cache
+        if cache.num_blocks:
+            self.num_kv_blocks = cache.num_blocks
+        else:
+            # A fraction of free memory is shared by the stages of this one process.
+            budget = cache.kv_cache_memory if cache.kv_cache_memory > 1 else cache.kv_cache_memory / len(ranges)
+            self.num_kv_blocks = min(a.num_blocks_for_memory(budget) for a in self.actors)
+        for a in self.actors:
+            a.init_cache(self.num_kv_blocks)
         self._done: deque[StepResult] = deque()
 
+    def _build(self, ranges: list[tuple[int, int]]) -> None:
+        from ppserve.comm.channel import InProcChannel
+        from ppserve.worker.stage_actor import StageActor
+        from ppserve.worker.stage_worker import StageWorker
+
+        self.ranges = list(ranges)
+        links = [InProcChannel() for _ in range(len(ranges) - 1)]
+        self.actors = []
+        for s in range(len(ranges)):
+            worker = StageWorker(stage_spec(self.config, self.model_dir, self.hf_config, s, self.ranges))
+            inbound = links[s - 1] if s > 0 else None
+            outbound = links[s] if s < len(ranges) - 1 else None
+            self.actors.append(StageActor.local(worker, inbound, outbound))
+
+    @property
+    def workers(self) -> list[Any]:
+        """The stages' StageWorkers, in stage order."""
+        return [a.worker for a in self.actors]
+
     def submit(self, out: SchedulerOutput) -> None:
-        result = self.worker.execute(out)
-        assert isinstance(result, StepResult)
+        result = None
+        for a in self.actors:  # stage order; the last returns the result with every stage's seconds
+            result = a.execute(out)
+        assert result is not None
         self._done.append(result)
 
     def collect(self, timeout_s: float | None = None) -> StepResult:
         return self._done.popleft()
 
     def drain_spans(self) -> list[dict[str, Any]]:
-        return self.worker.drain_spans()
+        return [d for a in self.actors for d in a.drain_spans()]
 
     def describe(self) -> list[dict[str, Any]]:
-        import os
+        return [{"stage": s, "tp_rank": 0, "layers": list(r), "node": "local", "pid": os.getpid()}
+                for s, r in enumerate(self.ranges)]
 
-        s = self.worker.spec
-        return [{"stage": 0, "tp_rank": 0, "layers": [s.layer_start, s.layer_end], "node": "local", "pid": os.getpid()}]
+    def repartition(self, ranges: list[tuple[int, int]]) -> None:
+        self._done.clear()
+        self.actors = []
+        self._build(ranges)
+        for a in self.actors:
+            a.init_cache(self.num_kv_blocks)
 
     def shutdown(self) -> None:
         self._done.clear()

@@ -1,34 +1,38 @@
-"""The Ray pipeline: one actor per (stage, tp rank), torch.distributed between them.
+"""The Ray pipeline: placement, one actor per (stage, tp rank), torch.distributed between them, rebuild.
 
-Hidden states travel stage to stage over torch.distributed p2p (gloo on CPU, NCCL on GPU), never
-through the Ray object store. The small SchedulerOutput goes to every actor through Ray; Ray runs
-an actor's calls from one caller in order, so every stage sees microbatches in the same order.
-The last stage's TP rank 0 returns the StepResult.
+The actor body lives in worker/stage_actor.py, the control plane in dispatch.py (a compiled graph or a
+call per actor), the stage-to-stage transport in comm/ (torch.distributed p2p: gloo on CPU, NCCL on
+GPU). Hidden states never go through the Ray object store. This module places the actors, starts
+torch.distributed among them, measures their clock offsets, and replaces the whole pipeline when a
+stage dies.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
-import socket
 import time
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from ppserve.config import EngineConfig
+from ppserve.engine.dispatch import (
+    RAY_GET_TIMEOUT_S,
+    ClassicDispatch,
+    CompiledGraphDispatch,
+    ConnectionDispatch,
+    resolve_dispatch,
+)
+from ppserve.engine.executor import stage_spec
 from ppserve.metrics.spans import estimate_offset
-from ppserve.model.partition import StageCostModel, partition_layers
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
-# Start-up and rebuild calls (placement, weight loading) may take minutes on big models; a microbatch
-# must not: the hot path waits parallel.stage_timeout_s, so a hung stage is rebuilt like a dead one.
-RAY_GET_TIMEOUT_S = 600.0  # no ray.get waits forever: a dead stage must surface as an error
-FAILURE_POLL_S = 0.5  # while waiting for a microbatch, look this often for a stage that already failed
+# Start-up and rebuild calls (placement, weight loading) may take minutes on big models (RAY_GET_TIMEOUT_S);
+# a microbatch must not: the hot path waits parallel.stage_timeout_s, so a hung stage is rebuilt like a
+# dead one.
 
 
 @contextlib.contextmanager
@@ -58,141 +62,25 @@ def ray_single_machine_mode() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = old_const
 
 
-class StageFailure(RuntimeError):
-    """A stage actor died, failed or stopped answering: the pipeline must be rebuilt."""
-
-
-class StageActor:
-    """Ray actor body: owns a StageWorker and the p2p links to its neighbours."""
-
-    def __init__(self, spec: Any, rank: int, world_size: int, prev_rank: int | None, next_rank: int | None) -> None:
-        self.spec = spec
-        self.rank = rank
-        self.world_size = world_size
-        self.prev_rank = prev_rank
-        self.next_rank = next_rank
-        self.worker: Any = None
-        self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
-        self._pending_send: Any = None
-        self._send_buf: Any = None
-
-    def node_info(self) -> dict[str, Any]:
-        import ray
-
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}
-
-    def listen_for_store(self, host: str) -> int:
-        """Rank 0: bind the TCPStore's socket now, on `host` only, and return its port.
-
-        TCPStore itself listens on all interfaces; handed this socket (master_listen_fd) it listens
-        where we bound. Holding it open until init_distributed also leaves no window for another
-        process to take the port.
-        """
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-        self._store_sock = socket.create_server((host, 0), family=family)
-        port: int = self._store_sock.getsockname()[1]
-        return port
-
-    def clock_ns(self) -> int:
-        return time.perf_counter_ns()
-
-    def init_distributed(self, master: str, port: int, tp_groups: list[list[int]]) -> None:
-        import torch
-        import torch.distributed as dist
-        from torch.distributed.constants import default_pg_timeout
-
-        from ppserve.model.parallel import TPContext
-        from ppserve.worker.stage_worker import StageWorker
-
-        if self.spec.num_threads:
-            torch.set_num_threads(self.spec.num_threads)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-        if ipaddress.ip_address(master).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            # Every rank is on this machine. Gloo otherwise listens on whatever the host name resolves
-            # to, often a routable address.
-            lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
-            if lo:
-                os.environ["GLOO_SOCKET_IFNAME"] = lo
-        # Same store as init_method="tcp://..." (multi-tenant, default timeout), on rank 0's bound socket.
-        store = dist.TCPStore(master, port, self.world_size, is_master=self.rank == 0, multi_tenant=True,
-                              timeout=default_pg_timeout,
-                              master_listen_fd=self._store_sock.fileno() if self._store_sock else None)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
-        my_group = None
-        for ranks in tp_groups:  # every rank must create every group, in the same order
-            g = dist.new_group(ranks) if len(ranks) > 1 else None
-            if self.rank in ranks:
-                my_group = g
-        tp = TPContext(rank=self.spec.tp_rank, size=self.spec.tp_size, group=my_group)
-        self.worker = StageWorker(self.spec, tp)
-        self.device = self.worker.device
-
-    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
-        n: int = self.worker.num_blocks_for_memory(kv_cache_memory)
-        return n
-
-    def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
-
-    def execute(self, out: SchedulerOutput) -> StepResult | None:
-        import torch
-        import torch.distributed as dist
-
-        rec = self.worker.recorder
-        hidden_in = None
-        if self.prev_rank is not None:
-            # Stage s > 0: the token count is known from the SchedulerOutput, so the buffer is exact.
-            hidden_in = torch.empty(out.total_tokens, self.worker.arch.hidden_size, dtype=self.worker.dtype,
-                                    device=self.device)
-            with rec.span("recv_wait", out.step_id):
-                dist.recv(hidden_in, src=self.prev_rank)
-        result = self.worker.execute(out, hidden_in)
-        if isinstance(result, StepResult):
-            return result if self.spec.tp_rank == 0 else None
-        assert self.next_rank is not None
-        with rec.span("send", out.step_id):
-            if self._pending_send is not None:
-                self._pending_send.wait()  # at most one send outstanding; keeps its buffer alive until done
-            self._send_buf = result.contiguous()
-            self._pending_send = dist.isend(self._send_buf, dst=self.next_rank)
-        return None
-
-    def drain_spans(self) -> list[dict[str, Any]]:
-        spans: list[dict[str, Any]] = self.worker.drain_spans()
-        return spans
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if self._pending_send is not None:
-            try:
-                self._pending_send.wait()
-            except Exception:  # the peer may be gone already; shutting down anyway
-                pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 class RayExecutor:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any],
+                 ranges: list[tuple[int, int]]) -> None:
         import ray
 
         self.config = config
         par = config.parallel
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
         self.model_dir, self.hf_config = model_dir, hf_config
+        self.ranges = list(ranges)
+        self.dispatch_kind = resolve_dispatch(par.dispatch, par.gpus_per_worker)
+        self.dispatch: ConnectionDispatch | CompiledGraphDispatch | ClassicDispatch | None = None
         self.init_ray()
-        self.ranges = self.compute_partition(hf_config)
-        self.init_actors(model_dir, hf_config)
+        self.init_actors()
         self.init_clock_offsets()
         blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory) for a in self.actors]
         fitted = min(ray.get(blocks, timeout=RAY_GET_TIMEOUT_S))
         self.num_kv_blocks = config.cache.num_blocks or fitted
-        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
-        self.in_flight: deque[tuple[int, list[Any]]] = deque()
+        self.init_caches_and_dispatch()
 
     # ---- construction ----------------------------------------------------------------------------
     def init_ray(self) -> None:
@@ -217,26 +105,14 @@ class RayExecutor:
             if ip != "127.0.0.1":
                 logger.warning("embedded Ray runs on %s, not loopback: its servers listen on all interfaces", ip)
 
-    def compute_partition(self, hf_config: dict[str, Any]) -> list[tuple[int, int]]:
-        par = self.config.parallel
-        num_layers = int(hf_config["num_hidden_layers"])
-        cost = None
-        if par.partition_mode == "cost":
-            from ppserve.model.llama import LlamaArch
-
-            a = LlamaArch.from_hf_config(hf_config)
-            cost = StageCostModel.for_llama(a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
-                                            a.vocab_size, logits_fraction=1.0)
-        return partition_layers(num_layers, self.pp, par.layer_partition, par.partition_mode, cost)
-
-    def init_actors(self, model_dir: str, hf_config: dict[str, Any]) -> None:
+    def init_actors(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from ppserve.worker.stage_worker import StageSpec
+        from ppserve.worker.stage_actor import StageActor
 
-        par, cfg = self.config.parallel, self.config
+        par = self.config.parallel
         world = self.pp * self.tp
         bundle = {"CPU": par.cpus_per_worker}
         if par.gpus_per_worker:
@@ -251,19 +127,14 @@ class RayExecutor:
             self.placement_groups.append(placement_group([dict(b) for _ in range(self.tp)], strategy="STRICT_PACK"))
         ray.get([pg.ready() for pg in self.placement_groups], timeout=RAY_GET_TIMEOUT_S)
         actor_cls = ray.remote(StageActor)
+        threads = par.num_threads or max(1, int(par.cpus_per_worker))
         self.actors: list[Any] = []
         self.layout: list[dict[str, Any]] = []
         for s, (start, end) in enumerate(self.ranges):
             for r in range(self.tp):
                 rank = s * self.tp + r
-                spec = StageSpec(
-                    model_dir=model_dir, hf_config=hf_config, stage=s, num_stages=self.pp, layer_start=start,
-                    layer_end=end, tp_rank=r, tp_size=self.tp, dtype=cfg.model.dtype, kv_cache_dtype=cfg.cache.dtype,
-                    block_size=cfg.cache.block_size, attention_backend=cfg.model.attention_backend,
-                    num_threads=par.num_threads or max(1, int(par.cpus_per_worker)), trace=cfg.trace.enabled,
-                    cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
-                    max_model_len=cfg.model.max_model_len,
-                )
+                spec = stage_spec(self.config, self.model_dir, self.hf_config, s, self.ranges, tp_rank=r,
+                                  num_threads=threads)
                 actor = actor_cls.options(
                     num_cpus=par.cpus_per_worker, num_gpus=par.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -282,7 +153,6 @@ class RayExecutor:
         for lay in self.layout:
             logger.info("stage %d tp %d: layers %s on node %s (pid %s)", lay["stage"], lay["tp_rank"],
                         lay["layers"], lay["node_ip"], lay["pid"])
-        self.last_actor = self.actors[(self.pp - 1) * self.tp]
 
     def init_clock_offsets(self, pings: int = 5) -> None:
         """Each actor's offset to the engine clock: half the round trip of the fastest of a few pings."""
@@ -297,41 +167,34 @@ class RayExecutor:
                 samples.append((t0, remote, time.perf_counter_ns()))
             self.offsets.append(estimate_offset(samples))
 
-    # ---- the hot path --------------------------------------------------------------------------
-    def submit(self, out: SchedulerOutput) -> None:
-        refs = [a.execute.remote(out) for a in self.actors]
-        self.in_flight.append((out.step_id, refs))
-
-    def collect(self, timeout_s: float | None = None) -> StepResult:
+    def init_caches_and_dispatch(self) -> None:
         import ray
 
-        step_id, refs = self.in_flight.popleft()
-        limit = timeout_s or self.config.parallel.stage_timeout_s
-        deadline = time.monotonic() + limit
-        pending = list(refs)
-        try:
-            # Wait for every stage, but look at those already done as we go: when one stage died, the
-            # others may block in a p2p call forever, so its error must not wait behind them.
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StageFailure(f"step {step_id}: no answer from {len(pending)} stage actor(s) in {limit:g} s "
-                                       "(parallel.stage_timeout_s): hung")
-                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(FAILURE_POLL_S, left))
-                if ready:
-                    ray.get(ready, timeout=RAY_GET_TIMEOUT_S)  # raises at once for a dead or failed stage
-            results = ray.get(refs, timeout=RAY_GET_TIMEOUT_S)
-        except ray.exceptions.RayError as e:  # RayActorError / ActorDiedError, RayTaskError, GetTimeoutError
-            raise StageFailure(f"step {step_id}: {type(e).__name__}: {e}") from e
-        result = results[(self.pp - 1) * self.tp]
-        if not isinstance(result, StepResult) or result.step_id != step_id:
-            raise RuntimeError(f"stage pipeline returned {result!r} for step {step_id}")
-        return result
+        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        if self.dispatch_kind == "connections":
+            # The actors connect back to this process: on loopback when Ray is embedded, else on the
+            # address the cluster knows this node by.
+            host = "127.0.0.1" if self.owns_ray else ray.util.get_node_ip_address()
+            self.dispatch = ConnectionDispatch(self.actors, self.pp, self.tp, host)
+        elif self.dispatch_kind == "compiled":
+            self.dispatch = CompiledGraphDispatch(self.actors, self.pp, self.tp)
+        else:
+            self.dispatch = ClassicDispatch(self.actors, self.pp, self.tp)
+
+    # ---- the hot path --------------------------------------------------------------------------
+    def submit(self, out: SchedulerOutput) -> None:
+        assert self.dispatch is not None
+        self.dispatch.submit(out)
+
+    def collect(self, timeout_s: float | None = None) -> StepResult:
+        assert self.dispatch is not None
+        return self.dispatch.collect(timeout_s or self.config.parallel.stage_timeout_s)
 
     def drain_spans(self) -> list[dict[str, Any]]:
         import ray
 
-        # Queued behind the in-flight microbatches, so it is bounded like them.
+        # Classic calls queue behind the in-flight microbatches, so this is bounded like them; under a
+        # compiled graph the actor answers between its graph steps.
         batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=self.config.parallel.stage_timeout_s)
         out = []
         for offset, spans in zip(self.offsets, batches, strict=True):
@@ -345,20 +208,29 @@ class RayExecutor:
     def describe(self) -> list[dict[str, Any]]:
         return [dict(lay) for lay in self.layout]
 
-    # ---- failure recovery ------------------------------------------------------------------------
+    # ---- failure recovery and repartitioning ------------------------------------------------------
     def rebuild(self) -> None:
         """Replace the whole pipeline: new placement groups, new actors, new process groups, empty caches.
 
         Survivors are killed too: their process group includes the dead rank and cannot be repaired.
         The KV block count stays the same, because the scheduler's allocator keeps its size.
         """
-        import ray
-
-        self.in_flight.clear()  # their results are lost with the old actors
+        self._teardown_dispatch()
         self._kill_actors()
-        self.init_actors(self.model_dir, self.hf_config)
+        self.init_actors()
         self.init_clock_offsets()
-        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        self.init_caches_and_dispatch()
+
+    def repartition(self, ranges: list[tuple[int, int]]) -> None:
+        """Rebuild with other layer ranges (after a calibration run); nothing may be in flight."""
+        self.ranges = list(ranges)
+        self.shutdown_actors()
+        self.rebuild()
+
+    def _teardown_dispatch(self) -> None:
+        if self.dispatch is not None:
+            self.dispatch.teardown()  # in-flight results are lost with the old actors
+            self.dispatch = None
 
     def _kill_actors(self) -> None:
         import ray
@@ -376,15 +248,22 @@ class RayExecutor:
                 logger.debug("remove placement group: %s", e)
         self.actors, self.placement_groups = [], []
 
+    def shutdown_actors(self) -> None:
+        """Stop the control plane and let every actor close its links and process group, then kill it."""
+        import ray
+
+        self._teardown_dispatch()
+        if getattr(self, "actors", None):
+            try:
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
+            except Exception as e:  # a dead actor must not block the rest of the teardown
+                logger.warning("stage shutdown: %s", e)
+        self._kill_actors()
+
     def shutdown(self) -> None:
         import ray
 
-        if not getattr(self, "actors", None):
-            return
-        try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
-        except Exception as e:  # a dead actor must not block the rest of the teardown
-            logger.warning("stage shutdown: %s", e)
-        self._kill_actors()
+        self.shutdown_actors()
         if self.owns_ray:
             ray.shutdown()
+

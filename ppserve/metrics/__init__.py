@@ -13,6 +13,7 @@ from ppserve.metrics.bubbles import (
     idle_intervals,
     per_request_bubble_ns,
 )
+from ppserve.metrics.control_plane import control_plane_latency
 from ppserve.metrics.latency import RequestTiming, percentile, summarize
 from ppserve.metrics.spans import (
     NULL_RECORDER,
@@ -44,6 +45,7 @@ __all__ = [
     "WorkInterval",
     "WorkTracker",
     "bubble_report",
+    "control_plane_latency",
     "estimate_offset",
     "gpipe_bubble_fraction",
     "idle_intervals",

@@ -1,15 +1,19 @@
-"""Layer ranges per pipeline stage: even, explicit, or cost-aware (pure Python, no torch).
+"""Layer ranges per pipeline stage: even, explicit, cost-aware, or calibrated (pure Python, no torch).
 
 Cost-aware partitioning counts what the first and last stages do besides decoder layers: the
 embedding lookup (nearly free) and the LM head, whose matmul runs only for tokens that get logits.
 For SmolLM2 the tied 49152x576 head has as many weights as ~8 decoder layers, so for decode-heavy
-work the last stage should hold fewer layers.
+work the last stage should hold fewer layers. The analytic `cost` mode prices the head as if every
+token got logits; `calibrated` measures it instead: the stages' own compute times on a short run at
+the configured budget (or a saved profile) give the per-layer and head costs (`fit_stage_costs`), and
+the same exact split minimizes the slowest stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -122,3 +126,88 @@ def partition_layers(
     if mode == "cost":
         return cost_partition(num_layers, pp, cost or StageCostModel())
     raise ValueError(f"partition mode must be even or cost, got {mode!r}")
+
+
+class ModelShape(Protocol):
+    """What the partitioner reads of a model description (LlamaArch has it)."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+
+
+class PartitionSettings(Protocol):
+    """What the partitioner reads of the parallel config."""
+
+    pipeline_parallel_size: int
+    layer_partition: tuple[int, ...] | None
+    partition_mode: str
+
+
+def initial_ranges(par: PartitionSettings, model: ModelShape) -> list[tuple[int, int]]:
+    """The layer ranges a pipeline starts with: explicit counts, even, or cost-aware (the LM head priced
+    as if every token got logits); `calibrated` starts even and is refined from measured stage times."""
+    cost = None
+    mode = par.partition_mode
+    if mode == "cost":
+        cost = StageCostModel.for_llama(model.hidden_size, model.intermediate_size, model.num_heads,
+                                        model.num_kv_heads, model.vocab_size, logits_fraction=1.0)
+    elif mode == "calibrated":
+        mode = "even"
+    return partition_layers(model.num_layers, par.pipeline_parallel_size, par.layer_partition, mode, cost)
+
+
+@dataclass(frozen=True)
+class MeasuredStageCosts:
+    """Per-microbatch costs measured on a running pipeline: one decoder layer, and the last stage's LM
+    head with sampling, each in mean seconds over the microbatches measured (so the shares of prefill
+    and decode work of that run are built in). Saved as JSON; `cost_model()` feeds `cost_partition`."""
+
+    layer_s: float
+    head_s: float
+    num_microbatches: int
+    source: str = ""
+
+    def cost_model(self) -> StageCostModel:
+        return StageCostModel(layer=1.0, embedding=0.0, lm_head=self.head_s / self.layer_s if self.layer_s > 0 else 0.0)
+
+    def to_json(self) -> dict[str, float | int | str]:
+        return {"layer_s": self.layer_s, "head_s": self.head_s, "num_microbatches": self.num_microbatches,
+                "source": self.source}
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> MeasuredStageCosts:
+        try:
+            return cls(float(data["layer_s"]), float(data["head_s"]),  # type: ignore[arg-type]
+                       int(data["num_microbatches"]), str(data.get("source", "")))  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a stage-cost profile (layer_s, head_s, num_microbatches): {e}") from None
+
+
+def fit_stage_costs(stage_seconds: Sequence[Sequence[float]], ranges: Sequence[tuple[int, int]],
+                    source: str = "") -> MeasuredStageCosts:
+    """Per-layer and LM-head costs from each microbatch's compute seconds per stage.
+
+    Every stage runs decoder layers; only the last adds the head (the embedding lookup on the first is
+    negligible). So a microbatch's layer cost is the non-last stages' time over their layers, and its
+    head cost is what the last stage took beyond its own layers at that rate. Needs two stages or more.
+    """
+    if len(ranges) < 2:
+        raise ValueError("fitting stage costs needs a pipeline of two stages or more")
+    counts = [end - start for start, end in ranges]
+    front = sum(counts[:-1])
+    layer_sum = head_sum = 0.0
+    n = 0
+    for seconds in stage_seconds:
+        if len(seconds) != len(ranges):
+            continue  # a microbatch measured on another pipeline (or not at all)
+        layer = sum(seconds[:-1]) / front
+        layer_sum += layer
+        head_sum += max(0.0, seconds[-1] - counts[-1] * layer)
+        n += 1
+    if n == 0:
+        raise ValueError("no microbatch with a compute time for every stage")
+    return MeasuredStageCosts(layer_sum / n, head_sum / n, n, source)

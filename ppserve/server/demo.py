@@ -129,6 +129,7 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
 
 def _report(engine: Any, results: list[Any], stats: dict[str, Any], wall: float, out_dir: Path) -> None:
     from ppserve.metrics.bubbles import bubble_report
+    from ppserve.metrics.control_plane import control_plane_latency
     from ppserve.metrics.latency import RequestTiming, summarize
     from ppserve.metrics.trace import save_chrome_trace
 
@@ -157,6 +158,10 @@ def _report(engine: Any, results: list[Any], stats: dict[str, Any], wall: float,
     work = engine.engine.work.intervals(time.perf_counter_ns())
     report = bubble_report(spans, work, window="active")
     print("\n" + report.format_text())
+    control = control_plane_latency(spans)
+    print("control plane per microbatch (medians): " + ", ".join(
+        f"{name} {ms(control[name]['p50_s'])}" for name in ("dispatch", "hop", "turnaround")
+    ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule)")
 
     trace_path = out_dir / "trace.json"
     save_chrome_trace(trace_path, spans, work_intervals=work)
@@ -166,6 +171,7 @@ def _report(engine: Any, results: list[Any], stats: dict[str, Any], wall: float,
         "output_tokens_per_s": ntok / wall,
         "latency": lat,
         "bubbles_active": report.to_dict(),
+        "control_plane": control,
         "stats": stats,
         "outputs": [
             {

@@ -33,7 +33,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token-budget", type=int, help="tokens per microbatch (default: config)")
     p.add_argument("--max-num-seqs", type=int, help="requests running at once (default: config)")
     p.add_argument("--seq-cap", action="store_true", help="cap requests per microbatch at max_num_seqs / pp")
-    p.add_argument("--overhead-ms", type=float, default=0.2, help="engine overhead per returned microbatch")
+    # Defaults measured on ppserve's own control plane (connections; benchmarks/README.md, "Control plane").
+    p.add_argument("--overhead-ms", type=float, default=0.5,
+                   help="engine turnaround per returned microbatch: result back, update, next schedule")
+    p.add_argument("--dispatch-ms", type=float, default=0.5,
+                   help="control-plane latency from schedule() to the stages holding the microbatch")
     p.add_argument("--window", default="active", help="bubble window: active | all | steady")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace here (open with `ppserve timeline`)")
     p.add_argument("--json", dest="json_out", help="write the summary as JSON here")
@@ -115,14 +119,14 @@ def run(args: argparse.Namespace) -> int:
     wl = clip_to_context(wl, max_len)
 
     res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, max_len, args.overhead_ms * 1e-3,
-                                       check_invariants=args.check))
+                                       args.dispatch_ms * 1e-3, check_invariants=args.check))
     summary = res.summary(args.window)
     settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
                 "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
                 "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
                 "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
                 "prefill_scale": args.prefill_scale, "decode_scale": args.decode_scale,
-                "overhead_ms": args.overhead_ms}
+                "overhead_ms": args.overhead_ms, "dispatch_ms": args.dispatch_ms}
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(res.bubble_report(args.window).format_text())
     thr, lat = summary["throughput"], summary["latency"]

@@ -3,9 +3,10 @@
 The loop mirrors `ppserve.engine.core.Engine.step` exactly, with time taken from a cost model instead
 of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
 until `pp` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
-stage, hands its result to the scheduler after a fixed overhead, and decides again. Stage s starts
-microbatch j at max(stage s free, j done on stage s-1 + transfer time); stage 0 gets it when it is
-scheduled. The scheduler classes are used unchanged; only its clock is the simulated one.
+stage, hands its result to the scheduler after a fixed overhead (`schedule_overhead_s`: the result's
+way back and the engine's turnaround), and decides again. The control plane takes
+`dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
+max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives. The scheduler classes are used unchanged; only its clock is the simulated one.
 
 Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
 schedule on the engine track), work intervals, per-request token times — so `bubble_report`, the
@@ -50,6 +51,7 @@ class SimConfig:
     block_size: int = 16
     max_model_len: int = 4096
     schedule_overhead_s: float = 0.0  # from the last stage's result to the next schedule() (engine + RPC)
+    dispatch_latency_s: float = 0.0  # from schedule() to the stages holding the SchedulerOutput (control plane)
     record_send: bool = True  # zero-length send spans after each non-last stage, like the real workers
     check_invariants: bool = False  # debug: scheduler.check_invariants() after every schedule and update
     max_microbatches: int = 10_000_000  # guard against a run that never ends
@@ -57,6 +59,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.schedule_overhead_s < 0:
             raise ValueError(f"schedule_overhead_s must be >= 0, got {self.schedule_overhead_s!r}")
+        if self.dispatch_latency_s < 0:
+            raise ValueError(f"dispatch_latency_s must be >= 0, got {self.dispatch_latency_s!r}")
 
 
 @dataclass
@@ -145,18 +149,20 @@ def batch_shape(out: SchedulerOutput) -> BatchShape:
 class _Pipeline:
     """The stages' timelines: when each is free, and the spans it has recorded."""
 
-    def __init__(self, cost: CostModel, record_send: bool) -> None:
+    def __init__(self, cost: CostModel, record_send: bool, dispatch_ns: int = 0) -> None:
         self.cost = cost
         self.free_ns = [0] * cost.num_stages
         self.record_send = record_send
+        self.dispatch_ns = dispatch_ns
         self.spans: list[Span] = []
 
-    def run(self, out: SchedulerOutput, submit_ns: int) -> tuple[int, list[float]]:
+    def run(self, out: SchedulerOutput, scheduled_ns: int) -> tuple[int, list[float]]:
         """Push one microbatch through every stage; returns when the last stage finishes it and its
         compute seconds per stage (what `Scheduler.observe_step` learns from)."""
         shape = batch_shape(out)
         pf, dc, rids = out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)
         transfer = _ns(self.cost.transfer_time(shape))
+        submit_ns = scheduled_ns + self.dispatch_ns  # when the stages hold the scheduler output
         ready = submit_ns  # stage 0's input is the scheduler output itself
         end = submit_ns
         last = self.cost.num_stages - 1
@@ -185,7 +191,7 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     now_ns = 0
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
                       max_in_flight=pp, clock=lambda: now_ns * 1e-9)
-    pipe = _Pipeline(cost, cfg.record_send)
+    pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     work = WorkTracker()
     arrivals = sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)), key=lambda x: (x[0], x[1]))
     next_arrival = 0

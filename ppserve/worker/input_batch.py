@@ -68,9 +68,8 @@ class InputBatch:
         due = set(out.sample_request_ids)
         logits_idx: list[int] = []
         sample_ids: list[str] = []
-        for rid, n in zip(out.order, out.num_scheduled_tokens, strict=True):
+        for rid, n, start in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens, strict=True):
             st = self.requests[rid]
-            start = st.num_computed_tokens
             ids.extend(st.token_ids[start : start + n])
             query_lens.append(n)
             context_lens.append(start + n)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -46,6 +47,15 @@ def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) ->
     if device.type == "cuda":
         return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"), torch.bfloat16)
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+class StageOutput(NamedTuple):
+    """One stage's part of one microbatch: hidden states for the next stage (or the last stage's
+    sampled tokens) and the seconds it computed."""
+
+    hidden: Tensor | None
+    result: StepResult | None
+    compute_s: float
 
 
 @dataclass(frozen=True)
@@ -165,34 +175,56 @@ class StageWorker:
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None) -> Tensor | StepResult:
-        """Run this stage's layers for one microbatch. The last stage returns a StepResult of sampled
-        tokens; other stages return the hidden states [T, H] for the next stage."""
-        with self.recorder.span(
-            "compute", out.step_id, num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens, request_ids=tuple(out.order),
-        ):
-            self.batch.apply(out)
-            inp = self.batch.prepare(out)
-            if self.graphs is not None and self.graphs.applies(inp.meta):
-                hidden = self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
-            else:
-                hidden = self.model(
-                    inp.input_ids if self.model.is_first else None,
-                    None if self.model.is_first else hidden_in,
-                    inp.positions, self.kv_caches, inp.meta,
-                )
-            if not self.model.is_last:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()  # spans measure the GPU work, not the launch
-                return hidden
-            sampled: dict[str, int] = {}
-            if inp.sample_request_ids:
-                logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
-                output_idx = [len(st.token_ids) - st.num_prompt_tokens for st in inp.sample_states]
-                tokens = sample(logits, [st.sampling for st in inp.sample_states], output_idx)
-                sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
-        return StepResult(out.step_id, sampled)
+    def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None) -> StageOutput:
+        """Run this stage's layers for one microbatch. The last stage samples (a StepResult of tokens);
+        other stages hand back the hidden states [T, H] for the next stage. Either way with the stage's
+        compute seconds, which the scheduler's cost model learns from."""
+        events = None
+        if self.device.type == "cuda":  # the GPU's own clock: launches return before the work is done
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        start = time.perf_counter_ns()
+        try:
+            hidden, result = self._compute(out, hidden_in)
+            if events is not None:
+                events[1].record()
+                events[1].synchronize()
+        finally:
+            # Recorded even if the step raised: a failed step still occupied the stage.
+            end = time.perf_counter_ns()
+            self.recorder.record("compute", start, end, out.step_id, num_prefill_tokens=out.num_prefill_tokens,
+                                 num_decode_tokens=out.num_decode_tokens, request_ids=out.order)
+        seconds = events[0].elapsed_time(events[1]) * 1e-3 if events is not None else (end - start) * 1e-9
+        return StageOutput(hidden, result, seconds)
+
+    def _compute(self, out: SchedulerOutput, hidden_in: Tensor | None) -> tuple[Tensor | None, StepResult | None]:
+        self.batch.apply(out)
+        inp = self.batch.prepare(out)
+        if self.graphs is not None and self.graphs.applies(inp.meta):
+            hidden = self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
+        else:
+            hidden = self.model(
+                inp.input_ids if self.model.is_first else None,
+                None if self.model.is_first else hidden_in,
+                inp.positions, self.kv_caches, inp.meta,
+            )
+        if not self.model.is_last:
+            return hidden, None
+        sampled: dict[str, int] = {}
+        if inp.sample_request_ids:
+            logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+            output_idx = [len(st.token_ids) - st.num_prompt_tokens for st in inp.sample_states]
+            tokens = sample(logits, [st.sampling for st in inp.sample_states], output_idx)
+            sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
+        return None, StepResult(out.step_id, sampled)
+
+    def slowest_rank(self, stage_seconds: tuple[float, ...]) -> tuple[float, ...]:
+        """Each stage's time as its slowest TP rank's (the stage waits for all of them): a max all-reduce
+        over this stage's TP group of the times each rank's chain carried."""
+        if self.tp.size == 1:
+            return stage_seconds
+        t = torch.tensor(stage_seconds, dtype=torch.float64, device=self.device)
+        return tuple(self.tp.all_reduce_max(t).tolist())
 
     def drain_spans(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self.recorder.drain()]

@@ -41,7 +41,7 @@ def _prompts(seed: int, n: int) -> list[list[int]]:
 def _generate(model_dir, prompts, **kwargs):
     with LLM(str(model_dir), dtype=kwargs.pop("dtype", "float32"), executor="inproc", **kwargs) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        worker = llm.engine.executor.worker
+        worker = llm.engine.executor.workers[0]
         return [o.token_ids for o in outs], worker, llm.engine.scheduler.num_preemptions
 
 

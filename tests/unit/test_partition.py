@@ -62,3 +62,48 @@ def _ranges(counts):
     from ppserve.model.partition import ranges_from_counts
 
     return ranges_from_counts(counts)
+
+
+def test_fit_stage_costs_recovers_layer_and_head_costs():
+    from ppserve.model.partition import MeasuredStageCosts, fit_stage_costs
+
+    ranges = [(0, 8), (8, 15), (15, 30)]
+    layer, head = [0.002, 0.003, 0.001], [0.010, 0.004, 0.0]  # per microbatch: mixed, decode-heavy, prefill
+    times = [(8 * lay, 7 * lay, 15 * lay + h) for lay, h in zip(layer, head, strict=True)]
+    costs = fit_stage_costs(times + [(1.0,)], ranges, source="test")  # a short tuple is skipped
+    assert costs.num_microbatches == 3
+    assert costs.layer_s == pytest.approx(sum(layer) / 3)
+    assert costs.head_s == pytest.approx(sum(head) / 3)
+    assert costs.cost_model().lm_head == pytest.approx(sum(head) / sum(layer))
+    again = MeasuredStageCosts.from_json(costs.to_json())
+    assert again == costs
+    with pytest.raises(ValueError, match="two stages"):
+        fit_stage_costs(times, [(0, 30)])
+    with pytest.raises(ValueError, match="no microbatch"):
+        fit_stage_costs([(1.0,)], ranges)
+    with pytest.raises(ValueError, match="stage-cost profile"):
+        MeasuredStageCosts.from_json({"layer_s": 1.0})
+
+
+def test_calibrated_costs_split_like_the_measured_head():
+    """A head measured at 4 layers' cost moves 2 layers off the last of two stages (30 layers: 17 / 13)."""
+    from ppserve.model.partition import fit_stage_costs
+
+    times = [(15 * 0.001, 15 * 0.001 + 0.004)] * 5
+    costs = fit_stage_costs(times, [(0, 15), (15, 30)])
+    assert partition_layers(30, 2, mode="cost", cost=costs.cost_model()) == [(0, 17), (17, 30)]
+
+
+def test_initial_ranges_follow_the_mode():
+    from types import SimpleNamespace
+
+    from ppserve.model.partition import initial_ranges
+
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                            vocab_size=49152)
+    par = SimpleNamespace(pipeline_parallel_size=2, layer_partition=None, partition_mode="cost")
+    assert initial_ranges(par, shape) == [(0, 19), (19, 30)]
+    par.partition_mode = "calibrated"  # starts even, refined by the engine from measured stage times
+    assert initial_ranges(par, shape) == [(0, 15), (15, 30)]
+    par.layer_partition = (10, 20)
+    assert initial_ranges(par, shape) == [(0, 10), (10, 30)]

@@ -77,6 +77,20 @@ def test_two_stages_three_microbatches_exact_times():
     assert res.bubble_report("all").per_request_bubble_ns == {"r0": t, "r1": t, "r2": t}
 
 
+def test_dispatch_latency_delays_every_stage_start():
+    d, t, o, q = 10 * MS, 1 * MS, 2 * MS, 3 * MS
+    res = simulate(equal_microbatches(3), ConstantCostModel(2, d * 1e-9, t * 1e-9),
+                   sim_cfg(schedule_overhead_s=o * 1e-9, dispatch_latency_s=q * 1e-9))
+    got = {(s.step_id, s.stage): (s.start_ns, s.end_ns) for s in res.spans if s.kind == "compute"}
+    # mb 0 and 1 are scheduled at 0 and reach the stages at q; mb 2 is scheduled when mb 0 returns plus o.
+    assert got[(0, 0)] == (q, q + d) and got[(1, 0)] == (q + d, q + 2 * d)
+    assert got[(0, 1)] == (q + d + t, q + 2 * d + t)
+    back = q + 2 * d + t + o
+    assert got[(2, 0)] == (back + q, back + q + d)
+    with pytest.raises(ValueError, match="dispatch_latency_s"):
+        SimConfig(dispatch_latency_s=-1.0)
+
+
 def test_arrivals_idle_gaps_are_starvation():
     wl = [WorkloadRequest(0.0, 64, 1), WorkloadRequest(1.0, 64, 1)]
     res = simulate(wl, ConstantCostModel(2, 0.01), sim_cfg())

@@ -1,0 +1,54 @@
+"""Hidden states over torch.distributed point-to-point: gloo between CPU processes, NCCL between GPUs.
+
+The receiver knows the tensor's shape from the SchedulerOutput (its token count) and its stage index,
+so nothing but two tensors crosses the link: the hidden states, then the stage times so far (float64,
+on the link's device). Sends are asynchronous with at most one message outstanding (its buffers are
+kept alive until it completes). A receive waits on its work handles and, on CUDA, for the stream
+NCCL wrote into: `dist.recv` on NCCL returns once the receive is *enqueued*, and a span that ended
+there would book the wait for the data as compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class TorchP2PChannel:
+    """One end of the link: `peer` is the global rank at the other end; this side sends or receives."""
+
+    def __init__(self, peer: int, device: torch.device) -> None:
+        self.peer = peer
+        self.device = device
+        self._pending: list[Any] = []  # the outstanding message's work handles
+        self._buffers: tuple[Tensor, ...] = ()
+
+    def send(self, hidden: Tensor, stage_seconds: tuple[float, ...]) -> None:
+        self._wait_pending()  # at most one message outstanding; keeps its buffers alive until done
+        times = torch.tensor(stage_seconds, dtype=torch.float64, device=self.device)
+        self._buffers = (hidden.contiguous(), times)
+        self._pending = [dist.isend(t, dst=self.peer) for t in self._buffers]
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+             num_stages_before: int) -> tuple[Tensor, tuple[float, ...]]:
+        hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
+        times = torch.empty(num_stages_before, dtype=torch.float64, device=self.device)
+        for work in [dist.irecv(hidden, src=self.peer), dist.irecv(times, src=self.peer)]:
+            work.wait()
+        if hidden.is_cuda:
+            torch.cuda.current_stream(hidden.device).synchronize()  # the data is there, not just the request
+        return hidden, tuple(times.tolist())
+
+    def _wait_pending(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+
+    def close(self) -> None:
+        try:
+            self._wait_pending()
+        except Exception:  # the peer may be gone already; closing anyway
+            self._pending = []

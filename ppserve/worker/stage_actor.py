@@ -1,0 +1,195 @@
+"""The stage actor body: one (stage, TP rank) of the pipeline, its StageWorker and its links.
+
+A plain class. The Ray executor runs one per process (`ray.remote(StageActor)`): it binds the
+TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PChannel`s. The in-process
+executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
+way one microbatch is: receive the hidden states and the stage times so far from the previous stage
+(`recv_wait`), compute (`compute`), hand both on (`send`); the last stage samples, takes each stage's
+slowest TP rank (one small all-reduce) and returns the StepResult on its TP rank 0. No other stage
+reports anything to the engine.
+
+Entry points, one per control plane (engine/dispatch.py): `execute(out)` (a Ray call or the
+in-process executor), `execute_chained(out, upstream)` (a node of a Ray compiled graph, stage s+1
+taking stage s's token so the graph has no leaves), and `serve_connection(...)` (a thread reading
+SchedulerOutputs from the engine's authenticated connection and writing back the result).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+from ppserve.comm.channel import StageChannel
+from ppserve.sched.output import SchedulerOutput, StepResult
+
+
+class StageActor:
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1, prev_rank: int | None = None,
+                 next_rank: int | None = None) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.prev_rank = prev_rank
+        self.next_rank = next_rank
+        self.worker: Any = None
+        self.inbound: StageChannel | None = None
+        self.outbound: StageChannel | None = None
+        self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
+        self._conn: Any = None  # the engine's connection (connection control plane)
+
+    @classmethod
+    def local(cls, worker: Any, inbound: StageChannel | None, outbound: StageChannel | None) -> StageActor:
+        """An actor body around a worker built in this process, linked by in-memory channels."""
+        actor = cls(worker.spec)
+        actor.worker, actor.inbound, actor.outbound = worker, inbound, outbound
+        return actor
+
+    # ---- start-up (Ray) ----------------------------------------------------------------------------
+    def node_info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    def listen_for_store(self, host: str) -> int:
+        """Rank 0: bind the TCPStore's socket now, on `host` only, and return its port.
+
+        TCPStore itself listens on all interfaces; handed this socket (master_listen_fd) it listens
+        where we bound. Holding it open until init_distributed also leaves no window for another
+        process to take the port.
+        """
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+        self._store_sock = socket.create_server((host, 0), family=family)
+        port: int = self._store_sock.getsockname()[1]
+        return port
+
+    def clock_ns(self) -> int:
+        return time.perf_counter_ns()
+
+    def init_distributed(self, master: str, port: int, tp_groups: list[list[int]]) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.constants import default_pg_timeout
+
+        from ppserve.comm.p2p import TorchP2PChannel
+        from ppserve.model.parallel import TPContext
+        from ppserve.worker.stage_worker import StageWorker
+
+        if self.spec.num_threads:
+            torch.set_num_threads(self.spec.num_threads)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        if ipaddress.ip_address(master).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # Every rank is on this machine. Gloo otherwise listens on whatever the host name resolves
+            # to, often a routable address.
+            lo = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+            if lo:
+                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        # Same store as init_method="tcp://..." (multi-tenant, default timeout), on rank 0's bound socket.
+        store = dist.TCPStore(master, port, self.world_size, is_master=self.rank == 0, multi_tenant=True,
+                              timeout=default_pg_timeout,
+                              master_listen_fd=self._store_sock.fileno() if self._store_sock else None)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
+        my_group = None
+        for ranks in tp_groups:  # every rank must create every group, in the same order
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if self.rank in ranks:
+                my_group = g
+        tp = TPContext(rank=self.spec.tp_rank, size=self.spec.tp_size, group=my_group)
+        self.worker = StageWorker(self.spec, tp)
+        device = self.worker.device
+        self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
+        self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
+
+    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
+        n: int = self.worker.num_blocks_for_memory(kv_cache_memory)
+        return n
+
+    def init_cache(self, num_blocks: int) -> None:
+        self.worker.init_cache(num_blocks)
+
+    # ---- one microbatch ------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> StepResult | None:
+        """Run this actor's part of a microbatch; the last stage's TP rank 0 returns the StepResult."""
+        worker = self.worker
+        seconds: tuple[float, ...] = ()
+        hidden_in = None
+        if self.inbound is not None:
+            with worker.recorder.span("recv_wait", out.step_id):
+                hidden_in, seconds = self.inbound.recv(out.total_tokens, worker.arch.hidden_size, worker.dtype,
+                                                       self.spec.stage)
+        hidden, result, compute_s = worker.execute(out, hidden_in)
+        seconds += (compute_s,)
+        if self.outbound is not None:
+            assert hidden is not None
+            with worker.recorder.span("send", out.step_id):
+                self.outbound.send(hidden, seconds)
+            return None
+        assert result is not None
+        seconds = worker.slowest_rank(seconds)
+        if self.spec.tp_rank != 0:
+            return None
+        return StepResult(out.step_id, result.sampled_token_ids, seconds)
+
+    def execute_chained(self, out: SchedulerOutput, upstream: int | None = None) -> int | StepResult | None:
+        """`execute` as a compiled-graph node: a non-last stage returns the step id for the next stage."""
+        result = self.execute(out)
+        return out.step_id if self.outbound is not None else result
+
+    def serve_connection(self, address: Any, authkey: bytes, index: int) -> None:
+        """Connect to the engine (HMAC-authenticated) and run every SchedulerOutput it sends, in order,
+        on a thread of this actor; Ray calls (spans, shutdown) stay served meanwhile."""
+        from multiprocessing.connection import Client
+
+        conn = Client(address, authkey=authkey)
+        conn.send_bytes(pickle.dumps(index))
+        self._conn = conn
+        self._loop = threading.Thread(target=self._serve, args=(conn,), name="ppserve-stage", daemon=True)
+        self._loop.start()
+
+    def _serve(self, conn: Any) -> None:
+        while True:
+            try:
+                data = conn.recv_bytes()
+            except (EOFError, OSError):  # the engine closed the connection: shutting down
+                return
+            out = pickle.loads(data)
+            try:
+                reply: tuple[str, Any] | None = None
+                result = self.execute(out)
+                if result is not None:
+                    reply = ("result", result)
+            except BaseException as e:  # tell the engine at once instead of letting it time out
+                reply = ("error", f"stage {self.spec.stage} tp {self.spec.tp_rank}: {type(e).__name__}: {e}\n"
+                                  f"{traceback.format_exc()}")
+            if reply is not None:
+                try:
+                    conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                except OSError:
+                    return
+                if reply[0] == "error":
+                    return
+
+    # ---- observability and teardown ---------------------------------------------------------------------
+    def drain_spans(self) -> list[dict[str, Any]]:
+        spans: list[dict[str, Any]] = self.worker.drain_spans()
+        return spans
+
+    def shutdown(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        for ch in (self.inbound, self.outbound):
+            if ch is not None:
+                ch.close()
+        if self.rank is not None and self.world_size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
