@@ -116,6 +116,10 @@ class SchedulerConfig:
     # let a prompt's chunks follow each other down the pipeline (ppserve/sched/balance.py); off = one
     # request per in-flight microbatch, filled to the budget (the unbalanced formation, for comparison)
     balance: bool = True
+    # balanced formation: spread the work in reach over this many rounds of the pipeline (p microbatches
+    # each); more rounds give more equal microbatches, so fewer bubbles, at the price of cutting prompts
+    # into more chunks (longer TTFT when work is scarce); 1 = every slot of one round gets an equal share
+    balance_rounds: int = 1
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
     budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)
@@ -133,6 +137,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         if self.max_waiting < 1:
             raise ValueError(f"scheduler.max_waiting must be >= 1, got {self.max_waiting!r}")
+        if self.balance_rounds < 1:
+            raise ValueError(f"scheduler.balance_rounds must be >= 1, got {self.balance_rounds!r}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
 

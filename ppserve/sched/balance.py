@@ -14,7 +14,10 @@ cost the same on every stage (DESIGN.md §3, "Balance"). Two numbers shape the n
   work schedulable now) / p, never more than the budget (tokens, or predicted seconds where a cost
   model prices the step). Under load the share is the budget itself (plain Sarathi-Serve); with little
   work, a lone prompt is cut into p chunks that follow each other down the pipeline instead of one
-  chunk that visits the stages one at a time.
+  chunk that visits the stages one at a time. `scheduler.balance_rounds` = k shares the work among
+  k rounds (k * p microbatches): consecutive microbatches then differ less when prompts arrive in
+  bursts (a pipeline idles about (p - 1) * |T_k - T_k+1| at each change of microbatch time), at the
+  price of cutting a prompt into more chunks, which lengthens its TTFT.
 
 Pure functions over numbers; the scheduler gathers the numbers. No torch, no clock.
 """

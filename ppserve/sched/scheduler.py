@@ -212,6 +212,7 @@ class Scheduler:
         budget = b.budget
         cap = budget.token_budget
         assert cap is not None, "a balanced policy has a token budget"
+        slots = p * self.config.balance_rounds  # the microbatches the work in reach is shared among
         timed = isinstance(budget, TimeBudget) and budget.active
         if timed:
             assert isinstance(budget, TimeBudget)
@@ -222,15 +223,15 @@ class Scheduler:
             for req in self._prefills_in_reach(b):
                 seconds += cost.marginal_s(req.num_uncomputed_tokens, req.num_computed_tokens)
             per_step = budget.time_budget_s - cost.base_s
-            budget.limit(cap, cost.base_s + fair_share(seconds, p, per_step))
+            budget.limit(cap, cost.base_s + fair_share(seconds, slots, per_step))
             return
         tokens = sum(mb.total_tokens for mb in self.in_flight) + num_ready
-        limit = p * cap  # beyond this the share is the whole budget: stop counting
+        limit = slots * cap  # beyond this the share is the whole budget: stop counting
         for req in self._prefills_in_reach(b):
             if tokens >= limit:
                 break
             tokens += req.num_uncomputed_tokens
-        budget.limit(math.ceil(fair_share(tokens, p, cap)))
+        budget.limit(math.ceil(fair_share(tokens, slots, cap)))
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way, then the waiting requests that could take the free seats (arrival order)."""

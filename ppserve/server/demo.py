@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests, per-microbatch cap on)",
+        help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests, cost-aware partition)",
     )
     p.add_argument("--num-requests", type=int, default=8, help="concurrent chat requests (prompts repeat)")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -53,13 +53,13 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # Cap requests per microbatch at max_num_seqs / pp so the decodes split into pp microbatches that
-    # follow each other through the stages: with all of them in one microbatch, one stage would
-    # always wait for the other.
+    # The scheduler spreads the decodes over the two in-flight microbatches itself (balanced
+    # formation). Chat traffic is decode-heavy: nearly every token gets logits, so the cost-aware split
+    # prices the LM head that way and gives the head's stage fewer layers.
     defaults = [
         "parallel.pipeline_parallel_size=2",
         f"scheduler.max_num_seqs={max(2, args.num_requests)}",
-        "scheduler.per_microbatch_seq_cap=true",
+        "parallel.partition_mode=cost",
     ]
     config = load_config(args.config, [*defaults, *args.overrides])
     print(
