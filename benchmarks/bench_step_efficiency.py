@@ -87,12 +87,13 @@ def matmul_rate(shape: ModelShape, threads: int, tokens: int = 512, rounds: int 
 # Engine runners (each runs in its own process: `--run-engine NAME`)
 # ---------------------------------------------------------------------------------------------
 
-def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int) -> EngineResult:
+def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partition: str = "even") -> EngineResult:
     from ppserve import LLM, SamplingParams
 
     prompts, output_len, model_dir = load_workload(workload)
     threads = 2 // pp if pp <= 2 else 1
-    overrides = [f"parallel.num_threads={threads}", f"parallel.cpus_per_worker={threads}"]
+    overrides = [f"parallel.num_threads={threads}", f"parallel.cpus_per_worker={threads}",
+                 f"parallel.partition_mode={partition}"]
     with LLM(model_dir, dtype=dtype, token_budget=token_budget, pipeline_parallel_size=pp, trace=False,
              overrides=overrides) as llm:
         warm = [p[:32] for p in prompts[:2]]
@@ -105,12 +106,14 @@ def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int) -> Engin
         rss = peak_rss_mib(sorted(set(pids)), with_children=False)
         blocks = llm.engine.executor.num_kv_blocks
         block_size = llm.config.cache.block_size
+        llm_ranges = llm.engine.executor.ranges
     ttft, tbt, p99 = latency_figures(start, [o.token_times for o in outs])
     return EngineResult(
         engine=f"ppserve-pp{pp}", wall_s=wall, num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=sum(len(o.token_ids) for o in outs), mean_ttft_s=ttft, mean_tbt_s=tbt, p99_tbt_s=p99,
         peak_rss_mib=rss,
-        extra={"dtype": dtype, "threads_per_stage": threads, "token_budget": token_budget,
+        extra={"dtype": dtype, "threads_per_stage": threads, "token_budget": token_budget, "partition": partition,
+               "layers": [list(r) for r in llm_ranges],
                "kv_blocks": blocks, "kv_tokens": blocks * block_size,
                "first_tokens": [o.token_ids[:8] for o in outs]},
     )
@@ -190,7 +193,8 @@ def spawn(name: str, args: argparse.Namespace, workload: Path) -> EngineResult |
                "--dtype", "bfloat16", "--max-num-batched-tokens", str(args.token_budget)]
     else:
         cmd = [sys.executable, __file__, "--run-engine", name, "--workload", str(workload), "--dtype", args.dtype,
-               "--token-budget", str(args.token_budget), "--hf-batch", str(args.hf_batch)]
+               "--token-budget", str(args.token_budget), "--hf-batch", str(args.hf_batch),
+               "--partition-mode", args.partition_mode]
     print(f"[{name}] running ...", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.engine_timeout,
@@ -260,6 +264,7 @@ def main() -> None:
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
     ap.add_argument("--dtype", default="bfloat16", help="ppserve and transformers dtype (vLLM always bf16)")
     ap.add_argument("--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens")
+    ap.add_argument("--partition-mode", default="even", help="ppserve pp>1: parallel.partition_mode (even|cost|calibrated)")
     ap.add_argument("--hf-batch", type=int, default=8, help="transformers static batch size")
     ap.add_argument("--cores", default="0-1", help="cores every engine is pinned to")
     ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating; "
@@ -274,7 +279,8 @@ def main() -> None:
     if args.run_engine:  # child process: one engine, one RESULT line
         wl = Path(args.workload)
         if args.run_engine.startswith("ppserve-pp"):
-            res = run_ppserve(wl, int(args.run_engine[len("ppserve-pp"):]), args.dtype, args.token_budget)
+            res = run_ppserve(wl, int(args.run_engine[len("ppserve-pp"):]), args.dtype, args.token_budget,
+                              args.partition_mode)
         elif args.run_engine == "hf":
             res = run_hf(wl, args.dtype, args.hf_batch)
         else:
