@@ -17,12 +17,13 @@ import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
+from ppserve.engine.messages import PromptInput, TokenDelta
+from ppserve.engine.output import OutputState
 from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams
 from ppserve.sched.scheduler import Scheduler
@@ -34,26 +35,6 @@ class PipelineFailed(RuntimeError):
     """A stage died and the pipeline could not be rebuilt within parallel.max_restarts attempts."""
 
 
-@dataclass(frozen=True)
-class TokenDelta:
-    """What one request gained in one step: for streaming to a client."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    text: str
-    token_times: tuple[float, ...]
-    finished: bool
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detok: IncrementalDetokenizer | None
-    token_times: list[float] = field(default_factory=list)
-    stop_check_from: int = 0  # text before this cannot contain a stop string start any more
-
-
 class Engine:
     def __init__(self, config: EngineConfig, clock: Any = time.perf_counter) -> None:
         self.config = config
@@ -62,7 +43,7 @@ class Engine:
         self.init_tokenizer()
         self.init_executor()
         self.init_scheduler()
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, OutputState] = {}  # unfinished requests, by id
         self.work = WorkTracker()
         self.engine_spans: list[Span] = []
         self._ids = itertools.count()
@@ -141,7 +122,16 @@ class Engine:
         self._consecutive_failures = 0  # reset by a step that succeeds; bounded by parallel.max_restarts
 
     # ---- requests ----------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int] | PromptInput) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages rendered by the model's chat template."""
+        if isinstance(prompt, PromptInput):
+            if prompt.messages is not None:
+                prompt = self.render_chat(prompt.messages)
+            elif prompt.text is not None:
+                prompt = prompt.text
+            else:
+                assert prompt.token_ids is not None
+                prompt = list(prompt.token_ids)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer: pass prompts as lists of token ids")
@@ -153,9 +143,17 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:5]}")
         return ids
 
+    def render_chat(self, messages: tuple[tuple[str, str], ...] | list[dict[str, str]]) -> str:
+        """The prompt text for chat messages, by the model's own chat template (generation prompt added)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
+        msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return text
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | PromptInput,
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
@@ -174,7 +172,7 @@ class Engine:
         )
         self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        self.tracked[rid] = _Tracked(req, detok)
+        self.tracked[rid] = OutputState(req, detok)
         self.work.update(True, time.perf_counter_ns())
         return rid
 
@@ -192,9 +190,18 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel now: KV blocks are freed at once, no token is streamed afterwards."""
-        ok = self.scheduler.cancel(request_id)
-        self.tracked.pop(request_id, None)
-        return ok
+        return self.abort(request_id, FinishReason.CANCELLED) is not None
+
+    def abort(self, request_id: str, reason: FinishReason) -> TokenDelta | None:
+        """Finish an unfinished request now (cancel, error); its final delta, or None if it is unknown."""
+        st = self.tracked.pop(request_id, None)
+        self.scheduler.finish_request(request_id, reason)
+        if st is None:
+            return None
+        return TokenDelta(request_id, (), "", (), True, reason.value, st.times())
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self.tracked)
 
     @property
     def has_unfinished(self) -> bool:
@@ -279,43 +286,20 @@ class Engine:
                        elapsed, self.num_restarts, len(requeued))
 
     def _process(self, rid: str, token_ids: tuple[int, ...], reason: FinishReason | None, now: float) -> TokenDelta | None:
-        tr = self.tracked.get(rid)
-        if tr is None:
+        st = self.tracked.get(rid)
+        if st is None:
             return None
-        tr.token_times.extend([now] * len(token_ids))
-        text = ""
-        if tr.detok is not None:
-            for t in token_ids:
-                text += tr.detok.add(t)
-            if reason is not None:
-                text += tr.detok.flush()
-            stop_at = self._find_stop(tr)
-            if stop_at is not None:
-                # Truncate at the stop string (not included in the output) and finish the request.
-                emitted_before = len(tr.detok.text) - len(text)
-                text = tr.detok.text[emitted_before:stop_at] if stop_at > emitted_before else ""
-                tr.detok.text = tr.detok.text[:stop_at]
-                if reason is None:
-                    self.scheduler.finish_request(rid, FinishReason.STOP)
-                reason = FinishReason.STOP
-        finished = reason is not None
-        if finished:
-            del self.tracked[rid]
-        return TokenDelta(rid, token_ids, text, tuple([now] * len(token_ids)), finished,
-                          reason.value if reason else None)
+        text, hit_stop = st.advance(token_ids, reason is not None, now)
+        if hit_stop:
+            if reason is None:
+                self.scheduler.finish_request(rid, FinishReason.STOP)
+            reason = FinishReason.STOP
+        if reason is None:
+            return TokenDelta(rid, token_ids, text, (now,) * len(token_ids), False)
+        del self.tracked[rid]
+        return TokenDelta(rid, token_ids, text, (now,) * len(token_ids), True, reason.value, st.times())
 
-    def _find_stop(self, tr: _Tracked) -> int | None:
-        stops = tr.request.sampling.stop
-        if not stops or tr.detok is None:
-            return None
-        text = tr.detok.text
-        longest = max(len(s) for s in stops)
-        start = max(0, tr.stop_check_from - longest + 1)
-        hits = [i for s in stops if (i := text.find(s, start)) >= 0]
-        tr.stop_check_from = len(text)
-        return min(hits) if hits else None
-
-    def request_state(self, rid: str) -> _Tracked | None:
+    def request_state(self, rid: str) -> OutputState | None:
         return self.tracked.get(rid)
 
     # ---- observability -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any
 
 from ppserve.config import EngineConfig, load_config
 from ppserve.engine.core import Engine
+from ppserve.engine.messages import PromptInput
 from ppserve.metrics.bubbles import BubbleReport, bubble_report
 from ppserve.metrics.spans import Span
 from ppserve.metrics.trace import save_chrome_trace
@@ -74,13 +75,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | list[str] | list[list[int]],
+        prompts: str | list[int] | PromptInput | list[str] | list[list[int]] | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, PromptInput)) or (isinstance(prompts, list) and prompts
+                                                        and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        plist: list[str | list[int]] = list(prompts)  # type: ignore[arg-type]
+        plist: list[str | list[int] | PromptInput] = list(prompts)  # type: ignore[arg-type]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(plist):
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(plist)} prompts")
@@ -126,6 +128,18 @@ class LLM:
                 )
             )
         return outs
+
+    def chat(
+        self,
+        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete chat conversations (lists of {"role", "content"}), rendered by the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [PromptInput(messages=tuple((m["role"], m["content"]) for m in conv))  # type: ignore[index]
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
 
     # ---- bubbles and traces ------------------------------------------------------------------
     def spans(self) -> list[Span]:

@@ -30,7 +30,8 @@ DEFAULT_PROMPTS = [
 
 
 def run(args: argparse.Namespace) -> int:
-    from ppserve import LLM, SamplingParams
+    from ppserve.engine.llm import LLM
+    from ppserve.request import SamplingParams
 
     prompts = args.prompts or DEFAULT_PROMPTS
     with LLM(config=args.config, overrides=args.overrides) as llm:

@@ -7,7 +7,6 @@ ValueError names the field); this module only adds the checks that exist because
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +14,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from ppserve.engine.messages import CHAT_ROLES, PipelineUnavailable, PromptInput, RequestTimes
 from ppserve.request import SamplingParams
 from ppserve.server.gen import ppserve_pb2 as pb
+
+__all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
 
 _FINISH_TO_PROTO = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -29,21 +31,7 @@ _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 # Largest id a proto int64 may carry that still makes sense as a Python int for the engine.
 _INT64_MAX = (1 << 63) - 1
-CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID_CHARS = 256
-
-
-class PipelineUnavailable(RuntimeError):
-    """The pipeline is starting, being rebuilt, failed or shutting down: retry later (UNAVAILABLE)."""
-
-
-@dataclass(frozen=True)
-class PromptInput:
-    """What the client asked to complete: exactly one of text, token ids or chat messages."""
-
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
 
 
 # ---- sampling ------------------------------------------------------------------------------------
@@ -224,15 +212,6 @@ def finish_reason_from_proto(value: int) -> str | None:
     return _FINISH_FROM_PROTO.get(value)  # type: ignore[call-overload, no-any-return]
 
 
-@dataclass(frozen=True)
-class RequestTimes:
-    """Engine-clock times of one request, for its closing metrics."""
-
-    arrival: float
-    first_scheduled: float | None
-    token_times: Sequence[float]
-
-
 def request_metrics_to_proto(t: RequestTimes) -> pb.RequestMetrics:
     m = pb.RequestMetrics()
     if t.first_scheduled is not None:
@@ -248,10 +227,6 @@ def request_metrics_to_proto(t: RequestTimes) -> pb.RequestMetrics:
 def to_unix_times(engine_times: Sequence[float], engine_to_unix: float) -> list[float]:
     """Engine clock (monotonic seconds) to Unix seconds, by the offset measured at start-up."""
     return [t + engine_to_unix for t in engine_times]
-
-
-def engine_to_unix_offset(engine_clock: Any = time.perf_counter) -> float:
-    return time.time() - float(engine_clock())
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ppserve.config import load_config
-    from ppserve.server.async_engine import AsyncEngine
+    from ppserve.engine.async_engine import AsyncEngine
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

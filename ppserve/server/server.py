@@ -23,8 +23,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from ppserve.config import EngineConfig, ServerConfig
+from ppserve.engine.async_engine import AsyncEngine
 from ppserve.server import convert
-from ppserve.server.async_engine import AsyncEngine
 from ppserve.server.gen import ppserve_pb2 as pb
 from ppserve.server.servicer import PPServeServicer
 

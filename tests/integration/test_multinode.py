@@ -29,7 +29,7 @@ def _child_main(model_dir: str) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from ppserve.config import load_config
-    from ppserve.server.async_engine import AsyncEngine
+    from ppserve.engine.async_engine import AsyncEngine
     from ppserve.server.client import AsyncPPServeClient
     from ppserve.server.server import start_server
 

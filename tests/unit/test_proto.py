@@ -8,6 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes, TokenDelta
 from ppserve.request import SamplingParams
 from ppserve.server import convert
 from ppserve.server.codegen import GEN_DIR, OUTPUTS, generate
@@ -80,7 +81,7 @@ def test_errors_map_to_status_codes() -> None:
     assert convert.error_to_status(ValueError("temperature bad"))[0] is grpc.StatusCode.INVALID_ARGUMENT
     assert convert.error_to_status(OverflowError("full"))[0] is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (
-        convert.error_to_status(convert.PipelineUnavailable("rebuilding"))[0] is grpc.StatusCode.UNAVAILABLE
+        convert.error_to_status(PipelineUnavailable("rebuilding"))[0] is grpc.StatusCode.UNAVAILABLE
     )
     code, msg = convert.error_to_status(RuntimeError("boom"))
     assert code is grpc.StatusCode.INTERNAL and "boom" in msg
@@ -89,7 +90,7 @@ def test_errors_map_to_status_codes() -> None:
 def test_finish_reasons_and_metrics() -> None:
     for reason in (None, "stop", "length", "cancelled", "error"):
         assert convert.finish_reason_from_proto(convert.finish_reason_to_proto(reason)) == reason
-    m = convert.request_metrics_to_proto(convert.RequestTimes(10.0, 10.5, [11.0, 11.2, 11.6]))
+    m = convert.request_metrics_to_proto(RequestTimes(10.0, 10.5, [11.0, 11.2, 11.6]))
     assert m.queue_time_s == pytest.approx(0.5)
     assert m.ttft_s == pytest.approx(1.0)
     assert m.mean_tbt_s == pytest.approx(0.3)
@@ -206,9 +207,9 @@ class FakeEngine:
             raise OverflowError(f"the waiting queue is full ({self.config.scheduler.max_waiting} requests)")
         self.left[request_id] = sampling.max_tokens
         req = SimpleNamespace(
-            num_prompt_tokens=len(prompt), arrival_time=self.clock(), first_scheduled_time=None
+            num_prompt_tokens=len(prompt.token_ids), arrival_time=self.clock(), first_scheduled_time=None
         )
-        self.states[request_id] = SimpleNamespace(request=req)
+        self.states[request_id] = SimpleNamespace(request=req, token_times=[])
         return request_id
 
     def request_state(self, rid):  # type: ignore[no-untyped-def]
@@ -221,20 +222,30 @@ class FakeEngine:
     def step(self):  # type: ignore[no-untyped-def]
         import time
 
-        from ppserve.engine.core import TokenDelta
-
         time.sleep(0.002)
         now, out = self.clock(), []
         for rid in list(self.left):
             self.left[rid] -= 1
+            st = self.states[rid]
+            st.token_times.append(now)
             done = self.left[rid] == 0
-            out.append(TokenDelta(rid, (7,), "a", (now,), done, "length" if done else None))
+            times = self._times(rid) if done else None
+            out.append(TokenDelta(rid, (7,), "a", (now,), done, "length" if done else None, times))
             if done:
                 del self.left[rid]
         return out
 
-    def cancel(self, rid: str) -> bool:
-        return self.left.pop(rid, None) is not None
+    def _times(self, rid):  # type: ignore[no-untyped-def]
+        st = self.states[rid]
+        return RequestTimes(st.request.arrival_time, st.request.first_scheduled_time, list(st.token_times))
+
+    def abort(self, rid, reason):  # type: ignore[no-untyped-def]
+        if self.left.pop(rid, None) is None:
+            return None
+        return TokenDelta(rid, (), "", (), True, reason.value, self._times(rid))
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self.left)
 
     def stats(self) -> dict:
         return {
@@ -256,7 +267,7 @@ class FakeEngine:
 def _with_server(fake: FakeEngine, body):  # type: ignore[no-untyped-def]
     import asyncio
 
-    from ppserve.server.async_engine import AsyncEngine
+    from ppserve.engine.async_engine import AsyncEngine
     from ppserve.server.client import AsyncPPServeClient
     from ppserve.server.server import start_server
 
@@ -298,14 +309,14 @@ def test_slow_reader_gets_merged_chunks() -> None:
     """The engine thread never waits for a reader: deltas pile up merged into one pending chunk."""
     import asyncio
 
-    from ppserve.server.async_engine import AsyncEngine
+    from ppserve.engine.async_engine import AsyncEngine
 
     async def main():  # type: ignore[no-untyped-def]
         eng = AsyncEngine(FakeEngine())
         eng.start()
         try:
             stream = await eng.add_request(
-                convert.PromptInput(token_ids=(1, 2, 3)), SamplingParams(max_tokens=60)
+                PromptInput(token_ids=(1, 2, 3)), SamplingParams(max_tokens=60)
             )
             await asyncio.sleep(0.5)  # 60 steps of ~2 ms happen meanwhile
             return [c async for c in stream]

@@ -1,11 +1,15 @@
-"""AsyncEngine: drives the single-threaded Engine from one dedicated thread for an asyncio server.
+"""AsyncEngine: drives the single-threaded Engine from one dedicated thread for asyncio front doors.
 
 The Engine is not thread-safe, so exactly one thread ("ppserve-engine") ever touches it after
 start-up. Everything else talks to that thread through a FIFO inbox of commands (add, cancel, call,
 stop), applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per
-step carrying all deltas, so the engine thread never blocks on a client. Each request's deltas are
-merged into one pending chunk on the event loop (a queue of depth one that coalesces), so a slow
-client receives bigger chunks instead of stalling anyone.
+step carrying that step's `TokenDelta`s, so the engine thread never blocks on a client. Each request's
+deltas are merged into one pending `StreamChunk` on the event loop (a queue of depth one that
+coalesces), so a slow client receives bigger chunks instead of stalling anyone.
+
+Every front door (gRPC, HTTP, the demo) uses this bridge; it imports no grpc, protobuf or web
+framework, and keeps no copy of the engine's request state: the engine's final delta of a request
+carries its times.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ppserve.config import EngineConfig, config_to_dict
-from ppserve.request import SamplingParams
-from ppserve.server.convert import PipelineUnavailable, PromptInput, RequestTimes, engine_to_unix_offset
+from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes, TokenDelta
+from ppserve.request import FinishReason, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,29 +37,30 @@ STATS_WINDOW_S = 30.0  # the "recent window" of GetStats rates and bubble fracti
 CALL_TIMEOUT_S = 60.0  # an engine-thread call that takes longer means the pipeline is stuck
 
 
+def engine_to_unix_offset(engine_clock: Any = time.perf_counter) -> float:
+    """Add this to an engine-clock time (monotonic seconds) to get Unix seconds."""
+    return time.time() - float(engine_clock())
+
+
 @dataclass
 class StreamChunk:
-    """New output of one request since the last chunk the client took (deltas merged)."""
+    """New output of one request since the last chunk the client took (its deltas merged)."""
 
     request_id: str
-    token_ids: list[int]
-    text: str
-    token_times: list[float]  # engine clock
-    num_output_tokens: int  # cumulative
-    finished: bool
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    token_times: list[float] = field(default_factory=list)  # engine clock
+    num_output_tokens: int = 0  # cumulative
+    finished: bool = False
     finish_reason: str | None = None
     times: RequestTimes | None = None  # on the last chunk
 
-
-@dataclass
-class _Pending:
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    token_times: list[float] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None
-    arrival: float = 0.0
-    first_scheduled: float | None = None
+    def merge(self, d: TokenDelta) -> None:
+        self.token_ids.extend(d.token_ids)
+        self.text += d.text
+        self.token_times.extend(d.token_times)
+        if d.finished:
+            self.finished, self.finish_reason, self.times = True, d.finish_reason, d.times
 
 
 class RequestStream:
@@ -64,33 +69,18 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = 0
-        self._pending: _Pending | None = None
+        self._pending: StreamChunk | None = None
         self._event = asyncio.Event()
-        self._all_times: list[float] = []
         self._num_output = 0
         self._done = False
 
     # Called on the event loop only (via call_soon_threadsafe).
-    def _push(
-        self,
-        token_ids: tuple[int, ...],
-        text: str,
-        times: tuple[float, ...],
-        finished: bool,
-        reason: str | None,
-        arrival: float = 0.0,
-        first_scheduled: float | None = None,
-    ) -> None:
+    def _push(self, delta: TokenDelta) -> None:
         if self._done or (self._pending is not None and self._pending.finished):
             return
-        p = self._pending or _Pending()
-        p.token_ids.extend(token_ids)
-        p.text += text
-        p.token_times.extend(times)
-        if finished:
-            p.finished, p.finish_reason = True, reason
-            p.arrival, p.first_scheduled = arrival, first_scheduled
-        self._pending = p
+        if self._pending is None:
+            self._pending = StreamChunk(self.request_id)
+        self._pending.merge(delta)
         self._event.set()
 
     async def next_chunk(self) -> StreamChunk | None:
@@ -99,24 +89,12 @@ class RequestStream:
             return None
         await self._event.wait()
         self._event.clear()
-        p, self._pending = self._pending, None
-        assert p is not None
-        self._num_output += len(p.token_ids)
-        self._all_times.extend(p.token_times)
-        times = None
-        if p.finished:
-            self._done = True
-            times = RequestTimes(p.arrival, p.first_scheduled, list(self._all_times))
-        return StreamChunk(
-            self.request_id,
-            p.token_ids,
-            p.text,
-            p.token_times,
-            self._num_output,
-            p.finished,
-            p.finish_reason,
-            times,
-        )
+        chunk, self._pending = self._pending, None
+        assert chunk is not None
+        self._num_output += len(chunk.token_ids)
+        chunk.num_output_tokens = self._num_output
+        self._done = chunk.finished
+        return chunk
 
     def __aiter__(self) -> AsyncIterator[StreamChunk]:
         return self._iterate()
@@ -144,7 +122,6 @@ class AsyncEngine:
         self._stopping = False
         self.failure: BaseException | None = None
         # Engine-thread state below.
-        self._requests: dict[str, Any] = {}  # rid -> Request, for closing metrics
         self._spans: collections.deque[Any] = collections.deque()
         self._last_drain = time.monotonic()
         self._token_log: collections.deque[tuple[float, int]] = collections.deque()  # (engine time, tokens)
@@ -263,7 +240,7 @@ class AsyncEngine:
                     self._emit(deltas)
             if time.monotonic() - self._last_drain > SPAN_DRAIN_INTERVAL_S:
                 self._drain_spans()
-        self._cancel_all("cancelled")
+        self._cancel_all(FinishReason.CANCELLED)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -287,10 +264,10 @@ class AsyncEngine:
                 _, prompt, sampling, rid, _ = cmd
                 result: Any = self._add(prompt, sampling, rid)
             elif kind == "cancel":
-                rid = cmd[1]
-                result = self.engine.cancel(rid)
                 # End the stream (if a client still reads it) with a cancelled finish.
-                self._post(self._deliver, [self._closing(rid, "cancelled")])
+                closing = self.engine.abort(cmd[1], FinishReason.CANCELLED)
+                result = closing is not None
+                self._post(self._deliver, [closing or TokenDelta(cmd[1], (), "", (), True, "cancelled")])
             elif kind == "call":
                 result = cmd[1](self.engine)
             else:
@@ -306,65 +283,22 @@ class AsyncEngine:
 
     def _add(self, prompt: PromptInput, sampling: SamplingParams, rid: str) -> int:
         eng = self.engine
-        if prompt.messages is not None:
-            if eng.tokenizer is None or not getattr(eng.tokenizer, "chat_template", None):
-                raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
-            text = eng.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in prompt.messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-            source: str | list[int] = text
-        elif prompt.text is not None:
-            source = prompt.text
-        else:
-            assert prompt.token_ids is not None
-            source = list(prompt.token_ids)
-        eng.add_request(source, sampling, request_id=rid)
-        state = eng.request_state(rid)
-        self._requests[rid] = state.request
-        return int(state.request.num_prompt_tokens)
+        eng.add_request(prompt, sampling, request_id=rid)
+        return int(eng.request_state(rid).request.num_prompt_tokens)
 
-    def _emit(self, deltas: list[Any]) -> None:
-        now = self.engine.clock()
-        items = []
-        n = 0
-        for d in deltas:
-            n += len(d.token_ids)
-            arrival, first = 0.0, None
-            if d.finished:
-                req = self._requests.pop(d.request_id, None)
-                if req is not None:
-                    arrival, first = req.arrival_time, req.first_scheduled_time
-                self._finished_total += 1
-            items.append(
-                (
-                    d.request_id,
-                    d.token_ids,
-                    d.text,
-                    d.token_times,
-                    d.finished,
-                    d.finish_reason,
-                    arrival,
-                    first,
-                )
-            )
+    def _emit(self, deltas: list[TokenDelta]) -> None:
+        n = sum(len(d.token_ids) for d in deltas)
+        self._finished_total += sum(d.finished for d in deltas)
         self._tokens_total += n
-        self._token_log.append((now, n))
-        self._post(self._deliver, items)
+        self._token_log.append((self.engine.clock(), n))
+        self._post(self._deliver, deltas)
 
-    def _closing(self, rid: str, reason: str) -> tuple[Any, ...]:
-        """A final, empty delta for a request the engine will not finish itself."""
-        req = self._requests.pop(rid, None)
-        arrival, first = (req.arrival_time, req.first_scheduled_time) if req is not None else (0.0, None)
-        return (rid, (), "", (), True, reason, arrival, first)
-
-    def _deliver(self, items: list[tuple[Any, ...]]) -> None:
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
         """On the event loop: route each delta to its stream (a stream already released drops it)."""
-        for rid, *rest in items:
-            stream = self._streams.get(rid)
+        for d in deltas:
+            stream = self._streams.get(d.request_id)
             if stream is not None:
-                stream._push(*rest)
+                stream._push(d)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._loop is not None
@@ -375,16 +309,18 @@ class AsyncEngine:
 
     def _fail(self, exc: BaseException) -> None:
         self.failure = exc
-        self._cancel_all("error")
+        self._cancel_all(FinishReason.ERROR)
 
-    def _cancel_all(self, reason: str) -> None:
-        rids = list(self._requests)
-        for rid in rids:
+    def _cancel_all(self, reason: FinishReason) -> None:
+        closing = []
+        for rid in self.engine.unfinished_ids():
             try:
-                self.engine.cancel(rid)
+                delta = self.engine.abort(rid, reason)
             except Exception as e:  # a broken engine must not stop the others from being told
-                logger.warning("cancel %s: %s", rid, e)
-        self._post(self._deliver, [self._closing(rid, reason) for rid in rids])
+                logger.warning("abort %s: %s", rid, e)
+                delta = None
+            closing.append(delta or TokenDelta(rid, (), "", (), True, reason.value))
+        self._post(self._deliver, closing)
         # Commands that arrived after the last step are answered, not left hanging.
         while True:
             try:
