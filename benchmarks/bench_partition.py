@@ -1,7 +1,7 @@
 """Even vs cost-aware vs calibrated layer partition on the default model at PP=2: per-stage compute time.
 
 The same workload runs through each partition in one process; the figures come from the stages' own
-`compute` spans. Cost-aware partitioning (ppserve.model.partition) prices the LM head as if every token
+`compute` spans. Cost-aware partitioning (ppserve.sched.partition) prices the LM head as if every token
 got logits (about eight decoder layers each for SmolLM2); the calibrated one measures the per-layer and
 head costs from the stages' compute times on a short run at the configured budget (engine/calibration.py).
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ppserve.model.partition import MeasuredStageCosts, fit_stage_costs, partition_layers
 from ppserve.request import SamplingParams
+from ppserve.sched.partition import MeasuredStageCosts, fit_stage_costs, partition_layers
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def measure_stage_costs(engine: Any) -> MeasuredStageCosts:
     vocab = engine.arch.vocab_size
     t0 = time.perf_counter()
     log: list[tuple[float, ...]] = []
-    engine.stage_seconds_log = log
+    engine.core.stage_seconds_log = log
     try:
         for i in range(n):
             prompt = [(17 + 31 * i + 7 * j) % (vocab - 3) + 3 for j in range(prompt_len)]
@@ -66,7 +66,7 @@ def measure_stage_costs(engine: Any) -> MeasuredStageCosts:
         while engine.has_unfinished:
             engine.step()
     finally:
-        engine.stage_seconds_log = None
+        engine.core.stage_seconds_log = None
     engine.reset_observations()
     costs = fit_stage_costs(log, engine.executor.ranges,
                             source=f"calibration run: {n} requests of {prompt_len}+{out_len} tokens, "

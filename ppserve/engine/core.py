@@ -22,9 +22,10 @@ from typing import Any
 from ppserve.config import EngineConfig
 from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
+from ppserve.engine.engine_core import EngineCore
 from ppserve.engine.messages import PromptInput, TokenDelta
 from ppserve.engine.output import OutputState
-from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
+from ppserve.metrics.spans import Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams
 from ppserve.sched.scheduler import Scheduler
 
@@ -44,11 +45,7 @@ class Engine:
         self.init_executor()
         self.init_scheduler()
         self.tracked: dict[str, OutputState] = {}  # unfinished requests, by id
-        self.work = WorkTracker()
-        self.engine_spans: list[Span] = []
         self._ids = itertools.count()
-        # When a list: every microbatch's per-stage compute seconds are appended (calibration runs).
-        self.stage_seconds_log: list[tuple[float, ...]] | None = None
         self.init_recovery_state()
         self.init_partition()
 
@@ -77,7 +74,7 @@ class Engine:
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
 
     def init_executor(self) -> None:
-        from ppserve.model.partition import initial_ranges
+        from ppserve.sched.partition import initial_ranges
 
         par = self.config.parallel
         kind = par.executor
@@ -102,6 +99,12 @@ class Engine:
             max_in_flight=self.config.parallel.pipeline_parallel_size,
             clock=self.clock,
         )
+        self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
+
+    @property
+    def work(self) -> WorkTracker:
+        """When the engine had work (a request waiting or in flight): the bubble math's intervals."""
+        return self.core.work
 
     def init_partition(self) -> None:
         """partition_mode: calibrated: measure the stage costs (or read them) and re-split the layers."""
@@ -223,36 +226,11 @@ class Engine:
         return deltas
 
     def _step(self) -> list[TokenDelta]:
-        sched = self.scheduler
-        self._fill_pipeline()
-        if not sched.in_flight:
-            self.work.update(sched.has_unfinished, time.perf_counter_ns())
+        stepped = self.core.step()
+        if stepped is None:
             return []
-        result = self.executor.collect()
-        now = self.clock()
-        done = sched.in_flight[0]
-        updates = sched.update_from_output(done, result)
-        sched.observe_step(done, result.stage_seconds)
-        if self.stage_seconds_log is not None:
-            self.stage_seconds_log.append(result.stage_seconds)
-        self._fill_pipeline()  # the stages get their next work before any text work is done here
-        deltas = [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
-        self.work.update(sched.has_unfinished, time.perf_counter_ns())
-        return deltas
-
-    def _fill_pipeline(self) -> None:
-        """Schedule and submit microbatches until the pipeline is full or nothing can run."""
-        sched = self.scheduler
-        while True:
-            t0 = time.perf_counter_ns()
-            out = sched.schedule()
-            if out is None:
-                return
-            self.engine_spans.append(
-                Span("schedule", t0, time.perf_counter_ns(), ENGINE_STAGE, 0, out.step_id,
-                     out.num_prefill_tokens, out.num_decode_tokens, out.order)
-            )
-            self.executor.submit(out)
+        now, updates = stepped
+        return [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
 
     def recover(self, cause: BaseException) -> None:
         """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
@@ -306,13 +284,12 @@ class Engine:
     def reset_observations(self) -> None:
         """Forget the spans and work intervals recorded so far (warm-up, calibration), so what is
         measured next starts clean."""
-        self.collect_spans()
-        self.work = WorkTracker()
+        self.executor.drain_spans()
+        self.core.reset_observations()
 
     def collect_spans(self) -> list[Span]:
         spans = [Span.from_dict(d) for d in self.executor.drain_spans()]
-        spans.extend(self.engine_spans)
-        self.engine_spans = []
+        spans.extend(self.core.drain_engine_spans())
         return spans
 
     def stats(self) -> dict[str, Any]:

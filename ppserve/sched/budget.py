@@ -19,7 +19,7 @@ from typing import Protocol
 
 from ppserve.config import SchedulerConfig
 from ppserve.metrics.latency import percentile
-from ppserve.sched.cost import LinearStepCost, StepCostModel, step_chunks
+from ppserve.sched.cost import LinearStepCost, StepCostModel
 from ppserve.sched.output import SchedulerOutput
 
 __all__ = [
@@ -217,7 +217,7 @@ class TimeBudgetMode:
     def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
                 finished: Collection[str]) -> None:
         if stage_seconds and not out.is_empty:
-            self.cost.observe(step_chunks(out), max(stage_seconds))
+            self.cost.observe(out.chunks(), max(stage_seconds))
 
 
 class AdaptiveTokenBudget:
@@ -289,7 +289,7 @@ class AdaptiveTokenBudget:
         for rid in finished:
             self._last_token.pop(rid, None)
         if stage_seconds and not out.is_empty:
-            chunks = step_chunks(out)
+            chunks = out.chunks()
             self.cost.observe(chunks, max(stage_seconds))
             prefill = [(n, ctx) for n, ctx in chunks if n > 1]
             if prefill:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from ppserve.sched.output import SchedulerOutput
 
-__all__ = ["Chunks", "LinearStepCost", "StepCostModel", "attention_keys", "step_chunks"]
+__all__ = ["BatchShape", "Chunks", "LinearStepCost", "StepCostModel", "attention_keys", "solve_linear"]
 
 # Per request in a microbatch: (tokens computed this step, tokens already in its KV cache).
 Chunks = Sequence[tuple[int, int]]
@@ -33,9 +34,30 @@ def attention_keys(num_tokens: int, context: int) -> float:
     return num_tokens * context + num_tokens * (num_tokens + 1) / 2
 
 
-def step_chunks(out: SchedulerOutput) -> list[tuple[int, int]]:
-    """(tokens this step, context before) for every request of a microbatch, in batch order."""
-    return out.chunks()
+@dataclass(frozen=True)
+class BatchShape:
+    """What every step-cost model prices (the scheduler's online fit, the simulator's roofline and profile
+    models): per request (new tokens, tokens already in its KV cache), and how many requests get logits."""
+
+    chunks: tuple[tuple[int, int], ...]
+    num_sampled: int = 0  # requests that get logits at the end (decodes and last prefill chunks)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> BatchShape:
+        return cls(tuple(out.chunks()), len(out.sample_request_ids), out.num_prefill_tokens, out.num_decode_tokens)
+
+    @classmethod
+    def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:
+        """A shape with one prefill chunk and `num_decode_tokens` decodes of `context` each (tests, tools)."""
+        chunks: tuple[tuple[int, int], ...] = ((num_prefill_tokens, 0),) if num_prefill_tokens else ()
+        chunks += ((1, context),) * num_decode_tokens
+        return cls(chunks, num_decode_tokens, num_prefill_tokens, num_decode_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.chunks)
 
 
 class StepCostModel(Protocol):
@@ -73,20 +95,22 @@ def _features(chunks: Iterable[tuple[int, int]]) -> tuple[float, float, float, f
     return 1.0, tokens, keys, decode_keys
 
 
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting on a small dense system; None when singular."""
-    n = len(v)
-    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float], rel_tol: float = 1e-12) -> list[float] | None:
+    """x with a x = b for a small dense system, by Gaussian elimination with partial pivoting; None when
+    singular (a pivot below `rel_tol` times the largest entry). The one solver of ppserve's fits."""
+    n = len(b)
+    m = [list(row) + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(x) for row in m for x in row[:n]), default=0.0) or 1.0
     for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-300:
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= rel_tol * scale:
             return None
-        a[col], a[piv] = a[piv], a[col]
+        m[col], m[piv] = m[piv], m[col]
         for r in range(n):
-            if r != col and a[r][col]:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][n] / a[i][i] for i in range(n)]
+            if r != col and m[r][col]:
+                f = m[r][col] / m[col][col]
+                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 class LinearStepCost:
@@ -161,7 +185,7 @@ class LinearStepCost:
         n = self._N
         m = [[self._xtx[i][j] + (lam if i == j else 0.0) for j in range(n)] for i in range(n)]
         v = [self._xty[i] + lam * prior_scaled[i] for i in range(n)]
-        sol = _solve(m, v)
+        sol = solve_linear(m, v)
         if sol is None:
             return self._coef
         coef = [max(0.0, w / s) for w, s in zip(sol, self._SCALE, strict=True)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ppserve.config import POLICIES as POLICY_NAMES
 from ppserve.sched.batch import BatchBuilder
 
 __all__ = ["POLICIES", "Policy", "make_policy"]
@@ -135,7 +136,11 @@ class StaticPolicy:
         b.add_decodes(may_preempt=False)
 
 
+# The registry: every policy class by its name. The names a config may use are config.POLICIES (the
+# config validates before anything is built); the two must agree, which is checked here at import.
 POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy)}
+if set(POLICIES) != set(POLICY_NAMES):
+    raise ImportError(f"policy classes {sorted(POLICIES)} and config.POLICIES {sorted(POLICY_NAMES)} disagree")
 
 
 def make_policy(name: str, balanced: bool = True) -> Policy:

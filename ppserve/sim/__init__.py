@@ -3,8 +3,8 @@
 Pure Python: never imports torch, ray or grpc, so it runs anywhere the unit tests run.
 """
 
+from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import (
-    BatchShape,
     ConstantCostModel,
     CostModel,
     HardwareSpec,
@@ -17,7 +17,7 @@ from ppserve.sim.cost_model import (
     load_hardware,
     load_model_spec,
 )
-from ppserve.sim.simulator import SimConfig, SimResult, batch_shape, simulate
+from ppserve.sim.simulator import SimConfig, SimResult, simulate
 from ppserve.sim.workload import WorkloadRequest, poisson_arrivals, read_trace, with_poisson_arrivals
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "SimConfig",
     "SimResult",
     "WorkloadRequest",
-    "batch_shape",
     "fit_profile",
     "kv_cache_blocks",
     "load_hardware",

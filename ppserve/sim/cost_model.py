@@ -28,7 +28,8 @@ from typing import Any, Protocol
 import yaml
 
 from ppserve.metrics.spans import Span
-from ppserve.model.partition import even_partition
+from ppserve.sched.cost import BatchShape, solve_linear
+from ppserve.sched.partition import even_partition
 
 __all__ = [
     "BatchShape",
@@ -52,27 +53,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 # ---------------------------------------------------------------------------------------------
 # What a microbatch looks like to a cost model
-
-
-@dataclass(frozen=True)
-class BatchShape:
-    """The shape of one microbatch: per request (new tokens, tokens already in its KV cache)."""
-
-    chunks: tuple[tuple[int, int], ...]
-    num_sampled: int = 0  # requests that get logits at the end (decodes and last prefill chunks)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-
-    @classmethod
-    def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:
-        """A shape with one prefill chunk and `num_decode_tokens` decodes of `context` each (tests, tools)."""
-        chunks: tuple[tuple[int, int], ...] = ((num_prefill_tokens, 0),) if num_prefill_tokens else ()
-        chunks += ((1, context),) * num_decode_tokens
-        return cls(chunks, num_decode_tokens, num_prefill_tokens, num_decode_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for n, _ in self.chunks)
 
 
 class CostModel(Protocol):
@@ -398,30 +378,13 @@ class ProfileCostModel:
         return self.profile.transfer_s
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        scale = max(abs(x) for row in m for x in row[:n]) or 1.0
-        if abs(m[piv][col]) <= 1e-12 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                f = m[r][col] / m[col][col]
-                m[r] = [x - f * y for x, y in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
 def _least_squares(rows: Sequence[tuple[float, float, float]], ys: Sequence[float]) -> tuple[float, float, float]:
     """Fit y = a + b*p + c*d; columns that never vary (all zero) are left out (coefficient 0)."""
     cols = [0] + [k for k in (1, 2) if any(r[k] for r in rows)]
     while True:
         ata = [[math.fsum(r[i] * r[j] for r in rows) for j in cols] for i in cols]
         aty = [math.fsum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in cols]
-        sol = _solve(ata, aty)
+        sol = solve_linear(ata, aty)
         if sol is not None or len(cols) == 1:
             break
         cols.pop()  # collinear (e.g. every microbatch the same size): drop the last variable

@@ -1,7 +1,7 @@
 """Discrete-event simulation of the pipeline engine: ppserve's own scheduler over a step-time cost model.
 
-The loop mirrors `ppserve.engine.core.Engine.step` exactly, with time taken from a cost model instead
-of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
+The step loop is the engine's own (`ppserve.engine.engine_core.EngineCore`), driven with a simulated
+executor and clock, with time taken from a cost model instead of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
 until `pp` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
 stage, hands its result to the scheduler after a fixed overhead (`schedule_overhead_s`: the result's
 way back and the engine's turnaround), and decides again. The control plane takes
@@ -19,22 +19,24 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ppserve.config import SchedulerConfig
+from ppserve.engine.engine_core import EngineCore
 from ppserve.metrics.bubbles import BubbleReport, Window, bubble_report
 from ppserve.metrics.latency import RequestTiming, summarize
-from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkInterval, WorkTracker
+from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.metrics.trace import save_chrome_trace
 from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, SchedulerOutput, StepResult
 from ppserve.sched.budget import BudgetMode
-from ppserve.sim.cost_model import BatchShape, CostModel
+from ppserve.sched.cost import BatchShape
+from ppserve.sim.cost_model import CostModel
 from ppserve.sim.workload import WorkloadRequest
 
-__all__ = ["SimConfig", "SimResult", "simulate", "batch_shape"]
+__all__ = ["SimConfig", "SimResult", "simulate"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +140,6 @@ def _ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def batch_shape(out: SchedulerOutput) -> BatchShape:
-    """What the cost model needs from a microbatch: each request's new tokens and prior context."""
-    computed = {r.request_id: r.num_computed_tokens for r in out.new_requests}
-    computed.update({r.request_id: r.num_computed_tokens for r in out.cached_requests})
-    chunks = tuple((n, computed[rid]) for rid, n in zip(out.order, out.num_scheduled_tokens, strict=True))
-    return BatchShape(chunks, len(out.sample_request_ids), out.num_prefill_tokens, out.num_decode_tokens)
-
-
 class _Pipeline:
     """The stages' timelines: when each is free, and the spans it has recorded."""
 
@@ -159,7 +153,7 @@ class _Pipeline:
     def run(self, out: SchedulerOutput, scheduled_ns: int) -> tuple[int, list[float]]:
         """Push one microbatch through every stage; returns when the last stage finishes it and its
         compute seconds per stage (what `Scheduler.observe_step` learns from)."""
-        shape = batch_shape(out)
+        shape = BatchShape.of(out)
         pf, dc, rids = out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)
         transfer = _ns(self.cost.transfer_time(shape))
         submit_ns = scheduled_ns + self.dispatch_ns  # when the stages hold the scheduler output
@@ -184,27 +178,75 @@ class _Pipeline:
         return end, stage_s
 
 
+class SimClock:
+    """Simulated time in integer nanoseconds, moved by the simulated executor and the idle loop."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def seconds(self) -> float:
+        return self.now_ns * 1e-9
+
+    def ns(self) -> int:
+        return self.now_ns
+
+
+class SimExecutor:
+    """The cost model's pipeline behind the engine's executor interface: `submit` works out when every
+    stage runs the microbatch, `collect` moves the clock to when the last stage finishes the oldest."""
+
+    def __init__(self, pipe: _Pipeline, clock: SimClock, max_microbatches: int,
+                 on_submit: Callable[[], None] | None = None) -> None:
+        self.pipe = pipe
+        self.clock = clock
+        self.max_microbatches = max_microbatches
+        self.on_submit = on_submit
+        self.num_microbatches = 0
+        self.just_collected = False  # a result came back and the engine has not turned around yet
+        # (microbatch, last stage end ns, compute seconds per stage)
+        self.in_flight: deque[tuple[SchedulerOutput, int, list[float]]] = deque()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        self.num_microbatches += 1
+        if self.num_microbatches > self.max_microbatches:
+            raise RuntimeError(f"simulation exceeded {self.max_microbatches} microbatches")
+        if self.on_submit is not None:
+            self.on_submit()
+        self.in_flight.append((out, *self.pipe.run(out, self.clock.now_ns)))
+
+    def collect(self) -> StepResult:
+        out, done_ns, stage_s = self.in_flight.popleft()
+        self.clock.now_ns = max(self.clock.now_ns, done_ns)
+        self.just_collected = True
+        return StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids}, tuple(stage_s))
+
+
 def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:
-    """Run the workload through the simulated engine until every admitted request finishes."""
+    """Run the workload through the simulated engine until every admitted request finishes.
+
+    The step loop is the engine's own (`ppserve.engine.engine_core.EngineCore`) over a `SimExecutor`
+    and a simulated clock; its intake models the engine's turnaround (`schedule_overhead_s` after each
+    result) and queues the requests that arrived before the engine looks."""
     cfg = config or SimConfig()
     pp = cost.num_stages
-    now_ns = 0
+    clock = SimClock()
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      max_in_flight=pp, clock=lambda: now_ns * 1e-9)
+                      max_in_flight=pp, clock=clock.seconds)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
-    work = WorkTracker()
+    check = sched.check_invariants if cfg.check_invariants else None
+    executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)
     arrivals = sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)), key=lambda x: (x[0], x[1]))
     next_arrival = 0
     requests: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}
     rejected: dict[str, str] = {}
-    # (microbatch, last stage end ns, compute seconds per stage)
-    in_flight: deque[tuple[SchedulerOutput, int, list[float]]] = deque()
-    num_mb = 0
 
-    def admit_until(t_ns: int) -> None:
+    def intake() -> None:
         nonlocal next_arrival
-        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= t_ns:
+        if executor.just_collected:  # the engine's turnaround after a result, before it looks again
+            clock.now_ns += _ns(cfg.schedule_overhead_s)
+            executor.just_collected = False
+        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= clock.now_ns:
             arr_ns, k, w = arrivals[next_arrival]
             next_arrival += 1
             rid = f"r{k}"
@@ -217,43 +259,24 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
                 continue
             requests[rid] = req
             token_times[rid] = []
-            work.update(True, arr_ns)
+            core.work.update(True, arr_ns)
 
-    def check() -> None:
-        if cfg.check_invariants:
-            sched.check_invariants()
-
+    core = EngineCore(sched, executor, clock=clock.seconds, clock_ns=clock.ns, intake=intake)
     while True:
-        admit_until(now_ns)
-        # Fill the pipeline: every microbatch formed now enters stage 0 now.
-        while (out := sched.schedule()) is not None:
-            num_mb += 1
-            if num_mb > cfg.max_microbatches:
-                raise RuntimeError(f"simulation exceeded {cfg.max_microbatches} microbatches")
-            check()
-            pipe.spans.append(Span("schedule", now_ns, now_ns, ENGINE_STAGE, 0, out.step_id,
-                                   out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)))
-            in_flight.append((out, *pipe.run(out, now_ns)))
-        if in_flight:
-            # Wait for the oldest microbatch (the engine collects in order), then the engine's overhead.
-            out, done_ns, stage_s = in_flight.popleft()
-            now_ns = max(now_ns, done_ns) + _ns(cfg.schedule_overhead_s)
-            admit_until(now_ns)  # requests that arrived meanwhile are queued before the engine looks
-            result = StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids})
-            for u in sched.update_from_output(out, result):
-                token_times[u.request_id].extend([done_ns * 1e-9] * len(u.new_token_ids))
-            # Feedback for budget modes that learn (time budget, TBT target); a no-op by default.
-            sched.observe_step(out, stage_s)
-            check()
-            work.update(sched.has_unfinished, now_ns)
+        stepped = core.step()
+        if stepped is not None:
+            now, updates = stepped
+            for u in updates:
+                token_times[u.request_id].extend([now] * len(u.new_token_ids))
+            if check is not None:
+                check()
         elif sched.has_unfinished:
             raise RuntimeError(
-                f"simulation stuck at {now_ns * 1e-9:.6f} s: {len(sched.waiting)} waiting, "
+                f"simulation stuck at {clock.seconds():.6f} s: {len(sched.waiting)} waiting, "
                 f"{len(sched.running)} running, nothing schedulable (KV cache too small?)"
             )
         elif next_arrival < len(arrivals):
-            work.update(False, now_ns)
-            now_ns = max(now_ns, arrivals[next_arrival][0])  # idle until the next request arrives
+            clock.now_ns = max(clock.now_ns, arrivals[next_arrival][0])  # idle until the next request arrives
         else:
             break
 
@@ -262,13 +285,13 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
         for rid, req in requests.items()
     }
     return SimResult(
-        spans=pipe.spans,
-        work_intervals=work.intervals(now_ns),
+        spans=pipe.spans + core.engine_spans,
+        work_intervals=core.work.intervals(clock.now_ns),
         timings=timings,
         num_stages=pp,
-        num_microbatches=num_mb,
+        num_microbatches=executor.num_microbatches,
         num_preemptions=sched.num_preemptions,
-        end_s=now_ns * 1e-9,
+        end_s=clock.seconds(),
         rejected=rejected,
         budget_mode=sched.budget_mode,
     )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ppserve.model.partition import StageCostModel, partition_layers, stage_costs
+from ppserve.sched.partition import StageCostModel, partition_layers, stage_costs
 
 
 def test_even():
@@ -59,13 +59,13 @@ def _counts(cuts, n):
 
 
 def _ranges(counts):
-    from ppserve.model.partition import ranges_from_counts
+    from ppserve.sched.partition import ranges_from_counts
 
     return ranges_from_counts(counts)
 
 
 def test_fit_stage_costs_recovers_layer_and_head_costs():
-    from ppserve.model.partition import MeasuredStageCosts, fit_stage_costs
+    from ppserve.sched.partition import MeasuredStageCosts, fit_stage_costs
 
     ranges = [(0, 8), (8, 15), (15, 30)]
     layer, head = [0.002, 0.003, 0.001], [0.010, 0.004, 0.0]  # per microbatch: mixed, decode-heavy, prefill
@@ -87,7 +87,7 @@ def test_fit_stage_costs_recovers_layer_and_head_costs():
 
 def test_calibrated_costs_split_like_the_measured_head():
     """A head measured at 4 layers' cost moves 2 layers off the last of two stages (30 layers: 17 / 13)."""
-    from ppserve.model.partition import fit_stage_costs
+    from ppserve.sched.partition import fit_stage_costs
 
     times = [(15 * 0.001, 15 * 0.001 + 0.004)] * 5
     costs = fit_stage_costs(times, [(0, 15), (15, 30)])
@@ -97,7 +97,7 @@ def test_calibrated_costs_split_like_the_measured_head():
 def test_initial_ranges_follow_the_mode():
     from types import SimpleNamespace
 
-    from ppserve.model.partition import initial_ranges
+    from ppserve.sched.partition import initial_ranges
 
     shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
                             vocab_size=49152)

@@ -17,9 +17,8 @@ from ppserve.sched.budget import (
     TokenBudget,
     make_budget_mode,
 )
-from ppserve.sched.cost import LinearStepCost, attention_keys, step_chunks
+from ppserve.sched.cost import BatchShape, LinearStepCost, attention_keys
 from ppserve.sim import SimConfig, WorkloadRequest, simulate
-from ppserve.sim.cost_model import BatchShape
 from tests.unit.sched_helpers import EOS, make_request, make_scheduler
 
 TRUE = (2e-3, 40e-6, 3e-9, 20e-9)  # a, b per token, c per prefill key, d per decode key
@@ -145,7 +144,8 @@ def test_step_chunks_use_context_before_the_step():
     o1 = s.schedule()
     s.update_from_output(o1, StepResult(o1.step_id, {}))
     o2 = s.schedule()
-    assert step_chunks(o1) == [(8, 0)] and step_chunks(o2) == [(8, 8)]
+    assert o1.chunks() == [(8, 0)] and o2.chunks() == [(8, 8)]
+    assert BatchShape.of(o2).chunks == ((8, 8),)
 
 
 @pytest.mark.parametrize("mode", ["time", "tbt"])
@@ -169,7 +169,7 @@ def test_random_traces_hold_invariants_with_new_modes(mode, pp):
                 if rng.random() < 0.02 and out.order:
                     s.cancel(rng.choice(out.order))
             done = s.in_flight[0]
-            secs = true_time(step_chunks(done))
+            secs = true_time(done.chunks())
             clock[0] += secs
             toks = {rid: (EOS if rng.random() < 0.05 else 7) for rid in done.sample_request_ids}
             s.update_from_output(done, StepResult(done.step_id, toks))
