@@ -226,10 +226,6 @@ class LlamaForCausalLM(nn.Module):
     def num_kv_heads_local(self) -> int:
         return max(1, self.arch.num_kv_heads // self.tp.size)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache on this TP rank."""
-        return (2, num_blocks, block_size, self.num_kv_heads_local, self.arch.head_dim)
-
     def forward(self, input_ids: Tensor | None, hidden_states: Tensor | None, positions: Tensor,
                 kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
         """First stage: input_ids [T]; other stages: hidden_states [T, H]. Returns [T, H]

@@ -77,5 +77,4 @@ def test_flash_attn_decode_only_matches_sdpa(block_size: int) -> None:
 
 
 def test_auto_selects_flash_attn_on_cuda() -> None:
-    assert isinstance(select_backend("cuda"), FlashAttnBackend)
-    assert isinstance(select_backend("cpu"), SdpaBackend)
+    assert type(select_backend("cuda")) is FlashAttnBackend

@@ -104,11 +104,11 @@ def test_bad_cuda_graph_settings_are_rejected() -> None:
 def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size: int) -> None:
     prompts = _prompts(2, 9)
     common = dict(dtype=dtype, block_size=block_size, token_budget=32, cuda_graph_max_batch=8)
-    eager, _, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="off", **common)
+    # The same padded inputs run eagerly and replayed from captured graphs: the same kernels on the same
+    # shapes, so every generated token agrees, in bf16 too.
+    padded, _, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", **common)
     graphed, worker, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="capture", **common)
     assert worker.graphs is not None and worker.graphs.graphs and worker.graphs.num_runs > 0
+    assert graphed == padded
     if dtype == "float32":
-        assert graphed == eager
         assert graphed == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
-    else:  # bf16: padding changes GEMM shapes; agree on the first tokens of every prompt
-        assert all(g[:2] == e[:2] for g, e in zip(graphed, eager, strict=True))

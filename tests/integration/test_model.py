@@ -133,3 +133,14 @@ def test_metadata_slot_mapping_follows_block_table() -> None:
     assert meta.decode_seqs == [0] and meta.prefill_seqs == [1]
     assert meta.cu_query_lens == [0, 1, 4]
     assert meta.context_slots().tolist() == [28, 29, 30, 31, 8, 9, 16, 17, 18]
+
+
+def test_attention_backend_choice_on_cpu():
+    """On CPU `auto` is the native paged kernel when it builds (SDPA otherwise); `sdpa` forces SDPA. The exact
+    type is checked: the paged backend is an SDPA subclass, so isinstance would pass whatever was picked."""
+    from ppserve.model.attention import CpuPagedBackend, SdpaBackend, select_backend
+    from ppserve.model.cpu_kernels import load_paged_decode
+
+    expected = CpuPagedBackend if load_paged_decode() is not None else SdpaBackend
+    assert type(select_backend("cpu")) is expected
+    assert type(select_backend("cpu", "sdpa")) is SdpaBackend

@@ -25,9 +25,12 @@ def test_too_many_stages():
 
 
 def test_cost_aware_moves_layers_off_the_head_stage():
-    # SmolLM2-135M shapes: the tied head weighs ~8 layers per decode token.
+    # SmolLM2-135M shapes. A layer's weights: q and o (576 x 576), k and v (576 x 192), gate, up and down
+    # (576 x 1536); the tied head is 49152 x 576: exactly 8 layers' worth of weights per token with logits.
+    layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
     cost = StageCostModel.for_llama(576, 1536, 9, 3, 49152, logits_fraction=1.0)
-    assert 7.5 < cost.lm_head < 8.5
+    assert cost.lm_head == pytest.approx(49152 * 576 / layer) == 8.0
+    # Two stages balance when n = (30 - n) + 8 layers: n = 19.
     ranges = partition_layers(30, 2, mode="cost", cost=cost)
     assert ranges == [(0, 19), (19, 30)]
     costs = stage_costs(ranges, 30, cost)
