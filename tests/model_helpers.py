@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from ppserve.model.attention import AttentionMetadata, allocate_kv_cache
-from ppserve.model.llama import LlamaForCausalLM
 from ppserve.model.loader import load_stage_model
 from ppserve.model.parallel import TPContext
+from ppserve.model.stage_model import StageModel
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -70,7 +70,7 @@ class PagedRunner:
     Blocks are handed out from a shuffled free list, so block tables are never contiguous.
     """
 
-    def __init__(self, stages: Sequence[LlamaForCausalLM], num_blocks: int = 128, block_size: int = 4,
+    def __init__(self, stages: Sequence[StageModel], num_blocks: int = 128, block_size: int = 4,
                  seed: int = 0) -> None:
         self.stages = list(stages)
         self.block_size = block_size
@@ -128,7 +128,7 @@ class PagedRunner:
         return out
 
 
-def load_stages(model_dir: Path, cuts: Sequence[int], tp: TPContext = TPContext()) -> list[LlamaForCausalLM]:
+def load_stages(model_dir: Path, cuts: Sequence[int], tp: TPContext = TPContext()) -> list[StageModel]:
     """Stage models for layer ranges [cuts[0], cuts[1]), [cuts[1], cuts[2]), ..."""
     return [load_stage_model(model_dir, a, b, tp) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
@@ -158,7 +158,7 @@ def load_num_layers(model_dir: Path) -> int:
 TP_PROMPTS = [[5, 17, 99, 3, 250, 42, 8, 61, 77, 12, 200, 31], [9, 8, 7, 6, 5]]
 
 
-def tp_scenario(stage: LlamaForCausalLM) -> list[Tensor]:
+def tp_scenario(stage: StageModel) -> list[Tensor]:
     """The fixed workload the TP test runs on every rank and at tp=1: chunked prefills, then a mixed step."""
     runner = PagedRunner([stage])
     a = runner.run_chunked(0, TP_PROMPTS[0], 5)

@@ -54,10 +54,9 @@ class Engine:
         from ppserve.model.loader import read_hf_config, resolve_model
 
         self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
-        self.hf_config = read_hf_config(self.model_dir)
-        from ppserve.model.llama import LlamaArch
+        from ppserve.model.registry import describe_model
 
-        self.arch = LlamaArch.from_hf_config(self.hf_config)
+        self.arch = describe_model(read_hf_config(self.model_dir))  # parsed once, shipped to every worker
         self.max_model_len = self.config.model.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(
@@ -84,11 +83,11 @@ class Engine:
         if kind == "inproc":
             from ppserve.engine.executor import InProcExecutor
 
-            self.executor = InProcExecutor(self.config, str(self.model_dir), self.hf_config, ranges)
+            self.executor = InProcExecutor(self.config, str(self.model_dir), self.arch, ranges)
         else:
             from ppserve.engine.ray_executor import RayExecutor
 
-            self.executor = RayExecutor(self.config, str(self.model_dir), self.hf_config, ranges)
+            self.executor = RayExecutor(self.config, str(self.model_dir), self.arch, ranges)
 
     def init_scheduler(self) -> None:
         self.scheduler = Scheduler(

@@ -40,7 +40,7 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def stage_spec(config: EngineConfig, model_dir: str, hf_config: dict[str, Any], stage: int,
+def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
                ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None) -> Any:
     """What one (stage, tp rank) needs to build its shard, from the engine config."""
     from ppserve.worker.stage_worker import StageSpec
@@ -48,7 +48,7 @@ def stage_spec(config: EngineConfig, model_dir: str, hf_config: dict[str, Any], 
     par, cfg = config.parallel, config
     start, end = ranges[stage]
     return StageSpec(
-        model_dir=model_dir, hf_config=hf_config, stage=stage, num_stages=len(ranges), layer_start=start,
+        model_dir=model_dir, arch=arch, stage=stage, num_stages=len(ranges), layer_start=start,
         layer_end=end, tp_rank=tp_rank, tp_size=par.tensor_parallel_size, dtype=cfg.model.dtype,
         kv_cache_dtype=cfg.cache.dtype, block_size=cfg.cache.block_size,
         attention_backend=cfg.model.attention_backend, num_threads=num_threads or par.num_threads,
@@ -61,11 +61,10 @@ def stage_spec(config: EngineConfig, model_dir: str, hf_config: dict[str, Any], 
 class InProcExecutor:
     """Every stage in this process, one after another per microbatch (tp = 1)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any],
-                 ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: Any, ranges: list[tuple[int, int]]) -> None:
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("parallel.executor=inproc runs tp = 1; use ray for tensor parallelism")
-        self.config, self.model_dir, self.hf_config = config, model_dir, hf_config
+        self.config, self.model_dir, self.arch = config, model_dir, arch
         self.num_kv_blocks = 0
         self._build(ranges)
         cache = config.cache
@@ -88,7 +87,7 @@ class InProcExecutor:
         links = [InProcChannel() for _ in range(len(ranges) - 1)]
         self.actors = []
         for s in range(len(ranges)):
-            worker = StageWorker(stage_spec(self.config, self.model_dir, self.hf_config, s, self.ranges))
+            worker = StageWorker(stage_spec(self.config, self.model_dir, self.arch, s, self.ranges))
             inbound = links[s - 1] if s > 0 else None
             outbound = links[s] if s < len(ranges) - 1 else None
             self.actors.append(StageActor.local(worker, inbound, outbound))

@@ -63,14 +63,13 @@ def ray_single_machine_mode() -> Iterator[None]:
 
 
 class RayExecutor:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config: dict[str, Any],
-                 ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: Any, ranges: list[tuple[int, int]]) -> None:
         import ray
 
         self.config = config
         par = config.parallel
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
-        self.model_dir, self.hf_config = model_dir, hf_config
+        self.model_dir, self.arch = model_dir, arch
         self.ranges = list(ranges)
         self.dispatch_kind = resolve_dispatch(par.dispatch, par.gpus_per_worker)
         self.dispatch: ConnectionDispatch | CompiledGraphDispatch | ClassicDispatch | None = None
@@ -133,7 +132,7 @@ class RayExecutor:
         for s, (start, end) in enumerate(self.ranges):
             for r in range(self.tp):
                 rank = s * self.tp + r
-                spec = stage_spec(self.config, self.model_dir, self.hf_config, s, self.ranges, tp_rank=r,
+                spec = stage_spec(self.config, self.model_dir, self.arch, s, self.ranges, tp_rank=r,
                                   num_threads=threads)
                 actor = actor_cls.options(
                     num_cpus=par.cpus_per_worker, num_gpus=par.gpus_per_worker,

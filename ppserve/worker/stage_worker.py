@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 
 from ppserve.metrics.spans import SpanRecorder
+from ppserve.model.arch import ModelArch
 from ppserve.model.attention import allocate_kv_cache, kv_cache_bytes_per_block, select_backend
-from ppserve.model.llama import LlamaArch, LlamaForCausalLM
 from ppserve.model.loader import iter_weights
 from ppserve.model.parallel import TPContext
+from ppserve.model.registry import build_stage_model
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.input_batch import InputBatch
@@ -40,12 +41,12 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype on GPU; bf16 on CPUs with native bf16, else float32."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
-        return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"), torch.bfloat16)
+        return _DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
@@ -63,7 +64,7 @@ class StageSpec:
     """Everything a worker needs to build its shard; plain values so it pickles across Ray."""
 
     model_dir: str
-    hf_config: dict[str, Any]
+    arch: ModelArch  # the model's description, parsed once by the engine
     stage: int
     num_stages: int
     layer_start: int
@@ -86,8 +87,8 @@ class StageWorker:
         self.spec = spec
         self.init_threads()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.arch = LlamaArch.from_hf_config(spec.hf_config)
-        self.dtype = resolve_dtype(spec.dtype, spec.hf_config, self.device)
+        self.arch = spec.arch
+        self.dtype = resolve_dtype(spec.dtype, spec.arch, self.device)
         self.kv_dtype = self.dtype if spec.kv_cache_dtype == "auto" else _DTYPES[spec.kv_cache_dtype]
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
@@ -106,9 +107,8 @@ class StageWorker:
     def init_model(self) -> None:
         spec = self.spec
         backend = select_backend(self.device, spec.attention_backend)
-        self.model = LlamaForCausalLM(
-            self.arch, spec.layer_start, spec.layer_end, self.tp, self.dtype, self.device, backend
-        )
+        self.model = build_stage_model(self.arch, spec.layer_start, spec.layer_end, self.tp, self.dtype,
+                                       self.device, backend)
         self.model.load_weights(
             iter_weights(
                 Path(spec.model_dir),

@@ -38,11 +38,11 @@ def hf_bf16(default_model_dir):
 def _ppserve_bf16_model(model_dir):
     from pathlib import Path
 
-    from ppserve.model.llama import LlamaArch, LlamaForCausalLM
     from ppserve.model.loader import iter_weights
+    from ppserve.model.registry import build_stage_model, describe_model
 
-    arch = LlamaArch.from_hf_config(read_hf_config(Path(model_dir)))
-    model = LlamaForCausalLM(arch, 0, arch.num_layers, dtype=torch.bfloat16)
+    arch = describe_model(read_hf_config(Path(model_dir)))
+    model = build_stage_model(arch, 0, arch.num_layers, dtype=torch.bfloat16)
     model.load_weights(iter_weights(Path(model_dir), 0, arch.num_layers, arch.num_layers, need_embed=True,
                                     need_head=True))
     return model.eval(), arch

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ppserve.model import loader
-from ppserve.model.llama import LlamaArch, LlamaForCausalLM
 from ppserve.model.loader import (
     find_default_gguf,
     iter_gguf_weights,
@@ -19,6 +18,8 @@ from ppserve.model.loader import (
     read_hf_config,
     resolve_model,
 )
+from ppserve.model.registry import build_stage_model, describe_model
+from ppserve.model.stage_model import StageModel
 from tests.model_helpers import PagedRunner, hf_logits, hf_model
 
 
@@ -47,7 +48,7 @@ def test_default_model_converts_once(model_dir: Path, cache_dir: Path) -> None:
         assert (model_dir / name).is_file(), name
     cfg = read_hf_config(model_dir)
     assert "quantization_config" not in cfg
-    arch = LlamaArch.from_hf_config(cfg)
+    arch = describe_model(cfg)
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert arch.tie_word_embeddings and arch.rope_theta == 100000.0 and arch.eos_token_ids == (2,)
     start = time.monotonic()
@@ -76,11 +77,11 @@ def test_gguf_direct_read_matches_converted_safetensors(model_dir: Path) -> None
 
 
 @pytest.fixture(scope="module")
-def our_model(model_dir: Path) -> LlamaForCausalLM:
+def our_model(model_dir: Path) -> StageModel:
     return load_stage_model(model_dir, 0, 30)
 
 
-def test_default_model_logits_match_transformers(model_dir: Path, our_model: LlamaForCausalLM,
+def test_default_model_logits_match_transformers(model_dir: Path, our_model: StageModel,
                                                  chat_ids: list[int]) -> None:
     # The converted directory holds exactly the tensors transformers dequantized from the GGUF file.
     ref = hf_logits(hf_model(model_dir), chat_ids)
@@ -88,12 +89,12 @@ def test_default_model_logits_match_transformers(model_dir: Path, our_model: Lla
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
 
 
-def test_two_stages_fed_straight_from_gguf_match_converted(model_dir: Path, our_model: LlamaForCausalLM,
+def test_two_stages_fed_straight_from_gguf_match_converted(model_dir: Path, our_model: StageModel,
                                                            chat_ids: list[int]) -> None:
-    arch = LlamaArch.from_hf_config(read_hf_config(model_dir))
+    arch = describe_model(read_hf_config(model_dir))
     stages = []
     for a, b in ((0, 13), (13, 30)):
-        stage = LlamaForCausalLM(arch, a, b)
+        stage = build_stage_model(arch, a, b)
         stage.load_weights(iter_gguf_weights(find_default_gguf(), a, b, need_embed=a == 0, need_head=b == 30))
         stages.append(stage)
     split = PagedRunner(stages, block_size=16).run_chunked(0, chat_ids, 13)
@@ -101,7 +102,7 @@ def test_two_stages_fed_straight_from_gguf_match_converted(model_dir: Path, our_
     torch.testing.assert_close(split, whole, atol=1e-4, rtol=0)
 
 
-def test_default_model_answers_the_chat_prompt(model_dir: Path, our_model: LlamaForCausalLM,
+def test_default_model_answers_the_chat_prompt(model_dir: Path, our_model: StageModel,
                                                chat_ids: list[int]) -> None:
     from transformers import AutoTokenizer
 

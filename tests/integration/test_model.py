@@ -9,8 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from ppserve.model.attention import AttentionMetadata
-from ppserve.model.llama import LlamaArch, LlamaForCausalLM
 from ppserve.model.loader import iter_weights, read_hf_config
+from ppserve.model.registry import build_stage_model, describe_model
 from tests.model_helpers import (
     LLAMA3_ROPE,
     TP_PROMPTS,
@@ -47,7 +47,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_arch_reads_config(tiny: tuple[Path, torch.nn.Module]) -> None:
     path, ref = tiny
-    arch = LlamaArch.from_hf_config(read_hf_config(path))
+    arch = describe_model(read_hf_config(path))
     assert arch.num_layers == 4 and arch.num_heads == 4 and arch.num_kv_heads == 2 and arch.head_dim == 16
     assert arch.tie_word_embeddings == ref.config.tie_word_embeddings
     assert arch.attention_bias == (arch.architecture == "Qwen2ForCausalLM")
@@ -55,7 +55,7 @@ def test_arch_reads_config(tiny: tuple[Path, torch.nn.Module]) -> None:
 
 def test_unsupported_architecture_is_rejected() -> None:
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
-        LlamaArch.from_hf_config({"architectures": ["GPT2LMHeadModel"]})
+        describe_model({"architectures": ["GPT2LMHeadModel"]})
 
 
 @pytest.mark.parametrize("chunk", [len(PROMPT), 1, 3, 7])
@@ -114,8 +114,8 @@ def test_tensor_parallel_2_matches_tp_1(tiny_llama: Path, tmp_path: Path) -> Non
 
 
 def test_missing_tensor_is_reported(tiny_llama: Path) -> None:
-    arch = LlamaArch.from_hf_config(read_hf_config(tiny_llama))
-    model = LlamaForCausalLM(arch, 2, 4)
+    arch = describe_model(read_hf_config(tiny_llama))
+    model = build_stage_model(arch, 2, 4)
     weights = [(n, t) for n, t in iter_weights(tiny_llama, 2, 4, 4, False, True) if "layers.3.mlp.up_proj" not in n]
     with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
         model.load_weights(weights)

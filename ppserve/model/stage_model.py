@@ -1,0 +1,185 @@
+"""What every model family shares: one pipeline stage's slice of a decoder-only model.
+
+A stage holds decoder layers [layer_start, layer_end); the first stage also owns the token embedding,
+the last the final norm and the LM head (with tied embeddings the last stage keeps its own copy of
+the embedding matrix as the head). This module owns that ownership, the forward loop over the
+layers, which checkpoint tensors a stage needs, loading them (this stage's layers, this TP rank's
+shards) and prepacking. A family's file supplies only its decoder layer class and its weight-name
+map: checkpoint module name inside a layer -> (our module path, shard id), or a `Fused` entry for a
+checkpoint tensor that holds several of our shards.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ppserve.model.arch import ModelArch
+from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
+from ppserve.model.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from ppserve.model.parallel import TPContext
+
+logger = logging.getLogger(__name__)
+
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")  # the HF layer tensor naming
+EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A checkpoint tensor holding several of our shards stacked along dim 0 (e.g. a fused qkv_proj):
+    `shards` are their ids in order, `rows(arch)` their heights in the full (unsharded) tensor."""
+
+    shards: tuple[Any, ...]
+    rows: Callable[[ModelArch], tuple[int, ...]]
+
+
+WeightMap = dict[str, tuple[str, Any]]  # checkpoint module in a layer -> (our module path, shard id | Fused)
+
+
+class StageModel(nn.Module):
+    """Decoder layers [layer_start, layer_end) of one model for one pipeline stage and TP rank."""
+
+    # Set by each family: its decoder layer (built as layer_class(arch, tp, dtype, device, backend)) and
+    # its weight-name map. A layer's forward is (rope, x, residual, kv_cache, meta) -> (x, residual).
+    layer_class: ClassVar[type[nn.Module]]
+    layer_weights: ClassVar[WeightMap]
+
+    def __init__(self, arch: ModelArch, layer_start: int, layer_end: int, tp: TPContext = TPContext(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= arch.num_layers:
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside [0, {arch.num_layers})")
+        self.arch = arch
+        self.tp = tp
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.is_first = layer_start == 0
+        self.is_last = layer_end == arch.num_layers
+        backend = attn_backend if attn_backend is not None else SdpaBackend()
+        self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
+                             if self.is_first else None)
+        self.layers = nn.ModuleList(self.layer_class(arch, tp, dtype, device, backend)  # type: ignore[call-arg]
+                                    for _ in range(layer_start, layer_end))
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) if self.is_last else None
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device) if self.is_last else None
+        if self.embed_tokens is not None and self.lm_head is not None and arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one stage holds both ends: share the matrix
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return max(1, self.arch.num_kv_heads // self.tp.size)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor | None, hidden_states: Tensor | None, positions: Tensor,
+                kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
+        """First stage: input_ids [T]; other stages: hidden_states [T, H]. Returns [T, H]
+        (after the final norm on the last stage)."""
+        if len(kv_caches) != self.num_local_layers:
+            raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_local_layers} layers")
+        if self.embed_tokens is not None:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            x = self.embed_tokens(input_ids)
+        else:
+            if hidden_states is None:
+                raise ValueError("a non-first stage needs hidden_states")
+            x = hidden_states
+        rope = self.rotary.cos_sin(positions, x.dtype)  # once per step, not once per layer
+        residual: Tensor | None = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(rope, x, residual, cache, meta)
+        assert residual is not None  # a stage has at least one layer
+        if self.norm is not None:
+            return self.norm.add_and_norm(residual, x)[1]
+        return residual + x
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, H] normed hidden states -> [N, vocab] float32 logits (gathered over TP ranks)."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits called on a stage without the LM head")
+        return self.lm_head(hidden)
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def hf_names_needed(self) -> list[str]:
+        """The checkpoint tensor names this stage must receive (used to report missing ones)."""
+        names = [EMBED] if self.is_first else []
+        for i in range(self.layer_start, self.layer_end):
+            for hf, (path, _) in self.layer_weights.items():
+                names.append(f"model.layers.{i}.{hf}.weight")
+                if getattr(self.layers[0].get_submodule(path), "bias", None) is not None:
+                    names.append(f"model.layers.{i}.{hf}.bias")
+        if self.is_last:
+            names += [NORM, EMBED if self.arch.tie_word_embeddings else HEAD]
+        return sorted(set(names))
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Load checkpoint-named tensors, keeping only this stage's layers and this TP rank's shards."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if self._load_one(name, tensor):
+                seen.add(name)
+        if self.is_last and self.arch.tie_word_embeddings and HEAD in seen:
+            seen.add(EMBED)  # an explicit head copy satisfies the tie
+        missing = [n for n in self.hf_names_needed() if n not in seen]
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for layers "
+                             f"[{self.layer_start}, {self.layer_end}): {shown}")
+        self.prepack()
+
+    def prepack(self) -> None:
+        """Rebuild every linear layer's fast-path weight layout from its (just loaded) weight."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepack"):
+                module.prepack()
+
+    def _load_one(self, name: str, tensor: Tensor) -> bool:
+        """Load one tensor if this stage needs it; returns whether it was used."""
+        if name == EMBED:
+            used = False
+            if self.embed_tokens is not None:
+                self.embed_tokens.weight_loader(self.embed_tokens.weight, tensor)
+                used = True
+            if self.lm_head is not None and self.arch.tie_word_embeddings:
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                used = True
+            return used
+        if name in (HEAD, NORM):
+            module = self.lm_head if name == HEAD else self.norm
+            if module is None:
+                return False
+            module.weight_loader(module.weight, tensor)
+            return True
+        match = LAYER_NAME.match(name)
+        if match is None:
+            logger.debug("ignoring tensor %s", name)
+            return False
+        layer_idx, hf_module, kind = int(match.group(1)), match.group(2), match.group(3)
+        if not self.layer_start <= layer_idx < self.layer_end or hf_module not in self.layer_weights:
+            return False
+        module_path, shard = self.layer_weights[hf_module]
+        module = self.layers[layer_idx - self.layer_start].get_submodule(module_path)
+        param = getattr(module, kind)
+        if param is None:
+            raise ValueError(f"{name}: this architecture has no {kind} for {hf_module}")
+        if isinstance(shard, Fused):
+            rows = shard.rows(self.arch)
+            if sum(rows) != tensor.shape[0]:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {' + '.join(map(str, rows))}")
+            for shard_id, part in zip(shard.shards, tensor.split(list(rows), dim=0), strict=True):
+                module.weight_loader(param, part.to(param.dtype), shard_id)
+        else:
+            module.weight_loader(param, tensor.to(param.dtype), shard)
+        return True
