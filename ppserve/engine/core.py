@@ -36,6 +36,24 @@ class PipelineFailed(RuntimeError):
     """A stage died and the pipeline could not be rebuilt within parallel.max_restarts attempts."""
 
 
+def context_limit(asked: int | None, max_positions: int, sliding_window: int | None) -> int:
+    """The context a request may fill: `model.max_model_len`, by default the model's own. Attention that
+    looks back only `sliding_window` tokens is not implemented, so such a model's context stops there
+    (within the window, full attention is the same thing)."""
+    limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
+    if asked is None:
+        if limit < max_positions:
+            logger.warning("the model attends over a sliding window of %d tokens: the context is capped there "
+                           "(max_position_embeddings %d)", limit, max_positions)
+        return limit
+    if asked > max_positions:
+        raise ValueError(f"model.max_model_len {asked} exceeds the model's max_position_embeddings {max_positions}")
+    if asked > limit:
+        raise ValueError(f"model.max_model_len {asked} exceeds the model's sliding window of {limit} tokens "
+                         "(sliding-window attention is not implemented; full attention is the same within it)")
+    return asked
+
+
 class Engine:
     def __init__(self, config: EngineConfig, clock: Any = time.perf_counter) -> None:
         self.config = config
@@ -53,16 +71,12 @@ class Engine:
     def init_model_source(self) -> None:
         from ppserve.model.loader import read_hf_config, resolve_model
 
-        self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
         from ppserve.model.registry import describe_model
 
+        self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
         self.arch = describe_model(read_hf_config(self.model_dir))  # parsed once, shipped to every worker
-        self.max_model_len = self.config.model.max_model_len or self.arch.max_position_embeddings
-        if self.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"model.max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.arch.max_position_embeddings}"
-            )
+        self.max_model_len = context_limit(self.config.model.max_model_len, self.arch.max_position_embeddings,
+                                           self.arch.sliding_window)
 
     def init_tokenizer(self) -> None:
         self.tokenizer = None

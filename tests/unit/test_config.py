@@ -76,3 +76,16 @@ def test_parse_overrides_yaml_scalars():
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_context_limit_respects_positions_and_sliding_window():
+    from ppserve.engine.core import context_limit
+
+    assert context_limit(None, 4096, None) == 4096
+    assert context_limit(1024, 4096, None) == 1024
+    assert context_limit(None, 4096, 2047) == 2047  # capped where full attention stops being exact
+    assert context_limit(2000, 4096, 2047) == 2000
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        context_limit(5000, 4096, None)
+    with pytest.raises(ValueError, match="sliding window of 2047"):
+        context_limit(3000, 4096, 2047)
