@@ -70,7 +70,6 @@ class Engine:
     # ---- construction ----------------------------------------------------------------------------
     def init_model_source(self) -> None:
         from ppserve.model.loader import read_hf_config, resolve_model
-
         from ppserve.model.registry import describe_model
 
         self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
