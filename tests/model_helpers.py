@@ -21,8 +21,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 def make_tiny_llama_dir(path: Path, *, num_layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                         vocab: int = 256, intermediate: int = 128, arch: str = "llama", tie: bool = False,
                         rope_scaling: dict | None = None, seed: int = 0) -> Path:
-    """Save a random-weight Llama or Qwen2 model as a real HF directory (config.json + safetensors)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Save a random-weight Llama, Qwen2 or Phi-3 model as a real HF directory (config.json + safetensors)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -35,6 +42,9 @@ def make_tiny_llama_dir(path: Path, *, num_layers: int = 4, hidden: int = 64, he
     elif arch == "qwen2":
         cfg = Qwen2Config(**common, rope_theta=10000.0)
         model = Qwen2ForCausalLM(cfg)
+    elif arch == "phi3":  # fused qkv_proj and gate_up_proj checkpoints
+        cfg = Phi3Config(**common, rope_theta=10000.0, pad_token_id=0, sliding_window=None)
+        model = Phi3ForCausalLM(cfg)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     # The default init (std 0.02) makes all logits nearly equal; larger weights give a peaked,

@@ -17,6 +17,7 @@ from ppserve.model.arch import ModelArch
 from ppserve.model.attention import AttentionBackend
 from ppserve.model.llama import LlamaForCausalLM, parse_llama
 from ppserve.model.parallel import TPContext
+from ppserve.model.phi3 import Phi3ForCausalLM, parse_phi3
 from ppserve.model.stage_model import StageModel
 
 
@@ -30,9 +31,11 @@ REGISTRY: dict[str, ModelFamily] = {
     "LlamaForCausalLM": ModelFamily(parse_llama, LlamaForCausalLM),
     "MistralForCausalLM": ModelFamily(parse_llama, LlamaForCausalLM),
     "Qwen2ForCausalLM": ModelFamily(parse_llama, LlamaForCausalLM),
+    "Phi3ForCausalLM": ModelFamily(parse_phi3, Phi3ForCausalLM),
 }
 # Configs without an `architectures` list name their family by model_type.
-_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "phi3": "Phi3ForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:
