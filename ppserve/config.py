@@ -33,6 +33,11 @@ class ModelConfig:
     # inputs a graph replays, run without capture: checks that path on CPU).
     cuda_graphs: str = "auto"
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
+    # CPU kernels (ppserve/model/ops; each has an environment override that wins, for experiments):
+    native_kernels: bool = True  # ppserve's C kernels, built on first use (PPSERVE_DISABLE_NATIVE_KERNELS=1)
+    amx_kernels: bool = True  # the AMX GEMM and prefill attention where the CPU has AMX (PPSERVE_DISABLE_AMX=1)
+    linear_path: str = "auto"  # bf16 oneDNN linears: auto (timed per shape) | packed | plain (PPSERVE_LINEAR_PATH)
+    kernel_cache_dir: str | None = None  # built kernels; None = ~/.cache/ppserve/kernels (PPSERVE_KERNEL_CACHE)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,6 +49,8 @@ class ModelConfig:
                              f"got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "capture", "eager"):
             raise ValueError(f"model.cuda_graphs must be auto, off, capture or eager, got {self.cuda_graphs!r}")
+        if self.linear_path not in ("auto", "packed", "plain"):
+            raise ValueError(f"model.linear_path must be auto, packed or plain, got {self.linear_path!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"model.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch!r}")
 

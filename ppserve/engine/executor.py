@@ -43,10 +43,14 @@ class Executor(Protocol):
 def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
                ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None) -> Any:
     """What one (stage, tp rank) needs to build its shard, from the engine config."""
+    from ppserve.model.ops.settings import KernelSettings
     from ppserve.worker.stage_worker import StageSpec
 
     par, cfg = config.parallel, config
     start, end = ranges[stage]
+    m = cfg.model
+    kernels = KernelSettings(native=m.native_kernels, amx=m.amx_kernels, linear_path=m.linear_path,
+                             cache_dir=m.kernel_cache_dir)
     return StageSpec(
         model_dir=model_dir, arch=arch, stage=stage, num_stages=len(ranges), layer_start=start,
         layer_end=end, tp_rank=tp_rank, tp_size=par.tensor_parallel_size, dtype=cfg.model.dtype,
@@ -54,7 +58,7 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
         attention_backend=cfg.model.attention_backend, num_threads=num_threads or par.num_threads,
         trace=cfg.trace.enabled,
         cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
-        max_model_len=cfg.model.max_model_len,
+        max_model_len=cfg.model.max_model_len, kernels=kernels,
     )
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ppserve.model.cpu_kernels import PagedDecode, PrefillAttention, load_paged_decode, load_prefill_attention
+from ppserve.model.ops import native
+from ppserve.model.ops.native import PagedDecode, PrefillAttention
 
 logger = logging.getLogger(__name__)
 
@@ -278,14 +279,14 @@ class CpuPagedBackend(SdpaBackend):
 
     def _chunk(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,
                scale: float) -> Tensor:
-        if self._prefill is None or not self._prefill.supports(q, kv_cache):
+        if self._prefill is None or not self._prefill.accepts(q, kv_cache):
             return super()._chunk(q, k, v, kv_cache, meta, seq, scale)
         ctx = meta.context_lens[seq]
         blocks = meta.block_tables[seq, :-(-ctx // meta.block_size)]
         return self._prefill(q, kv_cache, blocks, ctx, scale)
 
     def _decodes(self, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-        if not self._kernel.supports(query.dtype, query.shape[2]) or kv_cache.dtype != query.dtype:
+        if not self._kernel.accepts(query, kv_cache):
             return super()._decodes(query, kv_cache, meta, scale)
         return self._kernel(query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
@@ -354,14 +355,14 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
             raise ValueError("attention backend 'flash_attn' needs a CUDA device and the flash-attn package")
         return FlashAttnBackend()
     if prefer == "cpu_paged":
-        kernel = None if on_cuda else load_paged_decode()
+        kernel = None if on_cuda else native.paged_decode()
         if kernel is None:
             raise ValueError("attention backend 'cpu_paged' needs a CPU device and a C compiler to build its kernel "
                              "(see the log for the build error)")
-        return CpuPagedBackend(kernel, load_prefill_attention())
+        return CpuPagedBackend(kernel, native.prefill_attention())
     if prefer != "auto":
         raise ValueError(f"unknown attention backend {prefer!r} (auto, sdpa, cpu_paged, flash_attn)")
     if on_cuda:
         return FlashAttnBackend() if flash_attn_available() else SdpaBackend()
-    kernel = load_paged_decode()
-    return CpuPagedBackend(kernel, load_prefill_attention()) if kernel is not None else SdpaBackend()
+    kernel = native.paged_decode()
+    return CpuPagedBackend(kernel, native.prefill_attention()) if kernel is not None else SdpaBackend()

@@ -4,29 +4,23 @@ Every parallel layer takes the FULL Hugging Face tensor in `weight_loader` and k
 its TP rank owns, so the loader never needs to know how a layer is sharded. At TP size 1 each layer
 is an ordinary dense layer.
 
-Linear layers own their fast path (`PackedWeight`): `prepack()` (called once after loading) lays a
-bf16 CPU weight out for ppserve's AMX GEMM kernel where the CPU has AMX, else in oneDNN's blocked layout
-(1.1-1.4x faster than plain `F.linear` at decode sizes). oneDNN's prepacked primitive is not faster
-everywhere: for this model's 576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x slower
-than plain `F.linear`, and below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the
-first GEMM of every (out, in, rows) shape times the candidates and the fastest serves that shape from
-then on (`PPSERVE_LINEAR_PATH=packed|plain` forces one; `PPSERVE_DISABLE_AMX=1` turns the AMX kernels
-off). float32 always stays on plain `F.linear`, bit-exact with transformers.
+Linear layers own their fast path (a `PackedWeight`, ppserve/model/ops/gemm.py), and the element-wise
+work goes through the op table (ppserve/model/ops): native kernels where they take the input, torch
+otherwise.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ppserve.model.cpu_kernels import load_amx_gemm, load_elementwise
+from ppserve.model import ops
+from ppserve.model.ops import native
+from ppserve.model.ops.gemm import PackedWeight, can_prepack
 from ppserve.model.parallel import TPContext
 
 
@@ -42,118 +36,6 @@ def _copy_checked(param: nn.Parameter, shard: Tensor, what: str) -> None:
         param.copy_(shard)
 
 
-def can_prepack(weight: Tensor) -> bool:
-    """oneDNN prepacking pays off for bf16 weights on CPUs with native bf16 (AVX512-BF16 / AMX)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-
-
-class PackedWeight:
-    """A bf16 weight [out, in] laid out for a fast CPU GEMM, or nothing: then `linear` is plain `F.linear`.
-
-    On CPUs with AMX, weights whose sides are multiples of 32 go to ppserve's AMX kernel
-    (csrc/gemm_amx.c) in its tile layout, always: in the model its median beat oneDNN's best path at
-    every shape and row count timed (e.g. 3072 x 576 at 512 rows: 1.2 ms against 2.2 ms), and a fixed
-    choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep oneDNN's
-    prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
-    `fastest_path`). Held outside the module's parameters and state dict: derived from `weight` and
-    rebuilt by `prepack()` after every load.
-    """
-
-    def __init__(self) -> None:
-        self.packed: Tensor | None = None
-        self.amx: Tensor | None = None
-
-    def pack(self, weight: Tensor, use_amx: bool = True) -> None:
-        self.packed = self.amx = None
-        if not can_prepack(weight):
-            return
-        amx = load_amx_gemm() if use_amx else None
-        if amx is not None and amx.fits(weight):
-            self.amx = amx.pack(weight)
-        else:
-            # No batch-size hint: one layout for every token count (a hint speeds up only that size).
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if x.dtype != weight.dtype or x.dim() != 2:
-            return F.linear(x, weight, bias)
-        if self.amx is not None:
-            return self.run(x, weight, bias, ("amx", x.shape[0]))
-        if self.packed is None:
-            return F.linear(x, weight, bias)
-        rows = x.shape[0]
-        bucket = row_bucket(rows)
-
-        def candidates() -> dict[LinearPath, Callable[[], Tensor]]:
-            paths = [("packed", bucket), ("plain", bucket)]
-            if bucket < SMALL_GEMM_ROWS:
-                paths.append(("packed", SMALL_GEMM_ROWS))
-            return {path: (lambda path=path: self.run(x, weight, bias, path)) for path in paths}
-
-        path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
-        return self.run(x, weight, bias, path)[:rows]
-
-    def run(self, x: Tensor, weight: Tensor, bias: Tensor | None, path: LinearPath) -> Tensor:
-        """One GEMM on `path`: x's rows zero-padded to the path's row count (the output keeps them)."""
-        kind, padded = path
-        if kind == "amx":  # any row count: the kernel pads only its last 32-row block, internally
-            amx = load_amx_gemm()
-            assert amx is not None and self.amx is not None  # only taken where both exist
-            return amx(x, self.amx, bias)
-        if padded != x.shape[0]:
-            x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
-        if kind == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, weight, bias)
-
-
-# How a bf16 GEMM runs: ("packed" | "plain" | "amx", the row count it runs with, rows zero-padded up to it
-# for the oneDNN paths).
-LinearPath = tuple[str, int]
-# Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
-# (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.
-SMALL_GEMM_ROWS = 64
-# (out, in, row bucket) -> the path that was fastest for that shape in this process.
-_FASTEST: dict[tuple[int, int, int], LinearPath] = {}
-
-
-def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[LinearPath, Callable[[], Tensor]]],
-                 rounds: int = 5) -> LinearPath:
-    """Time every candidate path (`candidates()` builds them) once per shape, after an untimed call each
-    (the first call JIT-compiles the primitive), interleaved over `rounds`; the lowest median wins and
-    every layer of that shape uses it from then on. The median, not the best run: oneDNN's prepacked
-    GEMM at 512 rows sometimes ran at full speed on both threads and mostly on one (best 0.9 ms, median
-    2.2 ms at 3072 x 576), and the best run picked it. Row counts are bucketed, so this runs for a few dozen
-    shapes per model at most. PPSERVE_LINEAR_PATH=packed|plain forces that kind at the bucket's row count,
-    untimed."""
-    forced = os.environ.get("PPSERVE_LINEAR_PATH", "auto")
-    if forced in ("packed", "plain"):
-        return forced, key[2]
-    choice = _FASTEST.get(key)
-    if choice is None:
-        timed = candidates()
-        for fn in timed.values():
-            fn()
-        runs: dict[LinearPath, list[float]] = {path: [] for path in timed}
-        for _ in range(rounds):
-            for path, fn in timed.items():
-                start = time.perf_counter()
-                fn()
-                runs[path].append(time.perf_counter() - start)
-        choice = _FASTEST[key] = min(runs, key=lambda path: statistics.median(runs[path]))
-    return choice
-
-
-def row_bucket(rows: int) -> int:
-    """Token counts rounded up to a few sizes: oneDNN builds and caches a primitive (~0.6 MiB of JIT
-    code and scratch) for every distinct row count, so unbucketed sizes grew each stage by ~600 MiB over
-    a soak run. Multiples of 32 up to 512, then of 256: at most a few dozen primitives per weight, and
-    small batches cost the same anyway (they are bound by reading the weight)."""
-    step = 32 if rows <= 512 else 256
-    return -(-rows // step) * step
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like the reference implementation."""
 
@@ -164,22 +46,12 @@ class RMSNorm(nn.Module):
         self.weight = _empty((hidden_size,), dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
-        fused = load_elementwise()
-        if fused is not None and fused.applies(x):
-            return fused.rms_norm(x, self.weight, self.eps)  # one pass instead of eight (bf16 only)
-        in_dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(in_dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """(x + y, norm(x + y)): the residual add and the norm after it, one pass in bf16. Neither input
         is modified (x may be a tensor the caller still holds, such as a stage's received input)."""
-        fused = load_elementwise()
-        if fused is not None and fused.applies(x) and fused.applies(y):
-            return fused.add_rms_norm(x, y, self.weight, self.eps)
-        total = x + y
-        return total, self(total)
+        return ops.add_rms_norm(x, y, self.weight, self.eps)
 
     def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
         _copy_checked(param, full, "RMSNorm.weight")
@@ -242,13 +114,7 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> Tensor:
         """x [T, H, D] -> rotated x. With `inplace` the fused kernel may rotate x itself (bf16 on CPU)."""
-        fused = load_elementwise() if inplace else None
-        if fused is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == x.shape[2]:
-            fused.rope_(x, cos, sin)
-            return x
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return ops.rope_(x, cos, sin) if inplace else ops.rope(x, cos, sin)
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """positions [T]; q [T, Hq, D]; k [T, Hkv, D] -> rotated (q, k)."""
@@ -303,8 +169,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             tp.shard_range(s)  # validates divisibility of each part
 
     def prepack(self) -> None:
-        amx = load_amx_gemm() if can_prepack(self.weight) else None
-        if (amx is not None and amx.fits(self.weight) and self.bias is None and len(self.local_sizes) == 2
+        amx = native.amx_gemm() if can_prepack(self.weight) else None
+        if (amx is not None and amx.accepts(self.weight) and self.bias is None and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1] and self.local_sizes[0] % 16 == 0):
             self.gate_up_amx = amx.pack_gate_up(self.weight)
             self.fast = PackedWeight()  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
@@ -314,7 +180,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """silu(gate) * up [T, I_local] in one pass over the GEMM's output, or None where not available."""
-        amx = load_amx_gemm()
+        amx = native.amx_gemm()
         if self.gate_up_amx is None or amx is None or x.dtype != torch.bfloat16 or x.dim() != 2:
             return None
         return amx(x, self.gate_up_amx, None, silu_mul=True)

@@ -9,12 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ppserve.model import ops
 from ppserve.model.arch import ModelArch, common_fields, require_silu
 from ppserve.model.attention import AttentionBackend, AttentionMetadata
-from ppserve.model.cpu_kernels import load_elementwise
 from ppserve.model.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -72,12 +71,7 @@ class LlamaMLP(nn.Module):
         act = self.gate_up_proj.silu_mul(x)  # bf16 on AMX: the activation in the GEMM's epilogue
         if act is not None:
             return self.down_proj(act)
-        gate_up = self.gate_up_proj(x)  # [T, 2 I_local]
-        fused = load_elementwise()
-        if fused is not None and fused.applies(gate_up):
-            return self.down_proj(fused.silu_mul(gate_up))  # bf16: one pass, no silu(gate) temporary
-        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I_local]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I_local] -> [T, I_local]
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -21,6 +21,8 @@ from ppserve.metrics.spans import SpanRecorder
 from ppserve.model.arch import ModelArch
 from ppserve.model.attention import allocate_kv_cache, kv_cache_bytes_per_block, select_backend
 from ppserve.model.loader import iter_weights
+from ppserve.model.ops.settings import KernelSettings
+from ppserve.model.ops.settings import configure as configure_kernels
 from ppserve.model.parallel import TPContext
 from ppserve.model.registry import build_stage_model
 from ppserve.sched.output import SchedulerOutput, StepResult
@@ -80,11 +82,13 @@ class StageSpec:
     cuda_graphs: str = "auto"  # auto (capture on CUDA) | off | capture | eager (padded inputs, no capture)
     cuda_graph_max_batch: int = 64
     max_model_len: int | None = None  # sizes the graphs' block tables; None = max_position_embeddings
+    kernels: KernelSettings = KernelSettings()  # which CPU kernels this process may use
 
 
 class StageWorker:
     def __init__(self, spec: StageSpec, tp: TPContext | None = None) -> None:
         self.spec = spec
+        configure_kernels(spec.kernels)  # before anything asks for a kernel
         self.init_threads()
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.arch = spec.arch

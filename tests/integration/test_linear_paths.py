@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from ppserve.model import cpu_kernels, layers
-from ppserve.model.layers import SMALL_GEMM_ROWS, PackedWeight, can_prepack, fastest_path
+from ppserve.model.ops import gemm, native
+from ppserve.model.ops.gemm import SMALL_GEMM_ROWS, PackedWeight, can_prepack, fastest_path
 
 
 @pytest.fixture(autouse=True)
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(layers, "_FASTEST", {})
+    monkeypatch.setattr(gemm, "_FASTEST", {})
     monkeypatch.delenv("PPSERVE_LINEAR_PATH", raising=False)
 
 
@@ -36,7 +36,7 @@ def test_the_fastest_path_wins_and_is_remembered_per_shape() -> None:
         raise AssertionError("a remembered shape must not be timed again")
 
     assert fastest_path(small, never) == ("packed", 64)
-    assert layers._FASTEST == {small: ("packed", 64), big: ("packed", 64)}
+    assert gemm._FASTEST == {small: ("packed", 64), big: ("packed", 64)}
 
 
 def test_environment_forces_a_path(monkeypatch) -> None:
@@ -47,7 +47,7 @@ def test_environment_forces_a_path(monkeypatch) -> None:
     assert fastest_path((8, 4, 32), never) == ("plain", 32)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
     assert fastest_path((8, 4, 32), never) == ("packed", 32)
-    assert layers._FASTEST == {}
+    assert gemm._FASTEST == {}
 
 
 @pytest.mark.parametrize("rows", [1, 48, 512, 600])
@@ -67,24 +67,24 @@ def test_every_path_agrees(monkeypatch, rows: int) -> None:
         got = onednn.linear(x, weight, bias)
         assert got.shape == (rows, 576)
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
-    padded = onednn.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, layers.row_bucket(rows))))[:rows]
+    padded = onednn.run(x, weight, bias, ("packed", max(SMALL_GEMM_ROWS, gemm.row_bucket(rows))))[:rows]
     torch.testing.assert_close(padded.float(), want, rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
     torch.testing.assert_close(onednn.linear(x, weight, bias).float(), want, rtol=2e-2, atol=2e-2)
-    bucket = layers.row_bucket(rows)
-    kind, ran_rows = layers._FASTEST[(576, 1536, bucket)]
+    bucket = gemm.row_bucket(rows)
+    kind, ran_rows = gemm._FASTEST[(576, 1536, bucket)]
     assert kind in ("packed", "plain") and ran_rows in (bucket, SMALL_GEMM_ROWS)
 
     default = PackedWeight()
     default.pack(weight)
-    if cpu_kernels.load_amx_gemm() is None:
+    if native.amx_gemm() is None:
         assert default.amx is None and default.packed is not None  # no AMX here: oneDNN as above
         return
     # With AMX the tile kernel serves every row count, untimed, and no oneDNN copy is kept.
     assert default.amx is not None and default.packed is None
-    layers._FASTEST.clear()
+    gemm._FASTEST.clear()
     torch.testing.assert_close(default.linear(x, weight, bias).float(), want, rtol=2e-2, atol=2e-2)
-    assert layers._FASTEST == {}
+    assert gemm._FASTEST == {}
 
 
 def test_weights_the_amx_kernel_cannot_take_stay_with_onednn() -> None:
@@ -102,7 +102,7 @@ def test_weights_the_amx_kernel_cannot_take_stay_with_onednn() -> None:
 def test_gate_up_with_silu_in_the_amx_epilogue(rows: int) -> None:
     from ppserve.model.layers import MergedColumnParallelLinear
 
-    if cpu_kernels.load_amx_gemm() is None:
+    if native.amx_gemm() is None:
         pytest.skip("no AMX on this machine: the MLP runs gate/up and SiLU-and-mul separately")
     torch.manual_seed(rows)
     gate_up = MergedColumnParallelLinear(576, [1536, 1536], dtype=torch.bfloat16)

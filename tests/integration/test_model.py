@@ -139,8 +139,31 @@ def test_attention_backend_choice_on_cpu():
     """On CPU `auto` is the native paged kernel when it builds (SDPA otherwise); `sdpa` forces SDPA. The exact
     type is checked: the paged backend is an SDPA subclass, so isinstance would pass whatever was picked."""
     from ppserve.model.attention import CpuPagedBackend, SdpaBackend, select_backend
-    from ppserve.model.cpu_kernels import load_paged_decode
+    from ppserve.model.ops import native
 
-    expected = CpuPagedBackend if load_paged_decode() is not None else SdpaBackend
+    expected = CpuPagedBackend if native.paged_decode() is not None else SdpaBackend
     assert type(select_backend("cpu")) is expected
     assert type(select_backend("cpu", "sdpa")) is SdpaBackend
+
+
+def test_kernel_switches_are_config_fields(tiny_llama_dir, monkeypatch):
+    """model.native_kernels=false keeps a stage on torch (SDPA attention, no native element-wise ops); the
+    environment overrides the config for experiments."""
+    from ppserve import LLM, SamplingParams
+    from ppserve.model.attention import SdpaBackend
+    from ppserve.model.ops import native
+    from ppserve.model.ops.settings import KernelSettings, configure, current
+
+    try:
+        with LLM(str(tiny_llama_dir), executor="inproc", dtype="float32",
+                 overrides=["model.native_kernels=false", "model.linear_path=plain"]) as llm:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+            backend = llm.engine.executor.workers[0].model.layers[0].self_attn.backend
+            assert type(backend) is SdpaBackend
+            assert native.elementwise() is None and current().linear_path == "plain"
+        configure(KernelSettings())
+        monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
+        monkeypatch.setenv("PPSERVE_DISABLE_AMX", "1")
+        assert current() == KernelSettings(linear_path="packed", amx=False)
+    finally:
+        configure(KernelSettings())

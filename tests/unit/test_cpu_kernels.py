@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-from ppserve.model import cpu_kernels
 from ppserve.model.attention import (
     AttentionMetadata,
     CpuPagedBackend,
@@ -18,6 +17,7 @@ from ppserve.model.attention import (
     allocate_kv_cache,
     select_backend,
 )
+from ppserve.model.ops import native
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler to build the kernel")
@@ -33,9 +33,7 @@ def _batch(query_lens: list[int], context_lens: list[int], block_size: int, num_
 
 
 def _clear_kernel_caches() -> None:
-    for fn in (cpu_kernels.load_library, cpu_kernels.load_paged_decode, cpu_kernels.load_elementwise,
-               cpu_kernels.load_greedy_argmax, cpu_kernels.load_amx_gemm, cpu_kernels.load_prefill_attention):
-        fn.cache_clear()
+    native.forget_loaded()
 
 
 @needs_compiler
@@ -45,9 +43,9 @@ def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PPSERVE_KERNEL_CACHE", str(tmp_path))
     _clear_kernel_caches()
     try:
-        assert cpu_kernels.load_paged_decode() is not None
-        assert cpu_kernels.load_elementwise() is not None
-        assert cpu_kernels.load_greedy_argmax() is not None
+        assert native.paged_decode() is not None
+        assert native.elementwise() is not None
+        assert native.greedy_argmax() is not None
         assert len(list(tmp_path.glob("ppserve_kernels-*.so"))) == 1
         assert isinstance(select_backend("cpu"), CpuPagedBackend)
         assert isinstance(select_backend("cpu", "cpu_paged"), CpuPagedBackend)
@@ -98,8 +96,8 @@ def test_decode_only_batch_with_strided_block_table() -> None:
 def test_loading_keeps_denormals() -> None:
     # A shared object linked with -ffast-math would switch the process to flush-to-zero on load and
     # change every float32 result torch computes afterwards.
-    code = ("import torch; from ppserve.model.cpu_kernels import load_paged_decode; "
-            "assert load_paged_decode() is not None; "
+    code = ("import torch; from ppserve.model.ops import native; "
+            "assert native.paged_decode() is not None; "
             "x = torch.tensor([1e-39]); assert (x * 1.5).item() != 0.0, 'denormals flushed'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -109,15 +107,15 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that always fails
     _clear_kernel_caches()
     try:
-        assert cpu_kernels.load_paged_decode() is None
+        assert native.paged_decode() is None
         backend = select_backend("cpu")
         assert type(backend) is SdpaBackend
         with pytest.raises(ValueError, match="cpu_paged"):
             select_backend("cpu", "cpu_paged")
-        assert cpu_kernels.load_elementwise() is None
-        assert cpu_kernels.load_greedy_argmax() is None
-        assert cpu_kernels.load_amx_gemm() is None
-        assert cpu_kernels.load_prefill_attention() is None
+        assert native.elementwise() is None
+        assert native.greedy_argmax() is None
+        assert native.amx_gemm() is None
+        assert native.prefill_attention() is None
         from ppserve.worker.sampler import greedy
 
         assert greedy(torch.tensor([[0.0, 2.0, 1.0]])) == [1]  # torch.argmax serves instead
@@ -171,7 +169,7 @@ def test_fused_add_rms_norm_matches_eager_bf16(cols: int) -> None:
 
 @needs_compiler
 def test_fused_silu_mul_matches_eager_bf16() -> None:
-    fused = cpu_kernels.load_elementwise()
+    fused = native.elementwise()
     assert fused is not None
     torch.manual_seed(1)
     gate_up = torch.randn(29, 2 * 85, dtype=torch.bfloat16) * 4
@@ -210,7 +208,7 @@ def test_fused_rope_in_place_matches_eager_bf16(d: int) -> None:
 
 @needs_compiler
 def test_greedy_argmax_matches_torch() -> None:
-    kernel = cpu_kernels.load_greedy_argmax()
+    kernel = native.greedy_argmax()
     assert kernel is not None
     torch.manual_seed(4)
     logits = torch.randn(37, 49152 + 16)[:, :49152]  # strided rows, as a slice of a padded vocabulary
@@ -227,11 +225,11 @@ def test_greedy_argmax_matches_torch() -> None:
     assert kernel(odd) == odd.argmax(-1).tolist()
     short = torch.randn(3, 5)
     assert kernel(short) == short.argmax(-1).tolist()
-    assert not kernel.applies(torch.randn(2, 4).bfloat16())  # other dtypes stay with torch
+    assert not kernel.accepts(torch.randn(2, 4).bfloat16())  # other dtypes stay with torch
 
 
-def _amx_or_skip() -> cpu_kernels.AmxGemm:
-    amx = cpu_kernels.load_amx_gemm()
+def _amx_or_skip() -> native.AmxGemm:
+    amx = native.amx_gemm()
     if amx is None:
         pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
     return amx
@@ -261,7 +259,7 @@ def test_amx_gemm_layout_and_refusals() -> None:
     packed = amx.pack(weight)
     # panel 1, k-block 1, pair row 3, column 5 holds W[16 + 5, 32 + 2 * 3 + {0, 1}]
     assert torch.equal(packed[1, 1, 3, 5], weight[21, 38:40])
-    assert amx.fits(weight) and not amx.fits(weight[:, :48]) and not amx.fits(weight.float())
+    assert amx.accepts(weight) and not amx.accepts(weight[:, :48]) and not amx.accepts(weight.float())
     with pytest.raises(ValueError, match="does not match"):
         amx(torch.randn(48, 96, dtype=torch.bfloat16), packed, None)  # K of 96 against a weight of K 64
     with pytest.raises(ValueError, match="does not match"):
@@ -288,7 +286,7 @@ def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: lis
                          [(486, 786, 9, 3, 16), (512, 512, 9, 3, 16), (37, 37, 4, 4, 48), (1, 100, 9, 3, 16),
                           (50, 333, 4, 4, 48), (16, 33, 9, 3, 16)])
 def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv: int, block_size: int) -> None:
-    kernel = cpu_kernels.load_prefill_attention()
+    kernel = native.prefill_attention()
     if kernel is None:
         pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
     torch.manual_seed(ql + ctx)
@@ -297,7 +295,7 @@ def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv
     blocks = torch.randperm(num_blocks)[:-(-ctx // block_size)]
     qkv = torch.randn(ql, (hq + 2 * hkv) * 64).bfloat16() * 2
     q = qkv[:, :hq * 64].view(ql, hq, 64)  # token rows strided, as in a fused QKV output
-    assert kernel.supports(q, cache)
+    assert kernel.accepts(q, cache)
     got = kernel(q, cache, blocks, ctx, 0.125)
     want = _reference_chunk_attention(q, cache, blocks.tolist(), ctx, 0.125)
     # bf16 inputs and probabilities, float32 accumulation: a few bf16 steps of outputs of order 1
@@ -306,12 +304,12 @@ def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv
 
 @needs_compiler
 def test_amx_prefill_attention_refuses_what_it_cannot_do() -> None:
-    kernel = cpu_kernels.load_prefill_attention()
+    kernel = native.prefill_attention()
     if kernel is None:
         pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
     cache = torch.randn(2, 4, 16, 2, 64).bfloat16()
-    assert not kernel.supports(torch.randn(8, 4, 32).bfloat16(), cache)  # head_dim 32: SDPA serves it
-    assert not kernel.supports(torch.randn(8, 4, 64), cache)  # float32
+    assert not kernel.accepts(torch.randn(8, 4, 32).bfloat16(), cache)  # head_dim 32: SDPA serves it
+    assert not kernel.accepts(torch.randn(8, 4, 64), cache)  # float32
     with pytest.raises(ValueError, match="cover the context"):
         kernel(torch.randn(8, 4, 64).bfloat16(), cache, torch.tensor([0, 1]), 40, 0.125)
     with pytest.raises(RuntimeError, match="unsupported shape"):

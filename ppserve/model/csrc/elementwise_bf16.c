@@ -5,7 +5,7 @@
  * eight passes: cast, pow, mean, add, rsqrt, mul, cast, mul). Arithmetic follows the torch reference
  * ops: math in float32, rounding to bf16 exactly where the eager chain rounds, so results agree with the
  * torch path to within the rounding of sums. float32 models never come here: their exactness against
- * transformers stays with the eager path. Built and loaded like paged_attention.c (cpu_kernels.py).
+ * transformers stays with the eager path. Built and loaded like paged_attention.c (ops/build.py, ops/native.py).
  *
  * Every kernel works one row at a time. With AVX512-BF16 a row is processed 16 floats per instruction
  * with explicit intrinsics: the auto-vectorised scalar code spent ~4 cycles per element on integer
@@ -16,20 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 

@@ -6,7 +6,7 @@
  * The kernel is the textbook 2x2 register blocking: 4 accumulator tiles (32 x 32 outputs), 2 A tiles
  * (16 rows x 32 k each) and 2 B tiles (32 k x 16 columns each), 8 tiles in all.
  *
- * W is prepacked once (cpu_kernels.py) into AMX's pair-interleaved ("VNNI") layout, 16 output columns
+ * W is prepacked once (ops/native.py) into AMX's pair-interleaved ("VNNI") layout, 16 output columns
  * per panel: packed[n / 16][k / 32][kk = 0..15][nn = 0..15][2] = W[n16 + nn][k32 + 2 kk + {0, 1}], so
  * every B tile is one contiguous 1 KiB load. Shapes: N and K multiples of 32 (other shapes use oneDNN),
  * any M. Threads split the output columns (each streams its own share of W

@@ -1,7 +1,7 @@
 /* Paged decode attention for CPUs: each query token attends over its sequence's cached K/V, read in
  * place through the block table (no gather into a contiguous copy).
  *
- * Built at run time by ppserve/model/cpu_kernels.py with the system C compiler and loaded with ctypes.
+ * Built at run time by ppserve/model/ops/build.py with the system C compiler and loaded with ctypes.
  * It links the same libgomp that torch loaded (soname libgomp.so.1), so its OpenMP threads are torch's.
  *
  * Layouts (all contiguous, row-major):
@@ -18,26 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 static inline float load_f32(const float *p, int64_t i) { return p[i]; }
 static inline void store_f32(float *p, int64_t i, float x) { p[i] = x; }
 
-static inline float load_bf16(const uint16_t *p, int64_t i) {
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void store_bf16(uint16_t *p, int64_t i, float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { /* NaN stays NaN */
-        p[i] = (uint16_t)((u >> 16) | 0x40u);
-        return;
-    }
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    p[i] = (uint16_t)(u >> 16);
-}
+static inline float load_bf16(const uint16_t *p, int64_t i) { return bf16_to_f32(p[i]); }
+static inline void store_bf16(uint16_t *p, int64_t i, float x) { p[i] = f32_to_bf16(x); }
 
 #define MAX_HEAD_DIM 256
 #define CACHE_LINE 64

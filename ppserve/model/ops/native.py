@@ -1,105 +1,25 @@
-"""Native CPU kernels, built on first use with the system C compiler and loaded with ctypes.
+"""Bindings of the native kernels (ctypes over the library build.py makes), one class per kernel.
 
-Why C and ctypes rather than a torch C++ extension: the kernel needs no torch headers, so it builds in
-about a second (a torch extension takes ~45 s and needs ninja) and the build can happen lazily inside
-every stage actor. It runs its loops under OpenMP on the libgomp torch already loaded, with the thread
-count torch uses in the calling thread.
-
-The shared object is cached under ~/.cache/ppserve/kernels (or $PPSERVE_KERNEL_CACHE), keyed by the
-source, the compiler flags, the compiler and the CPU's feature flags (it is built with -march=native).
-When no compiler is present or the build fails, `load_paged_decode()` returns None and callers fall
-back to the pure-torch path; the reason is logged once.
+Every binding answers `accepts(...)`: whether it can take these tensors (dtype, device, layout); the
+op functions in ops/__init__.py ask it and fall back to torch otherwise. Loaders return None where the
+library cannot be built or the kernel cannot run (no AMX, switched off by the settings).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
-from functools import cache
-from pathlib import Path
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+from ppserve.model.ops.build import load_library
+from ppserve.model.ops.settings import current, generation
+
 logger = logging.getLogger(__name__)
 _K = TypeVar("_K")
-
-_CSRC = Path(__file__).with_name("csrc")  # every .c file here goes into one shared object
-# -ffast-math lets gcc vectorise the dot-product reductions and expf (libmvec). It is passed to the compile
-# step only: linking a shared object with it would pull in crtfastmath, which switches the whole process
-# (torch included) to flush-denormals-to-zero when the library loads.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
-_LINK_LIBS = ["-lmvec", "-lm"]
-
-
-def kernel_cache_dir() -> Path:
-    return Path(os.environ.get("PPSERVE_KERNEL_CACHE", Path.home() / ".cache" / "ppserve" / "kernels"))
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = sorted(f for f in _CSRC.iterdir() if f.suffix in (".c", ".h"))
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in sources), *_COMPILE_FLAGS, *_LINK_FLAGS,
-                                    *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    target = kernel_cache_dir() / f"ppserve_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build in a private directory and rename into place: stage actors starting together may all build.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = []
-        for src in (f for f in sources if f.suffix == ".c"):
-            objects.append(str(Path(tmp) / f"{src.stem}.o"))
-            _run([compiler, *_COMPILE_FLAGS, "-c", str(src), "-o", objects[-1]])
-        lib = Path(tmp) / "ppserve_kernels.so"
-        _run([compiler, *_LINK_FLAGS, *objects, "-o", str(lib), *_LINK_LIBS])
-        os.replace(lib, target)
-    return target
-
-
-def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-
-
-@cache
-def load_library() -> ctypes.CDLL | None:
-    """The kernels' shared object, or None (logged once) where it cannot be built on this machine."""
-    if platform.system() != "Linux" or os.environ.get("PPSERVE_DISABLE_NATIVE_KERNELS"):
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: native CPU kernels off, the torch path is used")
-        return None
-    try:
-        return ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("native CPU kernels unavailable (%s): using the torch path", exc)
-        return None
 
 
 class PagedDecode:
@@ -116,8 +36,9 @@ class PagedDecode:
             fn.argtypes, fn.restype = args, ctypes.c_int
             self._fns[dtype] = fn
 
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in self._fns and head_dim <= 256
+    def accepts(self, query: Tensor, kv_cache: Tensor) -> bool:
+        """Decode queries [N, Hq, D] of a dtype it has a kernel for, D <= 256, the cache of the same dtype."""
+        return query.dtype in self._fns and query.shape[2] <= 256 and kv_cache.dtype == query.dtype
 
     def __call__(self, query: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
                  scale: float) -> Tensor:
@@ -158,8 +79,13 @@ class Elementwise:
         return fn
 
     @staticmethod
-    def applies(x: Tensor) -> bool:
-        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    def accepts(x: Tensor) -> bool:
+        """bf16 on CPU: rows [T, H] with unit inner stride, or heads [T, H, D] with H x D contiguous."""
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+            return False
+        if x.dim() == 2:
+            return x.stride(1) == 1
+        return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """x [T, H] (rows may be strided) -> [T, H]."""
@@ -206,7 +132,7 @@ class PrefillAttention:
         self._fn = fn
 
     @staticmethod
-    def supports(q: Tensor, kv_cache: Tensor) -> bool:
+    def accepts(q: Tensor, kv_cache: Tensor) -> bool:
         return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and q.shape[2] == 64
                 and q.stride(2) == 1 and q.stride(1) == 64 and kv_cache.is_contiguous())
 
@@ -237,7 +163,7 @@ class GreedyArgmax:
         self._fn = fn
 
     @staticmethod
-    def applies(logits: Tensor) -> bool:
+    def accepts(logits: Tensor) -> bool:
         return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
                 and logits.shape[1] > 0 and logits.stride(1) == 1)
 
@@ -260,7 +186,7 @@ class AmxGemm:
         self._fn = fn
 
     @staticmethod
-    def fits(weight: Tensor) -> bool:
+    def accepts(weight: Tensor) -> bool:
         """Weights [N, K] the kernel takes: bf16 on CPU, N and K multiples of 32."""
         return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
@@ -297,42 +223,56 @@ class AmxGemm:
         return out
 
 
-def _bound(kernel: Callable[[ctypes.CDLL], _K]) -> _K | None:
-    """`kernel` bound to the shared object, or None where it cannot be built."""
-    lib = load_library()
-    return None if lib is None else kernel(lib)
+_LOADED: dict[str, object] = {}  # kernel name -> its binding, or None where it cannot run here
+_loaded_under = [generation()]  # the settings generation _LOADED was decided under
 
 
-@cache
-def load_paged_decode() -> PagedDecode | None:
-    return _bound(PagedDecode)
+def _bound(name: str, make: Callable[[ctypes.CDLL], _K], needs_amx: bool = False) -> _K | None:
+    """The kernel `make` binds, bound once per process (and again after `settings.configure`)."""
+    if _loaded_under[0] != generation():
+        forget_loaded()
+    if name not in _LOADED:
+        lib = load_library()
+        if lib is not None and needs_amx and not _amx_granted(lib):
+            lib = None
+        _LOADED[name] = None if lib is None else make(lib)
+    return _LOADED[name]  # type: ignore[return-value]
 
 
-@cache
-def load_elementwise() -> Elementwise | None:
-    return _bound(Elementwise)
-
-
-@cache
-def load_greedy_argmax() -> GreedyArgmax | None:
-    return _bound(GreedyArgmax)
-
-
-@cache
-def load_amx_gemm() -> AmxGemm | None:
-    """The AMX GEMM where the library was built with AMX and the kernel grants this process tile state."""
-    lib = load_library()
-    if lib is None or os.environ.get("PPSERVE_DISABLE_AMX"):
-        return None
+def _amx_granted(lib: ctypes.CDLL) -> bool:
+    """AMX where the config allows it, the library was built with it and the kernel grants tile state."""
+    if not current().amx:
+        return False
     lib.amx_init.restype = ctypes.c_int
     if lib.amx_init() != 0:
         logger.info("no AMX here (CPU, compiler or kernel): bf16 GEMMs use oneDNN")
-        return None
-    return AmxGemm(lib)
+        return False
+    return True
 
 
-@cache
-def load_prefill_attention() -> PrefillAttention | None:
-    """The AMX prefill attention where AMX GEMMs work (same build and tile permission)."""
-    lib = load_library()
-    return None if lib is None or load_amx_gemm() is None else PrefillAttention(lib)
+def forget_loaded() -> None:
+    """Decide every kernel again (new settings, or a test that changed the environment)."""
+    _LOADED.clear()
+    load_library.cache_clear()
+    _loaded_under[0] = generation()
+
+
+def paged_decode() -> PagedDecode | None:
+    return _bound("paged_decode", PagedDecode)
+
+
+def elementwise() -> Elementwise | None:
+    return _bound("elementwise", Elementwise)
+
+
+def greedy_argmax() -> GreedyArgmax | None:
+    return _bound("greedy_argmax", GreedyArgmax)
+
+
+def amx_gemm() -> AmxGemm | None:
+    return _bound("amx_gemm", AmxGemm, needs_amx=True)
+
+
+def prefill_attention() -> PrefillAttention | None:
+    """The AMX prefill attention, where the AMX GEMM works (same build and tile permission)."""
+    return _bound("prefill_attention", PrefillAttention, needs_amx=True)

@@ -1,0 +1,62 @@
+"""Which kernels a process may use: config fields (`model.*`), each with an environment override.
+
+A stage worker calls `configure` once with its stage spec's settings before it builds its model; the
+kernel loaders and the GEMM path choice read `current()`. The environment variables stay as overrides
+for experiments (they win over the config): PPSERVE_DISABLE_NATIVE_KERNELS=1, PPSERVE_DISABLE_AMX=1,
+PPSERVE_LINEAR_PATH=auto|packed|plain, PPSERVE_KERNEL_CACHE=DIR.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+LINEAR_PATHS = ("auto", "packed", "plain")
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    native: bool = True  # model.native_kernels: ppserve's C kernels on CPU (built on first use)
+    amx: bool = True  # model.amx_kernels: the AMX GEMM and prefill attention where the CPU has AMX
+    linear_path: str = "auto"  # model.linear_path: bf16 oneDNN GEMMs timed per shape, or forced packed | plain
+    cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (~/.cache/ppserve/kernels)
+
+    def __post_init__(self) -> None:
+        if self.linear_path not in LINEAR_PATHS:
+            raise ValueError(f"linear path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+
+    @property
+    def kernel_cache(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "ppserve" / "kernels"
+
+
+_configured = KernelSettings()
+_generation = 0  # bumped by every configure: kernels bound under older settings are decided again
+
+
+def configure(settings: KernelSettings) -> None:
+    """Set this process's kernel settings (a stage worker, before building its model)."""
+    global _configured, _generation
+    if settings != _configured:
+        _configured = settings
+        _generation += 1
+
+
+def generation() -> int:
+    return _generation
+
+
+def current() -> KernelSettings:
+    """The configured settings with the environment's overrides applied."""
+    s = _configured
+    env = os.environ
+    if env.get("PPSERVE_DISABLE_NATIVE_KERNELS"):
+        s = replace(s, native=False)
+    if env.get("PPSERVE_DISABLE_AMX"):
+        s = replace(s, amx=False)
+    if env.get("PPSERVE_LINEAR_PATH"):
+        s = replace(s, linear_path=env["PPSERVE_LINEAR_PATH"])
+    if env.get("PPSERVE_KERNEL_CACHE"):
+        s = replace(s, cache_dir=env["PPSERVE_KERNEL_CACHE"])
+    return s
