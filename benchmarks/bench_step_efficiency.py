@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -31,12 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     EngineResult,
     ModelShape,
-    build_text_prompts,
     latency_figures,
     load_workload,
     peak_rss_mib,
     save_workload,
-    text_prompts_of_lengths,
     trace_prompt_lengths,
     workload_flops,
 )
@@ -294,6 +293,7 @@ def main() -> None:
         raise SystemExit(f"unknown engines {unknown}; choose from {ALL_ENGINES}")
     from transformers import AutoTokenizer
 
+    from ppserve.bench.prompts import text_windows
     from ppserve.model.loader import read_hf_config, resolve_model
 
     model_dir = resolve_model(args.model)
@@ -301,9 +301,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if args.trace:
         lengths = trace_prompt_lengths(args.trace, args.num_requests, args.prefill_scale)
-        prompts = text_prompts_of_lengths(tok, lengths, args.seed)
     else:
-        prompts = build_text_prompts(tok, args.num_requests, args.min_len, args.max_len, args.seed)
+        if not 1 <= args.min_len <= args.max_len:
+            raise SystemExit(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
+        rng = random.Random(args.seed)
+        lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_requests)]
+    prompts = text_windows(tok, lengths, args.seed)
     out_path = Path(args.out)
     workload = out_path.with_name(out_path.stem + "_workload.json")
     save_workload(workload, prompts, args.output_len, str(model_dir))

@@ -1,62 +1,18 @@
-"""Shared benchmark helpers: workloads cut from real English text, model FLOPs, latency and memory figures.
+"""Shared helpers of the step-efficiency benchmark: workload files, model FLOPs, latency and memory figures.
 
-Standard library only at import time, so the vLLM runner (its own virtual environment) can use it too;
-a tokenizer is passed in by the caller.
+Standard library only, so the vLLM runner (its own virtual environment, without ppserve) can use it
+too. The prompt text comes from ppserve.bench.prompts (the one home of benchmark prompts).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-LICENCE_DIR = Path("/usr/share/common-licenses")
-# Long licences in plain English, read in this order; whichever exist are used.
-LICENCE_FILES = ("GPL-3", "GFDL-1.3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "Artistic", "GPL-2", "CC0-1.0")
-_FALLBACK = (
-    "The licenses for most software and other practical works are designed to take away your freedom to "
-    "share and change the works. By contrast, the General Public License is intended to guarantee your "
-    "freedom to share and change all versions of a program, to make sure it remains free software for all "
-    "its users. When we speak of free software, we are referring to freedom, not price. Our General Public "
-    "Licenses are designed to make sure that you have the freedom to distribute copies of free software "
-    "(and charge for them if you wish), that you receive source code or can get it if you want it. "
-)
-
-
-def english_text() -> str:
-    """Real English prose: the licence texts Debian ships, or a short built-in excerpt repeated."""
-    parts = [(LICENCE_DIR / name).read_text(errors="replace") for name in LICENCE_FILES
-             if (LICENCE_DIR / name).is_file()]
-    return "\n\n".join(parts) if parts else _FALLBACK * 200
-
-
-def build_text_prompts(tokenizer: Any, n: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
-    """`n` prompts of token ids, lengths uniform in [min_len, max_len], each a contiguous window of the text.
-
-    Windows start at random token offsets, so prompts share no common prefix by construction.
-    """
-    if not 1 <= min_len <= max_len:
-        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
-    rng = random.Random(seed)
-    return text_prompts_of_lengths(tokenizer, [rng.randint(min_len, max_len) for _ in range(n)], seed)
-
-
-def text_prompts_of_lengths(tokenizer: Any, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
-    """One prompt of exactly each length: windows of the tokenized text at seeded random offsets."""
-    ids: list[int] = list(tokenizer.encode(english_text(), add_special_tokens=False))
-    while len(ids) < max(lengths) + 1:
-        ids = ids + ids
-    rng = random.Random(seed + 1)
-    prompts = []
-    for length in lengths:
-        start = rng.randint(0, len(ids) - length)
-        prompts.append(ids[start:start + length])
-    return prompts
 
 
 def trace_prompt_lengths(path: str | Path, n: int, scale: float) -> list[int]:

@@ -357,6 +357,16 @@ def load_config(
     return result
 
 
+def add_config_arguments(parser: Any, config_help: str = "YAML config file",
+                         set_help: str = "override a config value (repeatable)", with_config: bool = True) -> None:
+    """The `--config FILE` / `--set SECTION.KEY=VALUE` pair every command line takes (argparse parser or
+    group); the values land in `args.config` and `args.overrides`, for `load_config`."""
+    if with_config:
+        parser.add_argument("--config", help=config_help)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help=set_help)
+
+
 def config_to_dict(cfg: Any) -> dict[str, Any]:
     """A plain nested dict (for logs, GetStats and benchmark JSON)."""
     out: dict[str, Any] = dataclasses.asdict(cfg)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ppserve.config import add_config_arguments
+
 SUITE_NAMES = ("compare", "capacity", "sweep", "validate")
 
 
@@ -27,7 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--dtype", default="float32")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_arguments(g, with_config=False)
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="trace:splitwise_conv.csv",
                    help="trace:<name in ../shared/traces or path> | uniform | zipf | fixed")

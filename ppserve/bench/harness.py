@@ -59,19 +59,9 @@ class EngineSpec:
     dtype: str = "float32"
     overrides: tuple[str, ...] = ()  # extra section.key=value settings
 
-    def llm_kwargs(self, policy: str, token_budget: int | None = None) -> dict[str, Any]:
-        overrides = [f"scheduler.per_microbatch_seq_cap={'true' if self.seq_cap else 'false'}", *self.overrides]
-        kw: dict[str, Any] = dict(
-            pipeline_parallel_size=self.pp, token_budget=token_budget or self.token_budget, policy=policy,
-            max_num_seqs=self.max_num_seqs, block_size=self.block_size, dtype=self.dtype,
-            max_model_len=self.max_model_len, overrides=overrides,
-        )
-        if self.num_kv_blocks is not None:
-            kw["num_kv_blocks"] = self.num_kv_blocks
-        return kw
-
-    def serve_args(self, policy: str, token_budget: int | None = None) -> list[str]:
-        """`ppserve serve --set ...` arguments for the same settings."""
+    def settings(self, policy: str, token_budget: int | None = None) -> list[str]:
+        """The engine settings as `section.key=value` overrides: the one encoding, for `LLM(overrides=...)`
+        and for `ppserve serve --set` alike."""
         sets = [
             f"parallel.pipeline_parallel_size={self.pp}",
             f"scheduler.token_budget={token_budget or self.token_budget}",
@@ -80,7 +70,6 @@ class EngineSpec:
             f"scheduler.per_microbatch_seq_cap={'true' if self.seq_cap else 'false'}",
             f"cache.block_size={self.block_size}",
             f"model.dtype={self.dtype}",
-            *self.overrides,
         ]
         if self.model:
             sets.append(f"model.model={self.model}")
@@ -88,10 +77,7 @@ class EngineSpec:
             sets.append(f"model.max_model_len={self.max_model_len}")
         if self.num_kv_blocks is not None:
             sets.append(f"cache.num_blocks={self.num_kv_blocks}")
-        out: list[str] = []
-        for s in sets:
-            out += ["--set", s]
-        return out
+        return [*sets, *self.overrides]
 
 
 @dataclass
@@ -173,7 +159,7 @@ def build_llm(spec: EngineSpec, policy: str, token_budget: int | None = None) ->
 
     if spec.pp > 1:
         ensure_ray()
-    return LLM(spec.model, **spec.llm_kwargs(policy, token_budget))
+    return LLM(spec.model, overrides=spec.settings(policy, token_budget))
 
 
 def reset_observations(engine: Any) -> None:
@@ -277,7 +263,7 @@ def replay(
         for rid in list(states):
             if rid not in finished:
                 engine.cancel(rid)
-        while engine.has_unfinished or engine.scheduler.in_flight:
+        while engine.has_unfinished:
             engine.step()
     now_ns = time.perf_counter_ns()
     spans = engine.collect_spans()
@@ -290,7 +276,7 @@ def replay(
         name=name, timings=timings, spans=spans, work_intervals=work,
         num_stages=engine.config.parallel.pipeline_parallel_size,
         num_prompt_tokens=sum(r.prompt_len for r in requests),
-        num_preemptions=engine.scheduler.num_preemptions, aborted=aborted,
+        num_preemptions=engine.stats()["num_preemptions"], aborted=aborted,
         meta={"num_submitted": nxt, "num_finished": len(finished)},
     )
 
@@ -323,7 +309,8 @@ def replay_grpc(
     from ppserve.metrics.trace import load_chrome_trace
 
     trace_path = Path(workdir) / f"{name}-server-trace.json"
-    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", *spec.serve_args(policy, token_budget),
+    sets = [arg for s in spec.settings(policy, token_budget) for arg in ("--set", s)]
+    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", *sets,
            "--set", f"trace.path={trace_path}"]
     log_path = Path(workdir) / f"{name}-server.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below, after the process ends

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["corpus_text", "english_text", "PromptBuilder"]
+__all__ = ["STEP_LICENCES", "corpus_text", "english_text", "PromptBuilder", "text_windows"]
 
 # Modules whose docstrings make the corpus: stable, prose-heavy, always importable.
 _CORPUS_MODULES = (
@@ -50,13 +50,34 @@ def corpus_text(min_chars: int = 400_000) -> str:
 LICENCE_DIR = Path("/usr/share/common-licenses")  # Debian ships these licence texts: real English prose
 
 
-def english_text() -> tuple[str, str]:
-    """(text, where it came from): the licence texts the OS ships, else standard-library docstrings."""
+# The step-efficiency workload's text: long licences in plain English, in this order (whichever exist).
+STEP_LICENCES = ("GPL-3", "GFDL-1.3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "Artistic", "GPL-2", "CC0-1.0")
+
+
+def english_text(files: Sequence[str] | None = None) -> tuple[str, str]:
+    """(text, where it came from): the licence texts the OS ships (`files` of them, in that order, or all),
+    else standard-library docstrings."""
     if LICENCE_DIR.is_dir():
-        parts = [p.read_text(errors="replace") for p in sorted(LICENCE_DIR.iterdir()) if p.is_file()]
+        paths = sorted(LICENCE_DIR.iterdir()) if files is None else [LICENCE_DIR / f for f in files]
+        parts = [p.read_text(errors="replace") for p in paths if p.is_file()]
         if sum(map(len, parts)) > 100_000:
             return "\n\n".join(parts), str(LICENCE_DIR)
     return corpus_text(), "stdlib docstrings"
+
+
+def text_windows(tokenizer: Any, lengths: Sequence[int], seed: int = 0,
+                 files: Sequence[str] | None = STEP_LICENCES) -> list[list[int]]:
+    """One prompt of exactly each length: windows of the tokenized text at seeded random offsets (the
+    step-efficiency workload: prompts share no common prefix by construction)."""
+    ids: list[int] = list(tokenizer.encode(english_text(files)[0], add_special_tokens=False))
+    while len(ids) < max(lengths) + 1:
+        ids = ids + ids
+    rng = random.Random(seed + 1)
+    prompts = []
+    for length in lengths:
+        start = rng.randint(0, len(ids) - length)
+        prompts.append(ids[start:start + length])
+    return prompts
 
 
 class PromptBuilder:

@@ -259,85 +259,123 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
     measured decode-only step (median TBT of a decode-only load on the first policy's pipeline)."""
     if on not in ("real", "sim", "both"):
         raise ValueError(f"capacity on must be real, sim or both, got {on!r}")
+    reqs0, prompts, builder = _inputs(ctx)
+    real = _RealCapacity(ctx, prompts, tbt_slo_s, tbt_factor, sched_delay_slo_s, run_slack_s)
+    results: dict[str, dict[str, Any]] = {}
+    if on in ("real", "both") or profile_path is None or tbt_slo_s is None:
+        # The real pipeline: the probes themselves, or (simulator only) one run for the profile and the SLO.
+        for policy in _bar(policies if on != "sim" else policies[:1], "capacity (real)", ctx.progress):
+            res = real.search(policy, start_rate, max_evals, rel_tol, calibrate_only=on == "sim")
+            if res is not None:
+                results[f"real/{policy}"] = res.to_dict()
+    slo = real.slo()
+    data: dict[str, Any] = {
+        "suite": "capacity", "command": command, "settings": ctx.settings(),
+        "slo": {"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
+                "decode_step_s": real.decode_step, "tbt_factor": tbt_factor if real.decode_step else None},
+        "prompt_source": builder.source, "workload": workload_stats(reqs0),
+    }
+    if on in ("sim", "both"):
+        data["sim"] = _simulated_capacity(ctx, policies, real, profile_path, sim_num_requests, start_rate,
+                                          sim_max_evals, slo, results)
+    data["results"] = results
+    data["ratios"] = _capacity_ratios(results)
+    _report_capacity(ctx, data, slo, real.decode_step, tbt_factor, command)
+    return data
+
+
+class _RealCapacity:
+    """Capacity probes on the real pipeline, one pipeline per policy; the SLO is measured on the first."""
+
+    def __init__(self, ctx: BenchContext, prompts: Sequence[list[int]], tbt_slo_s: float | None, tbt_factor: float,
+                 sched_delay_slo_s: float, run_slack_s: float) -> None:
+        self.ctx, self.prompts = ctx, prompts
+        self.tbt_slo_s, self.tbt_factor, self.sched_delay_slo_s = tbt_slo_s, tbt_factor, sched_delay_slo_s
+        self.run_slack_s = run_slack_s
+        self.decode_step: float | None = None
+        self.runs: list[RunResult] = []
+        self.num_blocks: int | None = None
+
+    def slo(self) -> SLO:
+        assert self.tbt_slo_s is not None, "no SLO: give one or measure it on a real pipeline"
+        return SLO(self.tbt_slo_s, self.sched_delay_slo_s)
+
+    def search(self, policy: str, start_rate: float, max_evals: int, rel_tol: float,
+               calibrate_only: bool = False) -> Any:
+        """The capacity of `policy` (None with `calibrate_only`: one probe at the start rate)."""
+        llm = build_llm(self.ctx.engine, policy)
+        try:
+            eng = llm.engine
+            warm_up(eng)
+            self.num_blocks = eng.executor.num_kv_blocks
+            if self.tbt_slo_s is None:
+                self.decode_step = measure_decode_step(eng)
+                self.tbt_slo_s = self.tbt_factor * self.decode_step
+                logger.info("decode step %.4f s -> TBT SLO %.4f s", self.decode_step, self.tbt_slo_s)
+            slo = self.slo()
+
+            def evaluate(rate: float) -> Probe:
+                # Poisson only moves arrivals (monotone in the row index): the k-th request keeps its
+                # length and its prompt at every rate.
+                reqs = build_workload(self.ctx.workload.with_rate(rate))
+                span = max(r.arrival_s for r in reqs)
+                run = replay(eng, reqs, self.prompts, name=f"{policy}@{rate:.3g}", progress=self.ctx.progress,
+                             max_duration_s=span + self.run_slack_s)
+                self.runs.append(run)
+                return probe_from_summary(rate, run.summary(), slo)
+
+            if calibrate_only:
+                evaluate(start_rate)
+                return None
+            res = find_capacity(evaluate, start_rate, max_evals=max_evals, rel_tol=rel_tol,
+                                on_probe=lambda p: logger.info("probe %s", p))
+            print(f"real/{policy}: capacity {res.capacity} req/s; probes "
+                  + ", ".join(f"{p.rate:.3g}:{'ok' if p.ok else 'FAIL'}" for p in res.probes))
+            return res
+        finally:
+            llm.shutdown()
+
+
+def _simulated_capacity(ctx: BenchContext, policies: Sequence[str], real: _RealCapacity, profile_path: str | None,
+                        sim_num_requests: int, start_rate: float, sim_max_evals: int, slo: SLO,
+                        results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Capacity in the simulator, over a profile fitted from the real probes (or a saved one)."""
     from ppserve.sim.cost_model import Profile, fit_profile
 
-    results: dict[str, dict[str, Any]] = {}
-    data: dict[str, Any] = {"suite": "capacity", "command": command, "settings": ctx.settings()}
-    decode_step = None
-    real_runs: list[RunResult] = []
-    num_blocks = None
-    reqs0, prompts, builder = _inputs(ctx)
-    if on in ("real", "both") or (profile_path is None) or tbt_slo_s is None:
-        for policy in _bar(policies if on != "sim" else policies[:1], "capacity (real)", ctx.progress):
-            llm = build_llm(ctx.engine, policy)
-            try:
-                eng = llm.engine
-                warm_up(eng)
-                num_blocks = eng.executor.num_kv_blocks
-                if tbt_slo_s is None:
-                    decode_step = measure_decode_step(eng)
-                    tbt_slo_s = tbt_factor * decode_step
-                    logger.info("decode step %.4f s -> TBT SLO %.4f s", decode_step, tbt_slo_s)
-                slo = SLO(tbt_slo_s, sched_delay_slo_s)
+    if profile_path:
+        profile = Profile.load(profile_path)
+        overhead = estimate_overhead_s(real.runs[0].spans) if real.runs else 0.0
+    else:
+        profile = fit_profile(_renumbered(real.runs), note="fitted from the capacity probes' spans")
+        overhead = statistics.median(estimate_overhead_s(r.spans) for r in real.runs)
+        profile.save(ctx.outdir / "profile.json")
+    sim_w = replace(ctx.workload, num_requests=sim_num_requests)
+    for policy in _bar(policies, "capacity (sim)", ctx.progress):
 
-                def evaluate(rate: float, eng: Any = eng, policy: str = policy, slo: SLO = slo) -> Probe:
-                    w = ctx.workload.with_rate(rate)
-                    # Poisson only moves arrivals (monotone in the row index): the k-th request keeps
-                    # its length and its prompt at every rate.
-                    reqs = build_workload(w)
-                    span = max(r.arrival_s for r in reqs)
-                    run = replay(eng, reqs, prompts, name=f"{policy}@{rate:.3g}", progress=ctx.progress,
-                                 max_duration_s=span + run_slack_s)
-                    real_runs.append(run)
-                    return probe_from_summary(rate, run.summary(), slo)
+        def sim_eval(rate: float, policy: str = policy) -> Probe:
+            s, _ = simulate_summary(ctx, policy, build_workload(sim_w.with_rate(rate)), profile, overhead,
+                                    real.num_blocks)
+            return probe_from_summary(rate, s, slo)
 
-                if on == "sim":
-                    # Only a calibration run for the profile (and the SLO).
-                    evaluate(start_rate)
-                    break
-                res = find_capacity(evaluate, start_rate, max_evals=max_evals, rel_tol=rel_tol,
-                                    on_probe=lambda p: logger.info("probe %s", p))
-                results[f"real/{policy}"] = res.to_dict()
-                print(f"real/{policy}: capacity {res.capacity} req/s; probes "
-                      + ", ".join(f"{p.rate:.3g}:{'ok' if p.ok else 'FAIL'}" for p in res.probes))
-            finally:
-                llm.shutdown()
-    assert tbt_slo_s is not None
-    slo = SLO(tbt_slo_s, sched_delay_slo_s)
-    data.update(slo={"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
-                     "decode_step_s": decode_step, "tbt_factor": tbt_factor if decode_step else None},
-                prompt_source=builder.source, workload=workload_stats(reqs0))
-    if on in ("sim", "both"):
-        if profile_path:
-            profile = Profile.load(profile_path)
-            overhead = 0.0
-            if real_runs:
-                overhead = estimate_overhead_s(real_runs[0].spans)
-        else:
-            spans = _renumbered(real_runs)
-            profile = fit_profile(spans, note="fitted from the capacity probes' spans")
-            overhead = statistics.median(estimate_overhead_s(r.spans) for r in real_runs)
-            profile.save(ctx.outdir / "profile.json")
-        data["sim"] = {"overhead_s": overhead, "num_requests": sim_num_requests, "profile": dataclasses.asdict(profile)}
-        sim_w = replace(ctx.workload, num_requests=sim_num_requests)
-        for policy in _bar(policies, "capacity (sim)", ctx.progress):
+        res = find_capacity(sim_eval, start_rate, max_evals=sim_max_evals, rel_tol=0.02)
+        results[f"sim/{policy}"] = res.to_dict()
+        print(f"sim/{policy}: capacity {res.capacity} req/s ({len(res.probes)} probes)")
+    return {"overhead_s": overhead, "num_requests": sim_num_requests, "profile": dataclasses.asdict(profile)}
 
-            def sim_eval(rate: float, policy: str = policy) -> Probe:
-                s, _ = simulate_summary(ctx, policy, build_workload(sim_w.with_rate(rate)), profile, overhead,
-                                        num_blocks)
-                return probe_from_summary(rate, s, slo)
 
-            res = find_capacity(sim_eval, start_rate, max_evals=sim_max_evals, rel_tol=0.02)
-            results[f"sim/{policy}"] = res.to_dict()
-            print(f"sim/{policy}: capacity {res.capacity} req/s ({len(res.probes)} probes)")
-    data["results"] = results
+def _capacity_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     ratios = {}
     for where in ("real", "sim"):
         base = results.get(f"{where}/sarathi", {}).get("capacity")
         for label, r in results.items():
             if label.startswith(where + "/") and not label.endswith("/sarathi") and base and r.get("capacity"):
                 ratios[f"{where}: sarathi / {label.split('/', 1)[1]}"] = base / r["capacity"]
-    data["ratios"] = ratios
+    return ratios
+
+
+def _report_capacity(ctx: BenchContext, data: dict[str, Any], slo: SLO, decode_step: float | None,
+                     tbt_factor: float, command: str) -> None:
+    results, ratios = data["results"], data["ratios"]
     note = (f"{ctx.scale_note()}; SLO p99 TBT <= {slo.tbt_p99_s * 1e3:.0f} ms"
             + (f" ({tbt_factor:g}x decode step {decode_step * 1e3:.0f} ms)" if decode_step else "")
             + f", median scheduling delay <= {slo.sched_delay_p50_s:g} s")
@@ -351,7 +389,6 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     print(f"results in {ctx.outdir}")
-    return data
 
 
 # ---------------------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     n = spec.num_requests
     if spec.source.startswith("trace:"):
         reqs = read_trace(_trace_path(spec.source.split(":", 1)[1]), limit=n, start=spec.start,
-                          prefill_scale=spec.prefill_scale, decode_scale=spec.decode_scale)
+                          prefill_scale=spec.prefill_scale, decode_scale=spec.decode_scale,
+                          need_arrivals=spec.arrival == "trace")
         if len(reqs) < n:
             raise ValueError(f"trace {spec.source} has only {len(reqs)} rows from row {spec.start}; asked for {n}")
     elif spec.source == "uniform":

@@ -7,12 +7,13 @@ import json
 import time
 from typing import Any
 
+from ppserve.config import add_config_arguments
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("offline", help="generate offline (no server): prompts in, text and bubble figures out")
     p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in questions)")
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_arguments(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")

@@ -9,18 +9,12 @@ import argparse
 import sys
 from typing import Any
 
+from ppserve.config import add_config_arguments
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) on a pipeline")
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    add_config_arguments(p)
     p.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default: server.port, 50051; 0 picks a free one)")
     p.add_argument(

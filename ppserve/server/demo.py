@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ppserve.config import add_config_arguments
+
 DEMO_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about pipelines.",
@@ -32,14 +34,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo", help="run a PP=2 pipeline, serve it over gRPC, stream concurrent requests, report"
     )
-    p.add_argument("--config", help="YAML config file")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests, cost-aware partition)",
+    add_config_arguments(
+        p, set_help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests, cost-aware partition)"
     )
     p.add_argument("--num-requests", type=int, default=8, help="concurrent chat requests (prompts repeat)")
     p.add_argument("--max-tokens", type=int, default=48)

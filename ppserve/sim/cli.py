@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ppserve.config import add_config_arguments
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of the pipeline with ppserve's scheduler")
-    p.add_argument("--config", help="engine YAML config (scheduler / cache / parallel sections are used)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    add_config_arguments(p, config_help="engine YAML config (scheduler / cache / parallel sections are used)")
     p.add_argument("--hardware", default="a100", help="a100 | h100 | a hardware YAML | a fitted profile .json")
     p.add_argument("--model", default="gpt3-175b", help="gpt3-175b | llama2-70b | llama3-8b | smollm2-135m | YAML")
     p.add_argument("--pp", type=int, help="pipeline stages (default: config, or the profile's stage count)")
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.workload)
     if not path.exists():
         path = default_trace_path(args.workload)
-    wl = read_trace(path, args.num_requests, args.prefill_scale, args.decode_scale)
+    wl = read_trace(path, args.num_requests, args.prefill_scale, args.decode_scale,
+                    need_arrivals=not (args.rate or args.at_once))
     if args.rate:
         wl = with_poisson_arrivals(wl, args.rate, args.seed)
     if args.at_once:

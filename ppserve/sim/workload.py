@@ -60,24 +60,31 @@ def read_trace(
     prefill_scale: float = 1.0,
     decode_scale: float = 1.0,
     start: int = 0,
+    need_arrivals: bool = True,
 ) -> list[WorkloadRequest]:
     """Rows `start .. start+limit` of a trace CSV, lengths scaled (rounded, at least 1), arrivals
-    shifted so the first selected request arrives at 0."""
+    shifted so the first selected request arrives at 0. A trace of token counts only (no `arrived_at`
+    column, like Vidur's arxiv-summarization and BWB traces) is read with every arrival at 0 when
+    `need_arrivals` is false (the caller puts synthetic arrivals on it: Poisson, at once)."""
     if prefill_scale <= 0 or decode_scale <= 0:
         raise ValueError(f"scale factors must be > 0, got prefill {prefill_scale} decode {decode_scale}")
     out: list[WorkloadRequest] = []
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        need = {"arrived_at", "num_prefill_tokens", "num_decode_tokens"}
+        need = {"num_prefill_tokens", "num_decode_tokens"}
         if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise ValueError(f"{path}: expected columns {sorted(need)}, got {reader.fieldnames}")
+            raise ValueError(f"{path}: expected columns {sorted(need)} (and arrived_at), got {reader.fieldnames}")
+        timed = "arrived_at" in reader.fieldnames
+        if need_arrivals and not timed:
+            raise ValueError(f"{path} has no arrived_at column: give the requests synthetic arrivals "
+                             "(a Poisson rate, or all at once)")
         t0: float | None = None
         for i, row in enumerate(reader):
             if i < start:
                 continue
             if limit is not None and len(out) >= limit:
                 break
-            t = float(row["arrived_at"])
+            t = float(row["arrived_at"]) if timed else 0.0
             t0 = t if t0 is None else t0
             out.append(
                 WorkloadRequest(

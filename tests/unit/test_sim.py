@@ -344,3 +344,20 @@ def test_reproduce_sarathi_paper_workload_runs_small():
     out = reproduce(num_requests=32, batch_size=4, total_tokens=512, pd_ratio=10)
     assert out["settings"]["max_num_seqs"] == 32 and "P:D 10" in out["settings"]["workload"]
     assert out["ratios"]["median_bubble_orca_over_sarathi"] > 1
+
+
+def test_a_trace_of_token_counts_only_takes_synthetic_arrivals(tmp_path):
+    """Vidur's published traces (arxiv-summarization, BWB) have only token counts: fine with Poisson or
+    at-once arrivals, refused where the trace's own arrivals are asked for."""
+    from ppserve.bench.workloads import WorkloadSpec, build_workload
+
+    path = tmp_path / "counts.csv"
+    path.write_text("num_prefill_tokens,num_decode_tokens\n100,10\n200,20\n300,30\n")
+    reqs = read_trace(path, need_arrivals=False)
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0.0, 100, 10), (0.0, 200, 20), (0.0, 300, 30)]
+    with pytest.raises(ValueError, match="no arrived_at column"):
+        read_trace(path)
+    spec = WorkloadSpec(source=f"trace:{path}", num_requests=3, rate=2.0, prefill_scale=1.0, decode_scale=1.0)
+    assert [r.prompt_len for r in build_workload(spec)] == [100, 200, 300]
+    with pytest.raises(ValueError, match="no arrived_at column"):
+        build_workload(WorkloadSpec(source=f"trace:{path}", num_requests=3, arrival="trace"))
