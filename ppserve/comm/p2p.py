@@ -37,6 +37,7 @@ class TorchP2PChannel:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
         times = torch.empty(num_stages_before, dtype=torch.float64, device=self.device)
         for work in [dist.irecv(hidden, src=self.peer), dist.irecv(times, src=self.peer)]:
+            assert work is not None  # None only for a rank outside the group, which a stage never is
             work.wait()
         if hidden.is_cuda:
             torch.cuda.current_stream(hidden.device).synchronize()  # the data is there, not just the request
