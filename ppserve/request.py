@@ -5,6 +5,7 @@ Pure Python (no torch, ray or grpc): the scheduler and the simulator use it unch
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -13,6 +14,11 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+MAX_N = 16  # sequences per request
+
+# A sampled token's log-probability and the most likely alternatives: (logprob, ((token id, logprob), ...)).
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 class RequestStatus(enum.Enum):
@@ -30,9 +36,17 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Frozen: it crosses process boundaries as is."""
+    """How to pick tokens and when to stop. Frozen: it crosses process boundaries as is.
 
-    max_tokens: int = 16
+    Penalties follow the usual definitions (applied in this order, before temperature, top-k and top-p):
+    repetition (CTRL / transformers: a logit of a token seen in the prompt or the output is divided by
+    the penalty when positive, multiplied when negative), frequency and presence (OpenAI: minus
+    count * frequency_penalty and minus presence_penalty for each token already generated); with
+    `min_tokens` the end-of-sequence and stop token ids cannot be sampled, and stop strings do not
+    end the request, before that many tokens.
+    """
+
+    max_tokens: int | None = 16  # None: as many as the context leaves after the prompt
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k
@@ -40,6 +54,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
+    n: int = 1  # sequences to generate from the prompt (each its own request: see the front doors)
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable and immutable.
@@ -49,7 +69,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the limit."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
@@ -71,10 +91,44 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, min_tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choice_params(sp: SamplingParams) -> list[SamplingParams]:
+    """The n sequences of one request as n single-sequence SamplingParams. ppserve runs each choice as
+    its own request (the prompt is prefilled once per choice: KV blocks are not shared between them);
+    with a seed, choice i samples with seed + i, so the choices differ yet each is reproducible."""
+    if sp.n == 1:
+        return [sp]
+    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -151,6 +205,8 @@ class RequestOutput:
     arrival_time: float
     first_scheduled_time: float | None
     token_times: list[float]  # engine-clock seconds at which each output token became known
+    index: int = 0  # which of the prompt's n choices (SamplingParams.n)
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when SamplingParams.logprobs is set
 
     @property
     def ttft(self) -> float | None:

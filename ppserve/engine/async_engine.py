@@ -21,13 +21,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ppserve.config import EngineConfig, config_to_dict
 from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes, TokenDelta
-from ppserve.request import FinishReason, SamplingParams
+from ppserve.request import FinishReason, SamplingParams, TokenLogprob
+from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None
     times: RequestTimes | None = None  # on the last chunk
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with token_ids, when asked for
 
     def merge(self, d: TokenDelta) -> None:
         self.token_ids.extend(d.token_ids)
+        self.logprobs.extend(d.logprobs)
         self.text += d.text
         self.token_times.extend(d.token_times)
         if d.finished:
@@ -104,6 +107,39 @@ class RequestStream:
             yield chunk
 
 
+async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """(choice index, chunk) from several streams as each has output, until every one has finished."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    waiting = {asyncio.ensure_future(st.next_chunk()): i for i, st in enumerate(streams)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=waiting.__getitem__):
+                i = waiting.pop(fut)
+                chunk = fut.result()
+                if chunk is None:
+                    continue
+                if not chunk.finished:
+                    waiting[asyncio.ensure_future(streams[i].next_chunk())] = i
+                yield i, chunk
+    finally:
+        for fut in waiting:
+            fut.cancel()
+
+
+class EngineObserver(Protocol):
+    """Told on the engine thread what happens (the metrics exporter is one); must be quick and not raise."""
+
+    def on_added(self, num_prompt_tokens: int) -> None: ...
+
+    def on_deltas(self, deltas: Sequence[TokenDelta]) -> None: ...
+
+    def on_step(self, out: SchedulerOutput, result: StepResult) -> None: ...
+
+
 class AsyncEngine:
     """Owns an Engine and its step-loop thread; every public method is for the event loop's thread."""
 
@@ -113,10 +149,14 @@ class AsyncEngine:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self.vocab_size: int = engine.arch.vocab_size
+        # Unset sampling fields take these (the model's generation_config.json) before ppserve's own.
+        self.sampling_defaults: dict[str, Any] = dict(getattr(engine, "sampling_defaults", {}))
         self.keep_all_spans = keep_all_spans or bool(self.config.trace.path)
         self.stats_window_s = stats_window_s
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._groups: dict[str, list[str]] = {}  # a request id -> its choices' stream ids
+        self.observers: list[EngineObserver] = []  # see add_observer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -138,6 +178,11 @@ class AsyncEngine:
         from ppserve.engine.core import Engine
 
         return cls(Engine(config), **kwargs)
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Tell `observer` (on the engine thread) of requests added, deltas and microbatches. Before start()."""
+        self.observers.append(observer)
+        self.engine.core.step_observers.append(observer.on_step)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -166,39 +211,58 @@ class AsyncEngine:
     async def add_request(
         self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
-        """Queue a request; raises ValueError / OverflowError / PipelineUnavailable before any streaming."""
+        """Queue a request of one sequence (n = 1); raises ValueError / OverflowError /
+        PipelineUnavailable before any streaming."""
+        if sampling.n != 1:
+            raise ValueError("add_request takes one sequence (n = 1); use add_choices for n > 1")
+        return (await self.add_choices(prompt, sampling, request_id))[0]
+
+    async def add_choices(
+        self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None = None
+    ) -> list[RequestStream]:
+        """Queue the request's n choices (all or none; see Engine.add_choices): one stream per choice.
+        Cancelling or releasing `request_id` covers every choice."""
         self._check_available()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if rid in self._streams:
+        rids = [rid] if sampling.n == 1 else [f"{rid}/{i}" for i in range(sampling.n)]
+        if rid in self._groups or any(r in self._streams for r in rids):
             raise ValueError(f"request_id {rid!r} is already in use by a request that has not finished")
-        stream = RequestStream(rid)
+        streams = [RequestStream(r) for r in rids]
         # Registered before the engine sees the request, so no delta can arrive for an unknown stream.
-        self._streams[rid] = stream
+        self._streams.update(zip(rids, streams, strict=True))
+        self._groups[rid] = rids
         fut = self._post_call(("add", prompt, sampling, rid))
         try:
-            stream.num_prompt_tokens = await fut
+            num_prompt_tokens = await fut
         except asyncio.CancelledError:
             # The caller went away while the add was queued: the add still happens, so undo it after.
             self.cancel_nowait(rid)
-            self._streams.pop(rid, None)
+            self.release(rid)
             raise
         except BaseException:
-            self._streams.pop(rid, None)
+            self.release(rid)
             raise
-        return stream
+        for st in streams:
+            st.num_prompt_tokens = num_prompt_tokens
+        return streams
 
     def cancel_nowait(self, request_id: str) -> None:
-        """Fire-and-forget cancel (safe inside a handler's cleanup: it never awaits)."""
-        self._inbox.put(("cancel", request_id, None))
+        """Fire-and-forget cancel of a request and its choices (safe inside a handler's cleanup: it
+        never awaits)."""
+        for rid in self._groups.get(request_id, [request_id]):
+            self._inbox.put(("cancel", rid, None))
 
     async def cancel(self, request_id: str) -> bool:
         # Checked first: once the engine thread has stopped, nothing would ever answer the command.
         self._check_available()
-        return bool(await self._post_call(("cancel", request_id)))
+        rids = self._groups.get(request_id, [request_id])
+        results = [await self._post_call(("cancel", rid)) for rid in rids]
+        return any(results)
 
     def release(self, request_id: str) -> None:
-        """The handler is done with this stream (finished, cancelled or disconnected)."""
-        self._streams.pop(request_id, None)
+        """The handler is done with this request's streams (finished, cancelled or disconnected)."""
+        for rid in self._groups.pop(request_id, [request_id]):
+            self._streams.pop(rid, None)
 
     async def call(self, fn: Callable[[Any], Any], timeout: float = CALL_TIMEOUT_S) -> Any:
         """Run fn(engine) on the engine thread between steps and return its result."""
@@ -267,6 +331,8 @@ class AsyncEngine:
                 # End the stream (if a client still reads it) with a cancelled finish.
                 closing = self.engine.abort(cmd[1], FinishReason.CANCELLED)
                 result = closing is not None
+                if closing is not None:
+                    self._observe([closing])
                 self._post(self._deliver, [closing or TokenDelta(cmd[1], (), "", (), True, "cancelled")])
             elif kind == "call":
                 result = cmd[1](self.engine)
@@ -283,10 +349,18 @@ class AsyncEngine:
 
     def _add(self, prompt: PromptInput, sampling: SamplingParams, rid: str) -> int:
         eng = self.engine
-        eng.add_request(prompt, sampling, request_id=rid)
-        return int(eng.request_state(rid).request.num_prompt_tokens)
+        rids = eng.add_choices(prompt, sampling, request_id=rid)
+        num_prompt_tokens = int(eng.request_state(rids[0]).request.num_prompt_tokens)
+        for obs in self.observers:
+            obs.on_added(num_prompt_tokens * len(rids))
+        return num_prompt_tokens
+
+    def _observe(self, deltas: list[TokenDelta]) -> None:
+        for obs in self.observers:
+            obs.on_deltas(deltas)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
+        self._observe(deltas)
         n = sum(len(d.token_ids) for d in deltas)
         self._finished_total += sum(d.finished for d in deltas)
         self._tokens_total += n
@@ -320,6 +394,7 @@ class AsyncEngine:
                 logger.warning("abort %s: %s", rid, e)
                 delta = None
             closing.append(delta or TokenDelta(rid, (), "", (), True, reason.value))
+        self._observe(closing)
         self._post(self._deliver, closing)
         # Commands that arrived after the last step are answered, not left hanging.
         while True:

@@ -13,6 +13,7 @@ microbatch just sent; it is finished at once (its blocks freed) and that token i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,7 +27,8 @@ from ppserve.engine.engine_core import EngineCore
 from ppserve.engine.messages import PromptInput, TokenDelta
 from ppserve.engine.output import OutputState
 from ppserve.metrics.spans import Span, WorkTracker
-from ppserve.request import FinishReason, Request, SamplingParams
+from ppserve.request import FinishReason, Request, SamplingParams, choice_params
+from ppserve.sched.output import RequestUpdate
 from ppserve.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -69,11 +71,16 @@ class Engine:
 
     # ---- construction ----------------------------------------------------------------------------
     def init_model_source(self) -> None:
-        from ppserve.model.loader import read_hf_config, resolve_model
+        from ppserve.model.loader import read_generation_defaults, read_hf_config, resolve_model
         from ppserve.model.registry import describe_model
 
         self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
-        self.arch = describe_model(read_hf_config(self.model_dir))  # parsed once, shipped to every worker
+        arch = describe_model(read_hf_config(self.model_dir))
+        # generation_config.json's end-of-sequence ids end a request too (transformers' generate stops
+        # on them), and its sampling fields are the defaults the front doors offer.
+        self.sampling_defaults, gen_eos = read_generation_defaults(self.model_dir)
+        eos = tuple(dict.fromkeys((*arch.eos_token_ids, *gen_eos)))
+        self.arch = dataclasses.replace(arch, eos_token_ids=eos)  # parsed once, shipped to every worker
         self.max_model_len = context_limit(self.config.model.max_model_len, self.arch.max_position_embeddings,
                                            self.arch.sliding_window)
 
@@ -166,6 +173,10 @@ class Engine:
         text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return text
 
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json defaults, then `overrides`."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides})
+
     def add_request(
         self,
         prompt: str | list[int] | PromptInput,
@@ -174,26 +185,53 @@ class Engine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; ValueError (bad input) or OverflowError (queue full)."""
-        sampling = sampling or SamplingParams()
-        ids = self.tokenize(prompt)
-        self.check_lengths(len(ids), sampling)
-        rid = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        req = Request(
-            request_id=rid,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_ids=self.eos_token_ids,
-        )
-        self.scheduler.add_request(req)
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
-        self.tracked[rid] = OutputState(req, detok)
-        self.work.update(True, time.perf_counter_ns())
-        return rid
+        rids = self.add_choices(prompt, sampling, request_id, arrival_time)
+        if len(rids) != 1:
+            raise AssertionError("unreachable: add_choices answers n ids")
+        return rids[0]
 
-    def check_lengths(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """ValueError naming the field and the limit when max_tokens or prompt + max_tokens is too long."""
+    def add_choices(
+        self,
+        prompt: str | list[int] | PromptInput,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """Queue `sampling.n` requests for one prompt (each its own sequence; see choice_params) and
+        return their ids: `request_id` itself when n is 1, else `request_id/i`. All or none are queued."""
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        ids = self.tokenize(prompt)
+        sampling = self.resolve_max_tokens(len(ids), sampling)
+        base = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        choices = choice_params(sampling)
+        rids = [base] if len(choices) == 1 else [f"{base}/{i}" for i in range(len(choices))]
+        arrival = self.clock() if arrival_time is None else arrival_time
+        added: list[str] = []
+        try:
+            for rid, sp in zip(rids, choices, strict=True):
+                req = Request(request_id=rid, prompt_token_ids=list(ids), sampling=sp, arrival_time=arrival,
+                              eos_token_ids=self.eos_token_ids)
+                self.scheduler.add_request(req)
+                added.append(rid)
+                detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+                self.tracked[rid] = OutputState(req, detok)
+        except Exception:
+            for rid in added:  # a queue that fills half-way through the choices takes none of them
+                self.abort(rid, FinishReason.CANCELLED)
+            raise
+        self.work.update(True, time.perf_counter_ns())
+        return rids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
+        """The request's sampling with max_tokens set: an unset one (None) is what the context leaves
+        after the prompt (within scheduler.max_tokens_limit). ValueError naming the field and the
+        limit when max_tokens, prompt + max_tokens or min_tokens is too long."""
         limit = self.config.scheduler.max_tokens_limit or self.max_model_len
+        if sampling.max_tokens is None:
+            room = max(1, min(limit, self.max_model_len - num_prompt_tokens))  # a full prompt is refused later
+            sampling = dataclasses.replace(sampling, max_tokens=room)
+        assert sampling.max_tokens is not None
         if sampling.max_tokens > limit:
             raise ValueError(f"max_tokens {sampling.max_tokens} is above the limit of {limit} "
                              "(scheduler.max_tokens_limit, or the model's context)")
@@ -202,6 +240,10 @@ class Engine:
         if num_prompt_tokens < self.max_model_len and total > self.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) is "
                              f"{total} tokens, above the model's context of {self.max_model_len} tokens")
+        if sampling.min_tokens > sampling.max_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) is above max_tokens ({sampling.max_tokens}, "
+                             "or what the context leaves after the prompt)")
+        return sampling
 
     def cancel(self, request_id: str) -> bool:
         """Cancel now: KV blocks are freed at once, no token is streamed afterwards."""
@@ -242,7 +284,7 @@ class Engine:
         if stepped is None:
             return []
         now, updates = stepped
-        return [d for u in updates if (d := self._process(u.request_id, u.new_token_ids, u.finish_reason, now))]
+        return [d for u in updates if (d := self._process(u, now))]
 
     def recover(self, cause: BaseException) -> None:
         """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
@@ -275,7 +317,8 @@ class Engine:
         logger.warning("pipeline rebuilt in %.2f s (restart %d); %d request(s) requeued for recompute",
                        elapsed, self.num_restarts, len(requeued))
 
-    def _process(self, rid: str, token_ids: tuple[int, ...], reason: FinishReason | None, now: float) -> TokenDelta | None:
+    def _process(self, u: RequestUpdate, now: float) -> TokenDelta | None:
+        rid, token_ids, reason = u.request_id, u.new_token_ids, u.finish_reason
         st = self.tracked.get(rid)
         if st is None:
             return None
@@ -284,10 +327,11 @@ class Engine:
             if reason is None:
                 self.scheduler.finish_request(rid, FinishReason.STOP)
             reason = FinishReason.STOP
+        times = (now,) * len(token_ids)
         if reason is None:
-            return TokenDelta(rid, token_ids, text, (now,) * len(token_ids), False)
+            return TokenDelta(rid, token_ids, text, times, False, logprobs=u.logprobs)
         del self.tracked[rid]
-        return TokenDelta(rid, token_ids, text, (now,) * len(token_ids), True, reason.value, st.times())
+        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=u.logprobs)
 
     def request_state(self, rid: str) -> OutputState | None:
         return self.tracked.get(rid)

@@ -45,6 +45,8 @@ class EngineCore:
         self.engine_spans: list[Span] = []  # `schedule` spans on the engine track
         # When a list: every microbatch's per-stage compute seconds are appended (calibration runs).
         self.stage_seconds_log: list[tuple[float, ...]] | None = None
+        # Told of every microbatch that came back (the metrics exporter); quick, and must not raise.
+        self.step_observers: list[Callable[[SchedulerOutput, StepResult], None]] = []
 
     def step(self) -> tuple[float, list[RequestUpdate]] | None:
         """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again.
@@ -62,6 +64,8 @@ class EngineCore:
         sched.observe_step(done, result.stage_seconds)
         if self.stage_seconds_log is not None:
             self.stage_seconds_log.append(result.stage_seconds)
+        for observe in self.step_observers:
+            observe(done, result)
         self.fill()  # the stages get their next work before the caller does any text work
         self.work.update(sched.has_unfinished, self.clock_ns())
         return now, updates

@@ -12,7 +12,7 @@ from ppserve.engine.messages import PromptInput
 from ppserve.metrics.bubbles import BubbleReport, bubble_report
 from ppserve.metrics.spans import Span
 from ppserve.metrics.trace import save_chrome_trace
-from ppserve.request import RequestOutput, SamplingParams
+from ppserve.request import RequestOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,18 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, then `overrides`."""
+        return self.engine.default_sampling_params(**overrides)
+
     def generate(
         self,
         prompts: str | list[int] | PromptInput | list[str] | list[list[int]] | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in prompt order."""
+        """Run prompts to completion; outputs come back in prompt order, a prompt's n choices
+        (SamplingParams.n) one after another with their `index`. Without sampling_params, the model's
+        generation_config.json defaults apply (default_sampling_params())."""
         if isinstance(prompts, (str, PromptInput)) or (isinstance(prompts, list) and prompts
                                                         and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -88,25 +94,31 @@ class LLM:
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(plist)} prompts")
             sps = sampling_params
         else:
-            sps = [sampling_params or SamplingParams()] * len(plist)
+            sps = [sampling_params or self.default_sampling_params()] * len(plist)
         eng = self.engine
         ids: list[str] = []
+        index: dict[str, int] = {}  # a request's place among its prompt's choices
         try:
             for p, sp in zip(plist, sps, strict=True):
-                ids.append(eng.add_request(p, sp))
+                choices = eng.add_choices(p, sp)
+                ids.extend(choices)
+                index.update((rid, i) for i, rid in enumerate(choices))
         except Exception:
             for rid in ids:  # bad input loses nothing else: withdraw what this call queued
                 eng.cancel(rid)
             raise
         states = {rid: eng.request_state(rid) for rid in ids}
-        results: dict[str, dict[str, Any]] = {rid: {"text": "", "reason": None} for rid in ids}
+        text = dict.fromkeys(ids, "")
+        reason: dict[str, str | None] = dict.fromkeys(ids)
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
         pending = set(ids)
         while pending:
             for d in eng.step():
-                if d.request_id in results:
-                    results[d.request_id]["text"] += d.text
+                if d.request_id in text:
+                    text[d.request_id] += d.text
+                    logprobs[d.request_id].extend(d.logprobs)
                     if d.finished:
-                        results[d.request_id]["reason"] = d.finish_reason
+                        reason[d.request_id] = d.finish_reason
                         pending.discard(d.request_id)
             if not eng.has_unfinished and pending:
                 raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
@@ -120,11 +132,13 @@ class LLM:
                     request_id=rid,
                     prompt_token_ids=list(req.prompt_token_ids),
                     token_ids=list(req.output_token_ids),
-                    text=results[rid]["text"],
-                    finish_reason=results[rid]["reason"],
+                    text=text[rid],
+                    finish_reason=reason[rid],
                     arrival_time=req.arrival_time,
                     first_scheduled_time=req.first_scheduled_time,
                     token_times=list(tr.token_times),
+                    index=index[rid],
+                    logprobs=logprobs[rid][: len(req.output_token_ids)] if req.sampling.logprobs is not None else None,
                 )
             )
         return outs

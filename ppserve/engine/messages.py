@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ppserve.request import TokenLogprob
+
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -56,3 +58,4 @@ class TokenDelta:
     finished: bool
     finish_reason: str | None = None
     times: RequestTimes | None = None  # on the final delta only
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs

@@ -3,6 +3,7 @@
 Text is decoded incrementally (engine/detokenizer.py). A stop string is never streamed, not even in
 part: the longest tail of the text that could still grow into a stop string is held back until the
 next token decides it, and the text is cut where a stop string begins (it is not part of the output).
+Before `min_tokens` output tokens a stop string does not end the request.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ class OutputState:
         if finished:
             self.detok.flush()
         text = self.detok.text
-        stops = self.request.sampling.stop
+        sp = self.request.sampling
+        # Before min_tokens outputs a stop string does not end the request (nor is text held back for one).
+        stops = sp.stop if len(self.request.output_token_ids) >= sp.min_tokens else ()
         end = len(text)
         hit = False
-        if stops:
+        if not stops:
+            self.searched = len(text)  # a stop string may still end in the next token's text
+        else:
             start = max(0, self.searched - max(len(s) for s in stops) + 1)
             found = [i for s in stops if (i := text.find(s, start)) >= 0]
             self.searched = len(text)

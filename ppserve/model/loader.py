@@ -123,6 +123,32 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+# generation_config.json fields that become sampling defaults, and SamplingParams' name for each.
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_defaults(model_dir: Path) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """The model's generation_config.json as (sampling defaults, end-of-sequence ids).
+
+    Defaults are the fields the file sets among temperature, top_p, top_k, repetition_penalty and
+    max_new_tokens (as max_tokens), as vLLM reads them; `do_sample: false` makes the default greedy,
+    as transformers would. A missing file gives ({}, ())."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}, ()
+    with open(path) as f:
+        cfg: dict[str, Any] = json.load(f)
+    defaults = {ours: cfg[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
+    if "top_k" in defaults and defaults["top_k"] <= 0:
+        defaults["top_k"] = -1  # transformers' "disabled" is 0, ours is -1
+    if cfg.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return defaults, eos_ids
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ppserve.request import FinishReason, SamplingParams
+from ppserve.request import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the pipeline returns for one microbatch: sampled tokens by request id, and each stage's compute
-    seconds for it (the slowest TP rank of the stage; empty when the executor cannot tell)."""
+    """What the pipeline returns for one microbatch: sampled tokens by request id, their log-probabilities
+    for the requests that asked, and each stage's compute seconds for it (the slowest TP rank of the
+    stage; empty when the executor cannot tell)."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     stage_seconds: tuple[float, ...] = ()
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 class RequestUpdate(NamedTuple):
@@ -80,3 +82,4 @@ class RequestUpdate(NamedTuple):
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # aligned with new_token_ids, when the request asked

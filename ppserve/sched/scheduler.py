@@ -74,7 +74,8 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------------
     def max_total_tokens(self, req: Request) -> int:
-        return min(req.num_prompt_tokens + req.sampling.max_tokens, self.max_model_len)
+        """Prompt plus the most output tokens it may get (max_tokens None: the context's limit)."""
+        return min(req.num_prompt_tokens + (req.sampling.max_tokens or self.max_model_len), self.max_model_len)
 
     def add_request(self, req: Request) -> None:
         """Queue a request; ValueError if it can never run (too long for the context or the KV cache)."""
@@ -331,11 +332,12 @@ class Scheduler:
             reason = None
             if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
                 reason = FinishReason.STOP
-            elif len(outputs) >= sp.max_tokens or len(req.prompt_token_ids) + len(outputs) >= max_len:
+            elif len(outputs) >= (sp.max_tokens or max_len) or len(req.prompt_token_ids) + len(outputs) >= max_len:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
-            updates.append(RequestUpdate(rid, (token,), reason is not None, reason))
+            lp = result.logprobs.get(rid)
+            updates.append(RequestUpdate(rid, (token,), reason is not None, reason, () if lp is None else (lp,)))
         return updates
 
     @property

@@ -34,6 +34,9 @@ class Chunk:
     token_times: list[float]  # server Unix seconds, one per new token
     finish_reason: str | None  # set on the last chunk: stop | length | cancelled | error
     metrics: dict[str, float] | None  # queue_time_s, ttft_s, mean_tbt_s, e2e_s on the last chunk
+    index: int = 0  # which choice (sampling n > 1)
+    # One per new token when sampling.logprobs was set: {"token_id", "logprob", "top": [(id, logprob), ...]}
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
@@ -51,15 +54,24 @@ class Completion:
     finish_reason: str | None = None
     metrics: dict[str, float] | None = None
     num_prompt_tokens: int = 0
+    index: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, c: Chunk) -> None:
-        self.request_id = c.request_id
+        self.request_id, self.index = c.request_id, c.index
         self.text += c.text
         self.token_ids.extend(c.token_ids)
+        self.logprobs.extend(c.logprobs)
         self.token_times.extend(c.token_times)
         self.num_prompt_tokens = c.num_prompt_tokens
         if c.finish_reason is not None:
             self.finish_reason, self.metrics = c.finish_reason, c.metrics
+
+
+def _single(choices: list[Completion]) -> Completion:
+    if len(choices) != 1:
+        raise ValueError(f"the request produced {len(choices)} choices (sampling n > 1): use generate_choices")
+    return choices[0]
 
 
 def _request(
@@ -148,10 +160,15 @@ class PPServeClient:
         return ChunkStream(self.stub.Generate(req, timeout=timeout, metadata=self.metadata))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
-        out = Completion()
+        """One whole completion (n = 1; see generate_choices)."""
+        return _single(self.generate_choices(prompt, **kwargs))
+
+    def generate_choices(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> list[Completion]:
+        """Every choice of a request (sampling n), assembled, in index order."""
+        out: dict[int, Completion] = {}
         for c in self.stream(prompt, **kwargs):
-            out.add(c)
-        return out
+            out.setdefault(c.index, Completion()).add(c)
+        return [out[i] for i in sorted(out)]
 
     def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
         resp = self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
@@ -224,10 +241,15 @@ class AsyncPPServeClient:
             call.cancel()  # a no-op when the stream already ended
 
     async def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
-        out = Completion()
+        """One whole completion (n = 1; see generate_choices)."""
+        return _single(await self.generate_choices(prompt, **kwargs))
+
+    async def generate_choices(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> list[Completion]:
+        """Every choice of a request (sampling n), assembled, in index order."""
+        out: dict[int, Completion] = {}
         async for c in self.stream(prompt, **kwargs):
-            out.add(c)
-        return out
+            out.setdefault(c.index, Completion()).add(c)
+        return [out[i] for i in sorted(out)]
 
     async def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
         resp = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)

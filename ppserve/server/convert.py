@@ -15,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ppserve.engine.messages import CHAT_ROLES, PipelineUnavailable, PromptInput, RequestTimes
-from ppserve.request import SamplingParams
+from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.gen import ppserve_pb2 as pb
 
 __all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
@@ -35,31 +35,39 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Build SamplingParams; unset optional fields keep ppserve's defaults. ValueError names the field."""
-    kwargs: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty", "min_tokens", "logprobs", "n")
+
+
+def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Build SamplingParams; unset optional fields take `defaults` (the model's generation_config.json),
+    then ppserve's. ValueError names the field."""
+    kwargs: dict[str, Any] = dict(defaults or {})
+    for name in _OPTIONAL_SAMPLING:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(int(t) for t in msg.stop_token_ids)
     kwargs["ignore_eos"] = bool(msg.ignore_eos)
-    return SamplingParams(**kwargs)
+    sp = SamplingParams(**kwargs)
+    sp.validate()
+    return sp
 
 
 def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        max_tokens=sp.max_tokens,
-        stop=list(sp.stop),
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-    )
-    if sp.seed is not None:
-        msg.seed = sp.seed
+    msg = pb.SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+    for name in _OPTIONAL_SAMPLING:
+        value = getattr(sp, name)
+        if value is not None:
+            setattr(msg, name, value)
     return msg
+
+
+def logprobs_to_proto(logprobs: Sequence[TokenLogprob], token_ids: Sequence[int]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+        for t, (lp, top) in zip(token_ids, logprobs, strict=True)
+    ]
 
 
 # ---- prompts -------------------------------------------------------------------------------------
@@ -310,6 +318,11 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> dict[str, Any]:
         "token_times": list(msg.token_times),
         "finish_reason": reason,
         "metrics": None,
+        "index": msg.index,
+        "logprobs": [
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [(t.token_id, t.logprob) for t in lp.top]}
+            for lp in msg.logprobs
+        ],
     }
     if reason is not None:
         out["metrics"] = {f.name: getattr(msg.metrics, f.name) for f in msg.metrics.DESCRIPTOR.fields}

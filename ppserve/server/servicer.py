@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ppserve.engine.async_engine import AsyncEngine, StreamChunk
+from ppserve.engine.async_engine import AsyncEngine, StreamChunk, merge_choices
 from ppserve.server import convert
 from ppserve.server.gen import ppserve_pb2 as pb
 from ppserve.server.gen import ppserve_pb2_grpc as pb_grpc
@@ -28,32 +28,33 @@ class PPServeServicer(pb_grpc.PPServeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
             prompt = convert.prompt_from_proto(request, self.engine.vocab_size)
-            sampling = convert.sampling_from_proto(request.sampling)
+            sampling = convert.sampling_from_proto(request.sampling, self.engine.sampling_defaults)
             rid = convert.request_id_from_proto(request) or f"req-{uuid.uuid4().hex[:16]}"
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            stream = await self.engine.add_request(prompt, sampling, rid)
+            streams = await self.engine.add_choices(prompt, sampling, rid)
         except (ValueError, OverflowError, convert.PipelineUnavailable) as e:
             code, message = convert.error_to_status(e)
             await context.abort(code, message)
         offset = self.engine.engine_to_unix
-        finished = False
+        num_prompt_tokens = streams[0].num_prompt_tokens
+        unfinished = len(streams)
         try:
-            async for chunk in stream:
-                finished = chunk.finished
-                if finished and chunk.finish_reason == "error" and self.engine.failure is not None:
+            async for index, chunk in merge_choices(streams):
+                unfinished -= chunk.finished
+                if chunk.finished and chunk.finish_reason == "error" and self.engine.failure is not None:
                     # The pipeline died and could not be rebuilt: retrying later may succeed.
                     if chunk.token_ids:
                         chunk.finished, chunk.finish_reason, chunk.times = False, None, None
-                        yield _response(chunk, stream.num_prompt_tokens, offset)
+                        yield _response(rid, index, chunk, num_prompt_tokens, offset)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline failed: {self.engine.failure}")
-                yield _response(chunk, stream.num_prompt_tokens, offset)
+                yield _response(rid, index, chunk, num_prompt_tokens, offset)
         finally:
             # Runs on every exit: normal end, client cancel / deadline (grpc.aio raises CancelledError
             # here, which propagates untouched), or server shutdown. Never awaits, so it cannot be
             # interrupted half way.
-            if not finished:
+            if unfinished:
                 self.engine.cancel_nowait(rid)
             self.engine.release(rid)
 
@@ -76,15 +77,18 @@ class PPServeServicer(pb_grpc.PPServeServicer):
         return convert.stats_to_proto(stats)
 
 
-def _response(chunk: StreamChunk, num_prompt_tokens: int, engine_to_unix: float) -> pb.GenerateResponse:
+def _response(request_id: str, index: int, chunk: StreamChunk, num_prompt_tokens: int,
+              engine_to_unix: float) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
-        request_id=chunk.request_id,
+        request_id=request_id,
+        index=index,
         token_ids=chunk.token_ids,
         text=chunk.text,
         num_prompt_tokens=num_prompt_tokens,
         num_output_tokens=chunk.num_output_tokens,
         token_times=convert.to_unix_times(chunk.token_times, engine_to_unix),
         finish_reason=convert.finish_reason_to_proto(chunk.finish_reason if chunk.finished else None),
+        logprobs=convert.logprobs_to_proto(chunk.logprobs, chunk.token_ids) if chunk.logprobs else [],
     )
     if chunk.finished and chunk.times is not None:
         msg.metrics.CopyFrom(convert.request_metrics_to_proto(chunk.times))

@@ -16,6 +16,7 @@ SchedulerOutputs from the engine's authenticated connection and writing back the
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import pickle
@@ -136,7 +137,7 @@ class StageActor:
         seconds = worker.slowest_rank(seconds)
         if self.spec.tp_rank != 0:
             return None
-        return StepResult(out.step_id, result.sampled_token_ids, seconds)
+        return dataclasses.replace(result, stage_seconds=seconds)
 
     def execute_chained(self, out: SchedulerOutput, upstream: int | None = None) -> int | StepResult | None:
         """`execute` as a compiled-graph node: a non-last stage returns the step id for the next stage."""

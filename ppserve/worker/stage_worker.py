@@ -25,6 +25,7 @@ from ppserve.model.ops.settings import KernelSettings
 from ppserve.model.ops.settings import configure as configure_kernels
 from ppserve.model.parallel import TPContext
 from ppserve.model.registry import build_stage_model
+from ppserve.request import TokenLogprob
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.input_batch import InputBatch
@@ -215,12 +216,17 @@ class StageWorker:
         if not self.model.is_last:
             return hidden, None
         sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
         if inp.sample_request_ids:
             logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
-            output_idx = [len(st.token_ids) - st.num_prompt_tokens for st in inp.sample_states]
-            tokens = sample(logits, [st.sampling for st in inp.sample_states], output_idx)
+            states = inp.sample_states
+            tokens, lps = sample(logits, [st.sampling for st in states],
+                                 [len(st.token_ids) - st.num_prompt_tokens for st in states],
+                                 histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
+                                 stop_ids=self.arch.eos_token_ids)
             sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
-        return None, StepResult(out.step_id, sampled)
+            logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True) if lp is not None}
+        return None, StepResult(out.step_id, sampled, logprobs=logprobs)
 
     def slowest_rank(self, stage_seconds: tuple[float, ...]) -> tuple[float, ...]:
         """Each stage's time as its slowest TP rank's (the stage waits for all of them): a max all-reduce

@@ -33,9 +33,9 @@ def test_top_k_one_is_greedy(llm):
 def test_sampler_top_p_and_top_k_masks():
     logits = torch.tensor([[0.0, 5.0, 4.9, -3.0]])
     for seed in range(20):
-        t = sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=seed)], [0])[0]
+        t = sample(logits, [SamplingParams(temperature=1.0, top_k=2, seed=seed)], [0])[0][0]
         assert t in (1, 2)
-        t = sample(logits, [SamplingParams(temperature=1.0, top_p=0.3, seed=seed)], [0])[0]
+        t = sample(logits, [SamplingParams(temperature=1.0, top_p=0.3, seed=seed)], [0])[0][0]
         assert t == 1  # the top token alone carries more than 30 % of the mass
 
 
@@ -65,3 +65,138 @@ def test_stop_strings_and_detokenization(default_model_dir):
         # Multibyte characters are never split across streamed pieces.
         emoji = llm.generate(["Répète: ça va, 東京 🚀 ok"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
         assert "\ufffd" not in emoji.text
+
+
+# ---- penalties, min_tokens, logprobs --------------------------------------------------------------
+def _history(prompt, outputs):
+    return prompt + outputs, len(prompt)
+
+
+def test_repetition_penalty_matches_transformers_processor():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from ppserve.worker.sampler import process_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(50) * 3
+    prompt, outputs = [3, 7, 7, 11], [7, 20, 3, 42]
+    for penalty in (0.7, 1.3, 2.0):
+        ours = process_logits(logits, SamplingParams(repetition_penalty=penalty), *_history(prompt, outputs), ())
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + outputs]), logits[None].clone())[0]
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_min_tokens_matches_transformers_processor():
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    from ppserve.worker.sampler import process_logits
+
+    logits = torch.randn(50)
+    prompt, eos = [1, 2, 3], [2, 9]
+    sp = SamplingParams(min_tokens=3)
+    for outputs in ([], [4], [4, 5], [4, 5, 6]):
+        ids = torch.tensor([prompt + outputs])
+        theirs = MinNewTokensLengthLogitsProcessor(len(prompt), 3, eos)(ids, logits[None].clone())[0]
+        ours = process_logits(logits, sp, *_history(prompt, outputs), eos)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    # A request's own stop ids are kept out too (the sampler adds them to the model's eos ids).
+    tokens, _ = sample(torch.zeros(1, 10) + torch.arange(10.0), [SamplingParams(min_tokens=2, stop_token_ids=[9])],
+                       [0], histories=[_history([1], [])], stop_ids=[8])
+    assert tokens == [7]
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula():
+    from ppserve.worker.sampler import process_logits
+
+    logits = torch.zeros(10)
+    prompt, outputs = [5, 5, 5], [1, 1, 2]  # the prompt does not count for these two
+    out = process_logits(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                         *_history(prompt, outputs), ())
+    expected = torch.zeros(10)
+    expected[1] = -(2 * 0.25 + 0.5)
+    expected[2] = -(1 * 0.25 + 0.5)
+    torch.testing.assert_close(out, expected)
+
+
+def test_logprobs_are_the_raw_distribution():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    params = [SamplingParams(logprobs=2, repetition_penalty=3.0), SamplingParams()]
+    tokens, lps = sample(logits, params, [0, 0], histories=[_history([1], []), _history([0], [])])
+    ref = torch.log_softmax(logits[0], -1)
+    assert lps[1] is None and tokens == [2, 0]  # the penalty moved row 0's argmax from 1 to 2
+    lp, top = lps[0]
+    assert lp == pytest.approx(ref[2].item())  # log-probabilities of the model, before the penalty
+    assert [t for t, _ in top] == [1, 2] and top[0][1] == pytest.approx(ref[1].item())
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_penalties_and_min_tokens_equal_transformers_generate(tiny_llama_dir, pp):
+    """Greedy float32 with repetition_penalty and min_tokens: token for token transformers' generate."""
+    from tests.oracle import _hf
+
+    model = _hf(str(tiny_llama_dir))
+    prompts = [[5, 6, 7, 5, 6], [9, 9, 9, 2]]
+    with LLM(str(tiny_llama_dir), dtype="float32", token_budget=16, block_size=4, num_kv_blocks=128,
+             pipeline_parallel_size=pp, executor="inproc") as llm:
+        plain = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, repetition_penalty=1.8, ignore_eos=True))
+        # min_tokens: the greedy first token is made an end-of-sequence id, and may not end the request early.
+        stop = plain[0].token_ids[0]
+        held = llm.generate(prompts[:1], SamplingParams(max_tokens=12, min_tokens=4, stop_token_ids=[stop],
+                                                        ignore_eos=True))[0]
+    with torch.inference_mode():
+        for p, o in zip(prompts, outs, strict=True):
+            g = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.8,
+                               pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+            assert o.token_ids == g[0, len(p):].tolist()
+        assert outs[0].token_ids != plain[0].token_ids  # the penalty changed something
+        g = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False, min_new_tokens=4,
+                           eos_token_id=[stop], pad_token_id=0,
+                           attention_mask=torch.ones(1, len(prompts[0]), dtype=torch.long))
+        expected = g[0, len(prompts[0]):].tolist()
+        expected = expected[: expected.index(stop) + 1] if stop in expected else expected
+        assert held.token_ids == expected and len(held.token_ids) >= 4
+
+
+def test_logprobs_and_n_through_the_engine(llm):
+    sp = SamplingParams(max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [1, 2]], sp)
+    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1  # the choices differ (seeds 7, 8, 9)
+    again = llm.generate([[5, 6, 7], [1, 2]], sp)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # and each is reproducible
+    for o in outs:
+        assert o.logprobs is not None and len(o.logprobs) == len(o.token_ids)
+        for lp, top in o.logprobs:
+            assert len(top) == 2 and 0 >= top[0][1] >= top[1][1]
+            assert lp <= top[0][1] + 1e-6  # no token is likelier than the most likely one
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, min_tokens=5))
+
+
+def test_generation_config_supplies_defaults_and_eos(tiny_llama_dir, tmp_path):
+    """generation_config.json: its sampling fields are the defaults when a caller sets none, and its
+    end-of-sequence ids end a request like the config's."""
+    import json
+    import shutil
+
+    from ppserve.model.loader import read_generation_defaults
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    with LLM(str(model), dtype="float32", token_budget=16, block_size=4, num_kv_blocks=64) as llm:
+        greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    stop = greedy[2]
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": False, "temperature": 0.6, "top_k": 0, "max_new_tokens": 5, "repetition_penalty": 1.0,
+         "eos_token_id": [stop]}))
+    defaults, eos = read_generation_defaults(model)
+    assert defaults == {"temperature": 0.0, "top_k": -1, "max_tokens": 5, "repetition_penalty": 1.0}
+    assert eos == (stop,)
+    with LLM(str(model), dtype="float32", token_budget=16, block_size=4, num_kv_blocks=64) as llm:
+        assert stop in llm.engine.eos_token_ids
+        assert llm.default_sampling_params() == SamplingParams(**defaults)
+        out = llm.generate([[5, 6, 7]])[0]  # no SamplingParams: the model's defaults
+        assert out.token_ids == greedy[: greedy.index(stop) + 1] and out.finish_reason == "stop"
+        longer = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+        assert longer.token_ids == greedy and longer.finish_reason == "length"

@@ -8,11 +8,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes, TokenDelta
+from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes
 from ppserve.request import SamplingParams
 from ppserve.server import convert
 from ppserve.server.codegen import GEN_DIR, OUTPUTS, generate
 from ppserve.server.gen import ppserve_pb2 as pb
+from tests.fake_engine import FakeEngine
 
 
 def test_sampling_round_trip() -> None:
@@ -177,93 +178,6 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
 
 
 # ---- the servicer and AsyncEngine over a fake engine (no model, no Ray) ------------------------------
-class FakeEngine:
-    """Just enough of Engine for AsyncEngine: one token per request per step, a bounded queue."""
-
-    def __init__(self, max_waiting: int = 2) -> None:
-        import time
-        from types import SimpleNamespace
-
-        from ppserve.config import EngineConfig, SchedulerConfig
-        from ppserve.metrics.spans import WorkTracker
-
-        self.config = EngineConfig(scheduler=SchedulerConfig(max_waiting=max_waiting))
-        self.arch = SimpleNamespace(vocab_size=100)
-        self.tokenizer = None
-        self.max_model_len = 64
-        self.clock = time.perf_counter
-        self.work = WorkTracker()
-        self.executor = SimpleNamespace(
-            describe=lambda: [{"stage": 0, "tp_rank": 0, "layers": [0, 2], "pid": 1}]
-        )
-        self.paused = False
-        self.left: dict[str, int] = {}
-        self.states: dict[str, object] = {}
-
-    def add_request(self, prompt, sampling, request_id):  # type: ignore[no-untyped-def]
-        from types import SimpleNamespace
-
-        if len(self.left) >= self.config.scheduler.max_waiting:
-            raise OverflowError(f"the waiting queue is full ({self.config.scheduler.max_waiting} requests)")
-        self.left[request_id] = sampling.max_tokens
-        req = SimpleNamespace(
-            num_prompt_tokens=len(prompt.token_ids), arrival_time=self.clock(), first_scheduled_time=None
-        )
-        self.states[request_id] = SimpleNamespace(request=req, token_times=[])
-        return request_id
-
-    def request_state(self, rid):  # type: ignore[no-untyped-def]
-        return self.states.get(rid)
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.left) and not self.paused
-
-    def step(self):  # type: ignore[no-untyped-def]
-        import time
-
-        time.sleep(0.002)
-        now, out = self.clock(), []
-        for rid in list(self.left):
-            self.left[rid] -= 1
-            st = self.states[rid]
-            st.token_times.append(now)
-            done = self.left[rid] == 0
-            times = self._times(rid) if done else None
-            out.append(TokenDelta(rid, (7,), "a", (now,), done, "length" if done else None, times))
-            if done:
-                del self.left[rid]
-        return out
-
-    def _times(self, rid):  # type: ignore[no-untyped-def]
-        st = self.states[rid]
-        return RequestTimes(st.request.arrival_time, st.request.first_scheduled_time, list(st.token_times))
-
-    def abort(self, rid, reason):  # type: ignore[no-untyped-def]
-        if self.left.pop(rid, None) is None:
-            return None
-        return TokenDelta(rid, (), "", (), True, reason.value, self._times(rid))
-
-    def unfinished_ids(self) -> list[str]:
-        return list(self.left)
-
-    def stats(self) -> dict:
-        return {
-            "running": len(self.left),
-            "waiting": 0,
-            "in_flight": 0,
-            "kv_blocks_used": 0,
-            "kv_blocks_total": 8,
-            "num_preemptions": 0,
-        }
-
-    def collect_spans(self) -> list:
-        return []
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _with_server(fake: FakeEngine, body):  # type: ignore[no-untyped-def]
     import asyncio
 

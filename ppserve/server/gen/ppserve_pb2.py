@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ppserve/v1/ppserve.proto\x12\nppserve.v1\"\xf4\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.ppserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.ppserve.v1.SamplingParams\"Y\n\x0eRequestMetrics\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x12\n\nmean_tbt_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x13\n\x0btoken_times\x18\x06 \x03(\x01\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.ppserve.v1.FinishReason\x12+\n\x07metrics\x18\x08 \x01(\x0b\x32\x1a.ppserve.v1.RequestMetrics\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x7f\n\x06Worker\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x03\"j\n\x0cStageBubbles\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x1b\n\x13starvation_fraction\x18\x04 \x01(\x01\"\xed\x01\n\rServingConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x14\n\x0ctoken_budget\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\n \x01(\t\"\xe3\x03\n\x05Stats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x1e\n\x16in_flight_microbatches\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08window_s\x18\x07 \x01(\x01\x12(\n\x06stages\x18\x08 \x03(\x0b\x32\x18.ppserve.v1.StageBubbles\x12\x1c\n\x14mean_bubble_fraction\x18\t \x01(\x01\x12#\n\x07workers\x18\n \x03(\x0b\x32\x12.ppserve.v1.Worker\x12)\n\x06\x63onfig\x18\x0b \x01(\x0b\x32\x19.ppserve.v1.ServingConfig\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x19\n\x11requests_finished\x18\r \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0e \x01(\x04\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\x14\n\x0cnum_restarts\x18\x10 \x01(\r\x12\x17\n\x0flast_recovery_s\x18\x11 \x01(\x01\x12\x18\n\x10total_recovery_s\x18\x12 \x01(\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcc\x01\n\x07PPServe\x12G\n\x08Generate\x12\x1b.ppserve.v1.GenerateRequest\x1a\x1c.ppserve.v1.GenerateResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.ppserve.v1.CancelRequest\x1a\x1a.ppserve.v1.CancelResponse\x12\x37\n\x08GetStats\x12\x18.ppserve.v1.StatsRequest\x1a\x11.ppserve.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18ppserve/v1/ppserve.proto\x12\nppserve.v1\"\xf8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.ppserve.v1.ChatMessage\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.ppserve.v1.SamplingParams\"Y\n\x0eRequestMetrics\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x12\n\nmean_tbt_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"\xab\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x13\n\x0btoken_times\x18\x06 \x03(\x01\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.ppserve.v1.FinishReason\x12+\n\x07metrics\x18\x08 \x01(\x0b\x32\x1a.ppserve.v1.RequestMetrics\x12*\n\x08logprobs\x18\t \x03(\x0b\x32\x18.ppserve.v1.TokenLogprob\x12\r\n\x05index\x18\n \x01(\r\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.ppserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x7f\n\x06Worker\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x0f\n\x07node_ip\x18\x05 \x01(\t\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x0b\n\x03pid\x18\x07 \x01(\x03\"j\n\x0cStageBubbles\x12\r\n\x05stage\x18\x01 \x01(\r\x12\x15\n\rbusy_fraction\x18\x02 \x01(\x01\x12\x17\n\x0f\x62ubble_fraction\x18\x03 \x01(\x01\x12\x1b\n\x13starvation_fraction\x18\x04 \x01(\x01\"\xed\x01\n\rServingConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1e\n\x16pipeline_parallel_size\x18\x02 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x14\n\x0ctoken_budget\x18\x05 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x06 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\n \x01(\t\"\xe3\x03\n\x05Stats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x1e\n\x16in_flight_microbatches\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x14\n\x0ctokens_per_s\x18\x06 \x01(\x01\x12\x10\n\x08window_s\x18\x07 \x01(\x01\x12(\n\x06stages\x18\x08 \x03(\x0b\x32\x18.ppserve.v1.StageBubbles\x12\x1c\n\x14mean_bubble_fraction\x18\t \x01(\x01\x12#\n\x07workers\x18\n \x03(\x0b\x32\x12.ppserve.v1.Worker\x12)\n\x06\x63onfig\x18\x0b \x01(\x0b\x32\x19.ppserve.v1.ServingConfig\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x19\n\x11requests_finished\x18\r \x01(\x04\x12\x18\n\x10tokens_generated\x18\x0e \x01(\x04\x12\x10\n\x08uptime_s\x18\x0f \x01(\x01\x12\x14\n\x0cnum_restarts\x18\x10 \x01(\r\x12\x17\n\x0flast_recovery_s\x18\x11 \x01(\x01\x12\x18\n\x10total_recovery_s\x18\x12 \x01(\x01*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xcc\x01\n\x07PPServe\x12G\n\x08Generate\x12\x1b.ppserve.v1.GenerateRequest\x1a\x1c.ppserve.v1.GenerateResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.ppserve.v1.CancelRequest\x1a\x1a.ppserve.v1.CancelResponse\x12\x37\n\x08GetStats\x12\x18.ppserve.v1.StatsRequest\x1a\x11.ppserve.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ppserve.v1.ppserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1892
-  _globals['_FINISHREASON']._serialized_end=2041
+  _globals['_FINISHREASON']._serialized_start=2348
+  _globals['_FINISHREASON']._serialized_end=2497
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=285
-  _globals['_CHATMESSAGE']._serialized_start=287
-  _globals['_CHATMESSAGE']._serialized_end=331
-  _globals['_GENERATEREQUEST']._serialized_start=334
-  _globals['_GENERATEREQUEST']._serialized_end=502
-  _globals['_REQUESTMETRICS']._serialized_start=504
-  _globals['_REQUESTMETRICS']._serialized_end=593
-  _globals['_GENERATERESPONSE']._serialized_start=596
-  _globals['_GENERATERESPONSE']._serialized_end=836
-  _globals['_CANCELREQUEST']._serialized_start=838
-  _globals['_CANCELREQUEST']._serialized_end=873
-  _globals['_CANCELRESPONSE']._serialized_start=875
-  _globals['_CANCELRESPONSE']._serialized_end=910
-  _globals['_STATSREQUEST']._serialized_start=912
-  _globals['_STATSREQUEST']._serialized_end=926
-  _globals['_WORKER']._serialized_start=928
-  _globals['_WORKER']._serialized_end=1055
-  _globals['_STAGEBUBBLES']._serialized_start=1057
-  _globals['_STAGEBUBBLES']._serialized_end=1163
-  _globals['_SERVINGCONFIG']._serialized_start=1166
-  _globals['_SERVINGCONFIG']._serialized_end=1403
-  _globals['_STATS']._serialized_start=1406
-  _globals['_STATS']._serialized_end=1889
-  _globals['_PPSERVE']._serialized_start=2044
-  _globals['_PPSERVE']._serialized_end=2248
+  _globals['_SAMPLINGPARAMS']._serialized_end=545
+  _globals['_CHATMESSAGE']._serialized_start=547
+  _globals['_CHATMESSAGE']._serialized_end=591
+  _globals['_GENERATEREQUEST']._serialized_start=594
+  _globals['_GENERATEREQUEST']._serialized_end=762
+  _globals['_REQUESTMETRICS']._serialized_start=764
+  _globals['_REQUESTMETRICS']._serialized_end=853
+  _globals['_GENERATERESPONSE']._serialized_start=856
+  _globals['_GENERATERESPONSE']._serialized_end=1155
+  _globals['_TOKENLOGPROB']._serialized_start=1157
+  _globals['_TOKENLOGPROB']._serialized_end=1243
+  _globals['_TOPLOGPROB']._serialized_start=1245
+  _globals['_TOPLOGPROB']._serialized_end=1292
+  _globals['_CANCELREQUEST']._serialized_start=1294
+  _globals['_CANCELREQUEST']._serialized_end=1329
+  _globals['_CANCELRESPONSE']._serialized_start=1331
+  _globals['_CANCELRESPONSE']._serialized_end=1366
+  _globals['_STATSREQUEST']._serialized_start=1368
+  _globals['_STATSREQUEST']._serialized_end=1382
+  _globals['_WORKER']._serialized_start=1384
+  _globals['_WORKER']._serialized_end=1511
+  _globals['_STAGEBUBBLES']._serialized_start=1513
+  _globals['_STAGEBUBBLES']._serialized_end=1619
+  _globals['_SERVINGCONFIG']._serialized_start=1622
+  _globals['_SERVINGCONFIG']._serialized_end=1859
+  _globals['_STATS']._serialized_start=1862
+  _globals['_STATS']._serialized_end=2345
+  _globals['_PPSERVE']._serialized_start=2500
+  _globals['_PPSERVE']._serialized_end=2704
 # @@protoc_insertion_point(module_scope)
