@@ -47,8 +47,9 @@ __all__ = [
     "CONFIG_DIR",
 ]
 
-# configs/ at the repository root (the tables are data, not code).
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The tables are data, not code: shipped in the package as ppserve/configs (the checkout's top-level
+# configs/ is a link to it), so an installed wheel finds them the same way.
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 # ---------------------------------------------------------------------------------------------
