@@ -190,7 +190,7 @@ async def run_soak(address: str, server_pid: int | None, requests: int = 2000, c
 def launch_server(model: str, pp: int, overrides: list[str], log_path: Path,
                   timeout_s: float = 300.0) -> tuple[subprocess.Popen[str], str]:
     """Start `ppserve serve --port 0` in its own session; returns the process and its address."""
-    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", "--set", f"model.model={model}",
+    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", "--http-port", "-1", "--set", f"model.model={model}",
            "--set", f"parallel.pipeline_parallel_size={pp}"]
     for o in overrides:
         cmd += ["--set", o]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Serve the ppserve gRPC API on an existing Ray cluster (run on the head node).
+# Serve the ppserve gRPC API and the OpenAI-compatible HTTP API (with /metrics) on an existing Ray
+# cluster (run on the head node).
 #
 #   PP=2 STAGE_RESOURCES=stage0,stage1 launch/serve.sh [--config configs/x.yaml] [--set k=v ...]
 #
@@ -12,11 +13,12 @@ source "$here/common.sh"
 
 HOST="${HOST:-127.0.0.1}"
 PORT="${PORT:-50051}"
+HTTP_PORT="${HTTP_PORT:-8000}"  # -1 turns the HTTP API off
 PP="${PP:-2}"
 TP="${TP:-1}"
 RAY_ADDRESS="${RAY_ADDRESS:-auto}"
 
-args=(--host "$HOST" --port "$PORT" --ray-address "$RAY_ADDRESS"
+args=(--host "$HOST" --port "$PORT" --http-port "$HTTP_PORT" --ray-address "$RAY_ADDRESS"
       --set "parallel.pipeline_parallel_size=$PP" --set "parallel.tensor_parallel_size=$TP")
 if [ -n "${STAGE_RESOURCES:-}" ]; then
   args+=(--set "parallel.stage_resources=[$STAGE_RESOURCES]")

@@ -195,10 +195,17 @@ class ServerConfig:
     tls_key: str | None = None  # PEM private key of tls_cert
     auth_token: str | None = None  # bearer token every call must carry ("authorization: Bearer ..."); None = off
     auth_token_file: str | None = None  # read the bearer token from this file instead (keeps it out of argv)
+    # The OpenAI-compatible HTTP API (and /metrics) beside gRPC, same process, TLS and token: its port
+    # (0 picks a free one, -1 turns it off) and address (None: the same as `host`).
+    http_port: int = 8000
+    http_host: str | None = None
+    served_model_name: str | None = None  # the model's name in the HTTP API (default: its directory's name)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ValueError(f"server.port must be in [0, 65535], got {self.port!r}")
+        if not (-1 <= self.http_port <= 65535):
+            raise ValueError(f"server.http_port must be in [0, 65535] or -1 (off), got {self.http_port!r}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes!r}")
         if self.max_concurrent_streams < 1:

@@ -310,7 +310,7 @@ def replay_grpc(
 
     trace_path = Path(workdir) / f"{name}-server-trace.json"
     sets = [arg for s in spec.settings(policy, token_budget) for arg in ("--set", s)]
-    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", *sets,
+    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", "--http-port", "-1", *sets,
            "--set", f"trace.path={trace_path}"]
     log_path = Path(workdir) / f"{name}-server.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed below, after the process ends

@@ -1,4 +1,5 @@
-"""`ppserve serve | generate | stats`: run the gRPC server, stream a completion, print server statistics.
+"""`ppserve serve | generate | stats`: run the server (gRPC and OpenAI-compatible HTTP), stream a completion
+over gRPC, print server statistics.
 
 Heavy imports (torch, ray, grpc) happen inside the run functions so `ppserve --help` stays instant.
 """
@@ -13,10 +14,13 @@ from ppserve.config import add_config_arguments
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) on a pipeline")
+    p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) and the OpenAI-compatible HTTP API on a pipeline")
     add_config_arguments(p)
     p.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default: server.port, 50051; 0 picks a free one)")
+    p.add_argument("--http-port", type=int,
+                   help="port of the OpenAI-compatible HTTP API and /metrics (default: server.http_port, 8000; "
+                        "0 picks a free one, -1 turns it off)")
     p.add_argument(
         "--ray-address", help="attach to this Ray cluster (e.g. auto or HEAD:6379) instead of starting one"
     )
@@ -30,6 +34,11 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); not included in the output")
+    g.add_argument("--stop-token-ids", type=_int_list, default=(), metavar="ID[,ID...]",
+                   help="token ids that end the request")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     _add_security_args(g)
@@ -40,6 +49,13 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_security_args(s)
     s.set_defaults(func=run_stats)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
 def _add_security_args(p: Any) -> None:
@@ -65,6 +81,8 @@ def run_serve(args: argparse.Namespace) -> int:
         overrides.append(f"server.host={args.host}")
     if args.port is not None:
         overrides.append(f"server.port={args.port}")
+    if args.http_port is not None:
+        overrides.append(f"server.http_port={args.http_port}")
     config = load_config(args.config, overrides)
     return run_server(config, config.server.host, config.server.port)
 
@@ -75,11 +93,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from ppserve.request import SamplingParams
     from ppserve.server.client import PPServeClient
 
-    kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "stop": tuple(args.stop), "stop_token_ids": args.stop_token_ids,
+                              "ignore_eos": args.ignore_eos}
     for name in ("top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     sampling = SamplingParams(**kwargs)
+    try:
+        sampling.validate()
+    except ValueError as e:
+        print(f"ppserve generate: {e}", file=sys.stderr)
+        return 2
     with PPServeClient(args.server, **_client_kwargs(args)) as client:
         try:
             if args.chat:

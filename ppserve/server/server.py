@@ -8,16 +8,18 @@ requests), the engine thread stops, and only then is the pipeline torn down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -26,10 +28,12 @@ from ppserve.config import EngineConfig, ServerConfig
 from ppserve.engine.async_engine import AsyncEngine
 from ppserve.server import convert
 from ppserve.server.gen import ppserve_pb2 as pb
+from ppserve.server.metrics import ServerMetrics
 from ppserve.server.servicer import PPServeServicer
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PPServe"].full_name  # "ppserve.v1.PPServe"
 
 
@@ -40,17 +44,85 @@ class RunningServer:
     engine: AsyncEngine
     host: str
     port: int
+    http: HTTPServer | None = None
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    async def set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
     async def stop(self, grace_s: float) -> None:
-        """Stop accepting, let streams finish for up to grace_s, then stop the engine loop."""
+        """Stop accepting, let streams finish for up to grace_s (both front doors at once), then stop
+        the engine loop."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        stopping = [self.server.stop(grace_s)]
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         # The engine thread is joined off the event loop: it may be finishing a step.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our event loop: signals stay with serve_until_signal, which stops both front doors."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass
+class HTTPServer:
+    """The OpenAI-compatible API under uvicorn, in the gRPC server's event loop."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    host: str
+    port: int
+    scheme: str
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(engine: AsyncEngine, cfg: ServerConfig, host: str, token: str | None,
+                     metrics: ServerMetrics, model_name: str, grace_s: float) -> HTTPServer:
+    """Bind first (a taken port fails here, loudly), then serve in a task of the running loop."""
+    from ppserve.server.openai_api import build_app
+
+    app = build_app(engine, model_name=model_name, token=token, metrics=metrics)
+    tls = bool(cfg.tls_cert and cfg.tls_key)
+    config = uvicorn.Config(app, host=host, port=cfg.http_port, log_level="warning", access_log=False,
+                            ssl_certfile=cfg.tls_cert if tls else None, ssl_keyfile=cfg.tls_key if tls else None,
+                            timeout_graceful_shutdown=max(1, int(grace_s)), lifespan="off")
+    sock = config.bind_socket()
+    server = _EmbeddedUvicorn(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():  # it could not start: say why
+            task.result()
+            raise OSError(f"the HTTP server on {host}:{cfg.http_port} stopped while starting")
+        await asyncio.sleep(0.01)
+    return HTTPServer(server, task, host, sock.getsockname()[1], "https" if tls else "http")
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The model's name in the HTTP API: server.served_model_name, else the model directory's name."""
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    if config.model.model:
+        return Path(config.model.model.rstrip("/")).name or config.model.model
+    return DEFAULT_MODEL_NAME
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -131,9 +203,10 @@ async def start_server(
 ) -> RunningServer:
     """Start the engine loop and a grpc.aio server on host:port (0 picks a free port).
 
-    `server_config` adds TLS, the bearer token and the per-connection stream limit.
+    `server_config` adds TLS, the bearer token, the per-connection stream limit and the OpenAI-compatible
+    HTTP API (server.http_port; without a server_config there is none).
     """
-    cfg = server_config or ServerConfig(max_message_bytes=max_message_bytes)
+    cfg = server_config or ServerConfig(max_message_bytes=max_message_bytes, http_port=-1)
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         # gRPC itself refuses only beyond twice the limit (RESOURCE_EXHAUSTED, before any handler runs);
@@ -162,11 +235,17 @@ async def start_server(
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    http = None
+    if cfg.http_port >= 0:
+        metrics = ServerMetrics(served_model_name(engine.config))
+        engine.add_observer(metrics)
+        http = await start_http(engine, cfg, cfg.http_host or host, token, metrics,
+                                served_model_name(engine.config), cfg.grace_seconds)
     engine.start(asyncio.get_running_loop())
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, health, engine, host, bound)
+    running = RunningServer(server, health, engine, host, bound, http)
+    await running.set_health(True)
+    return running
 
 
 async def serve_until_signal(
@@ -192,15 +271,24 @@ async def serve_until_signal(
     await running.stop(grace_s)
 
 
+HEALTH_POLL_S = 0.1  # how often health follows the pipeline (a rebuild takes seconds)
+
+
 async def _watch_engine(running: RunningServer) -> None:
-    """A failed pipeline cannot serve: say so through health; Generate answers UNAVAILABLE meanwhile."""
+    """Health follows the pipeline: NOT_SERVING while it is rebuilt after a stage failure (new requests
+    get UNAVAILABLE / 503 meanwhile) and SERVING again after; NOT_SERVING for good once it failed."""
     engine = running.engine
+    serving = True
     while engine.is_running:
-        await asyncio.sleep(1.0)
+        rebuilding = bool(getattr(engine.engine, "recovering", False))
+        if rebuilding == serving:
+            serving = not rebuilding
+            logger.warning("pipeline %s", "rebuilt: serving again" if serving else "being rebuilt: not serving")
+            await running.set_health(serving)
+        await asyncio.sleep(HEALTH_POLL_S)
     if engine.failure is not None:
         logger.error("the pipeline failed: %s; new requests get UNAVAILABLE", engine.failure)
-        for name in ("", SERVICE_NAME):
-            await running.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await running.set_health(False)
 
 
 def run_server(config: EngineConfig, host: str, port: int) -> int:
@@ -209,7 +297,9 @@ def run_server(config: EngineConfig, host: str, port: int) -> int:
     try:
 
         def ready(r: RunningServer) -> None:
-            # Tests and scripts wait for this exact line; flush so a pipe sees it at once.
+            # Tests and scripts wait for these exact lines; flush so a pipe sees them at once.
+            if r.http is not None:
+                print(f"ppserve OpenAI API on {r.http.url}/v1", flush=True)
             print(f"ppserve serving on {r.address}", flush=True)
 
         asyncio.run(

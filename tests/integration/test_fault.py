@@ -181,6 +181,23 @@ def test_server_streams_survive_a_killed_stage(tiny_llama_dir, tmp_path, expecte
                 first = next(it)
                 got[i].extend(first.token_ids)
             pid = next(w["pid"] for w in c.stats()["workers"] if w["stage"] == 1)
+            # Health follows the rebuild: NOT_SERVING (gRPC) and 503 (HTTP) while it runs, then serving again.
+            seen: list[tuple[str, int]] = []
+            watching = threading.Event()
+            watching.set()
+
+            def watch_health() -> None:
+                import httpx
+
+                assert server.http_url is not None
+                health_url = server.http_url.removesuffix("/v1") + "/health"
+                with PPServeClient(address) as w:
+                    while watching.is_set():
+                        seen.append((w.health(), httpx.get(health_url, timeout=10).status_code))
+                        time.sleep(0.05)
+
+            watcher = threading.Thread(target=watch_health)
+            watcher.start()
             t_kill = time.monotonic()
             os.kill(pid, signal.SIGKILL)
 
@@ -195,6 +212,10 @@ def test_server_streams_survive_a_killed_stage(tiny_llama_dir, tmp_path, expecte
             for t in threads:
                 t.join(240)
             elapsed = time.monotonic() - t_kill
+            watching.clear()
+            watcher.join(30)
+            assert ("NOT_SERVING", 503) in seen, seen
+            assert seen[-1] == ("SERVING", 200), seen[-5:]
             assert reasons == ["length"] * len(streams)
             assert got == want  # continued streams: nothing duplicated, nothing missing
             s = c.stats()

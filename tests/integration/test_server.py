@@ -44,6 +44,8 @@ class ServerProcess:
             "serve",
             "--port",
             "0",
+            "--http-port",
+            "0",
             "--set",
             "parallel.pipeline_parallel_size=2",
             "--set",
@@ -59,6 +61,7 @@ class ServerProcess:
         )
         self.lines: list[str] = []
         self.address: str | None = None
+        self.http_url: str | None = None  # the OpenAI-compatible API's base URL (ends in /v1)
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -66,6 +69,9 @@ class ServerProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
+            h = re.search(r"ppserve OpenAI API on (\S+)", line)
+            if h:
+                self.http_url = h.group(1)
             m = re.search(r"ppserve serving on (\S+:\d+)", line)
             if m:
                 self.address = m.group(1)
@@ -171,6 +177,43 @@ def test_streamed_greedy_equals_offline(client: PPServeClient, reference: Any) -
         assert len(got.token_times) == len(got.token_ids)
         assert got.metrics is not None and got.metrics["ttft_s"] > 0
     assert "Paris" in results[0].text
+
+
+def test_choices_logprobs_and_penalties_over_grpc(client: PPServeClient, reference: Any) -> None:
+    """n, logprobs and the penalties cross the proto: equal to the offline API (pp=1) on the same input."""
+    prompt = reference.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    sp = SamplingParams(max_tokens=8, temperature=0.9, seed=5, n=2, logprobs=2, repetition_penalty=1.3,
+                        frequency_penalty=0.4, ignore_eos=True)
+    expected = reference.generate([prompt], sp)
+    got = client.generate_choices(prompt, sampling=sp)
+    assert [c.index for c in got] == [0, 1]
+    for g, e in zip(got, expected, strict=True):
+        assert g.token_ids == e.token_ids and g.text == e.text
+        assert [lp["token_id"] for lp in g.logprobs] == e.token_ids
+        assert e.logprobs is not None
+        for lp, (want, top) in zip(g.logprobs, e.logprobs, strict=True):
+            assert lp["logprob"] == pytest.approx(want, abs=1e-4)
+            assert [t for t, _ in lp["top"]] == [t for t, _ in top]
+    with pytest.raises(ValueError, match="generate_choices"):
+        client.generate(prompt, sampling=sp)
+
+
+def test_metrics_over_http_show_every_stage(server: ServerProcess, client: PPServeClient) -> None:
+    """The pp=2 server's /metrics (its HTTP door) carries both stages' gauges and compute histograms."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.generate("Hello there", max_tokens=4)
+    assert server.http_url is not None
+    text = httpx.get(server.http_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    stages: dict[str, set[str]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if "stage" in sample.labels:
+                stages.setdefault(sample.name, set()).add(sample.labels["stage"])
+    for name in ("ppserve:stage_busy_fraction", "ppserve:stage_bubble_fraction",
+                 "ppserve:stage_starvation_fraction", "ppserve:microbatch_compute_seconds_count"):
+        assert stages.get(name) == {"0", "1"}, (name, stages.get(name))
 
 
 def test_32_concurrent_streams(client: PPServeClient, server: ServerProcess) -> None:
@@ -302,6 +345,14 @@ def test_generate_and_stats_cli(server: ServerProcess, reference: Any) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+    cut = subprocess.run(
+        [sys.executable, "-m", "ppserve.cli", "generate", "What is the capital of France?", "--chat",
+         "--max-tokens", "12", "--stop", "Paris", "--stop-token-ids", "9999", "--ignore-eos",
+         "--server", server.address or ""],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert cut.returncode == 0, cut.stderr
+    assert "Paris" not in cut.stdout and "France is" in cut.stdout and "stop" in cut.stderr
     st = subprocess.run(
         [sys.executable, "-m", "ppserve.cli", "stats", "--server", server.address or ""],
         capture_output=True,

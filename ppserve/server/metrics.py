@@ -1,0 +1,143 @@
+"""Prometheus metrics: vLLM's serving series under a `ppserve:` prefix, plus what only a pipeline can say.
+
+One `ServerMetrics` per server, on its own registry (no process-global state). The engine thread feeds
+it through the AsyncEngine's observer hooks (a request added, a step's deltas, a microbatch's stage
+times); gauges of the current state (queue, KV usage, per-stage bubble fractions over the stats
+window, restarts) are refreshed from the engine's stats when /metrics is scraped.
+
+| series | type | meaning (same as vLLM's where vLLM has it) |
+|---|---|---|
+| `ppserve:num_requests_running`, `ppserve:num_requests_waiting` | gauge | requests holding KV / queued |
+| `ppserve:kv_cache_usage_perc` | gauge | fraction of KV blocks in use (0-1) |
+| `ppserve:num_preemptions_total` | counter | recompute preemptions |
+| `ppserve:prompt_tokens_total`, `ppserve:generation_tokens_total` | counter | tokens in, tokens out |
+| `ppserve:request_success_total{finished_reason}` | counter | finished requests by reason (stop, length, cancelled, error) |
+| `ppserve:time_to_first_token_seconds` | histogram | arrival -> first token |
+| `ppserve:inter_token_latency_seconds` | histogram | gap between consecutive tokens of a request |
+| `ppserve:e2e_request_latency_seconds` | histogram | arrival -> last token |
+| `ppserve:stage_busy_fraction`, `ppserve:stage_bubble_fraction`, `ppserve:stage_starvation_fraction` `{stage}` | gauge | each stage over the stats window (DESIGN's definitions) |
+| `ppserve:mean_bubble_fraction` | gauge | their mean over stages |
+| `ppserve:microbatch_tokens` | histogram | tokens per microbatch |
+| `ppserve:microbatch_compute_seconds{stage}` | histogram | a stage's compute time per microbatch (slowest TP rank) |
+| `ppserve:pipeline_restarts_total` | counter | pipeline rebuilds after a stage failed |
+| `ppserve:pipeline_recovery_seconds_total`, `ppserve:pipeline_last_recovery_seconds` | counter, gauge | time to serve again |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ppserve.engine.messages import TokenDelta
+from ppserve.sched.output import SchedulerOutput, StepResult
+
+PREFIX = "ppserve:"
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class ServerMetrics:
+    """The registry and its series; the `on_*` methods are the AsyncEngine's observer hooks."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, label = self.registry, {"model_name": model_name}
+        self._label = label
+
+        def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> Gauge:
+            return Gauge(PREFIX + name, doc, ["model_name", *extra], registry=r)
+
+        def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name", *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float], extra: Sequence[str] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name", *extra], buckets=buckets, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests holding KV blocks (prefilling or decoding).")
+        self.waiting = gauge("num_requests_waiting", "Requests queued for their first (or next) schedule.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0-1.")
+        self.preemptions = counter("num_preemptions", "Recompute preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests added.")
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
+        self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last output token.", _LATENCY)
+        self.busy = gauge("stage_busy_fraction", "Fraction of the stats window the stage computed or sent.",
+                          ["stage"])
+        self.bubble = gauge("stage_bubble_fraction", "Fraction of the stats window the stage idled while the "
+                            "engine had work (a pipeline bubble).", ["stage"])
+        self.starvation = gauge("stage_starvation_fraction", "Fraction of the stats window the stage idled "
+                                "with no work at all.", ["stage"])
+        self.mean_bubble = gauge("mean_bubble_fraction", "Bubble fraction averaged over the stages.")
+        self.mb_tokens = histogram("microbatch_tokens", "Tokens per microbatch.", _TOKENS)
+        self.mb_seconds = histogram("microbatch_compute_seconds", "A stage's compute time per microbatch "
+                                    "(its slowest TP rank).", _STEP, ["stage"])
+        self.restarts = counter("pipeline_restarts", "Pipeline rebuilds after a stage died or hung.")
+        self.recovery_total = counter("pipeline_recovery_seconds", "Time from a stage failure to serving again.")
+        self.last_recovery = gauge("pipeline_last_recovery_seconds", "The latest rebuild's recovery time.")
+        # Every series exists from the start (at 0), so dashboards and rate() see it before its first event.
+        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble, self.mb_tokens,
+                       self.restarts, self.recovery_total, self.last_recovery):
+            metric.labels(**label)
+        for reason in ("stop", "length", "cancelled", "error"):
+            self.success.labels(**label, finished_reason=reason)
+        self._preemptions_seen = 0
+        self._restarts_seen = 0
+        self._recovery_seen = 0.0
+
+    # ---- engine-thread hooks -----------------------------------------------------------------------
+    def on_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(**self._label).inc(num_prompt_tokens)
+
+    def on_deltas(self, deltas: Sequence[TokenDelta]) -> None:
+        for d in deltas:
+            if d.token_ids:
+                self.generation_tokens.labels(**self._label).inc(len(d.token_ids))
+            if d.finished:
+                self.success.labels(**self._label, finished_reason=d.finish_reason or "unknown").inc()
+                if d.times is not None and d.times.token_times:
+                    t = d.times
+                    self.ttft.labels(**self._label).observe(max(0.0, t.token_times[0] - t.arrival))
+                    self.e2e.labels(**self._label).observe(max(0.0, t.token_times[-1] - t.arrival))
+                    itl = self.itl.labels(**self._label)
+                    for a, b in zip(t.token_times, t.token_times[1:], strict=False):
+                        itl.observe(max(0.0, b - a))
+
+    def on_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        self.mb_tokens.labels(**self._label).observe(out.total_tokens)
+        for stage, seconds in enumerate(result.stage_seconds):
+            self.mb_seconds.labels(**self._label, stage=str(stage)).observe(seconds)
+
+    # ---- at scrape time ------------------------------------------------------------------------------
+    def refresh(self, stats: dict[str, Any]) -> None:
+        """Current-state gauges and the counters the engine keeps itself, from AsyncEngine.stats()."""
+        lab = self._label
+        self.running.labels(**lab).set(stats["running"])
+        self.waiting.labels(**lab).set(stats["waiting"])
+        total = stats.get("kv_blocks_total") or 0
+        self.kv_usage.labels(**lab).set(stats["kv_blocks_used"] / total if total else 0.0)
+        self._advance(self.preemptions, "_preemptions_seen", stats.get("num_preemptions", 0))
+        self._advance(self.restarts, "_restarts_seen", stats.get("num_restarts", 0))
+        self._advance(self.recovery_total, "_recovery_seen", stats.get("total_recovery_s", 0.0))
+        self.last_recovery.labels(**lab).set(stats.get("last_recovery_s") or 0.0)
+        for st in stats.get("stages", []):
+            stage = str(st["stage"])
+            self.busy.labels(**lab, stage=stage).set(st["busy_fraction"])
+            self.bubble.labels(**lab, stage=stage).set(st["bubble_fraction"])
+            self.starvation.labels(**lab, stage=stage).set(st["starvation_fraction"])
+        self.mean_bubble.labels(**lab).set(stats.get("mean_bubble_fraction", 0.0))
+
+    def _advance(self, counter: Counter, seen_attr: str, value: float) -> None:
+        """Counters only go up: add what the engine's own total gained since the last scrape."""
+        seen = getattr(self, seen_attr)
+        if value > seen:
+            counter.labels(**self._label).inc(value - seen)
+            setattr(self, seen_attr, value)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

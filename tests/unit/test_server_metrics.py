@@ -1,0 +1,77 @@
+"""The Prometheus exporter: hooks, scrape-time gauges, counters that only go up, and the Grafana
+dashboard plotting only series that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ppserve.engine.messages import RequestTimes, TokenDelta
+from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.server.metrics import ServerMetrics
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "launch" / "grafana" / "ppserve-dashboard.json"
+
+
+def _samples(m: ServerMetrics) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.exposition().decode()):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def _stats(**kw: object) -> dict[str, object]:
+    base: dict[str, object] = {"running": 2, "waiting": 1, "kv_blocks_used": 3, "kv_blocks_total": 12,
+                               "num_preemptions": 0, "num_restarts": 0, "total_recovery_s": 0.0,
+                               "last_recovery_s": None, "mean_bubble_fraction": 0.1,
+                               "stages": [{"stage": 0, "busy_fraction": 0.8, "bubble_fraction": 0.1,
+                                           "starvation_fraction": 0.1},
+                                          {"stage": 1, "busy_fraction": 0.7, "bubble_fraction": 0.2,
+                                           "starvation_fraction": 0.1}]}
+    base.update(kw)
+    return base
+
+
+def test_hooks_feed_counters_and_latency_histograms() -> None:
+    m = ServerMetrics("m")
+    m.on_added(10)
+    m.on_deltas([TokenDelta("a", (1, 2), "xy", (1.0, 1.0), False)])
+    m.on_deltas([TokenDelta("a", (3,), "z", (1.5,), True, "stop", RequestTimes(0.5, 0.6, [1.0, 1.0, 1.5]))])
+    out = SchedulerOutput(step_id=0, order=("a",), num_scheduled_tokens=(5,), num_computed_tokens=(0,),
+                          new_requests=(), cached_requests=(), sample_request_ids=("a",))
+    m.on_step(out, StepResult(0, {"a": 1}, (0.01, 0.02)))
+    s = _samples(m)
+    assert s["ppserve:prompt_tokens_total{}"] == 10
+    assert s["ppserve:generation_tokens_total{}"] == 3
+    assert s["ppserve:request_success_total{finished_reason=stop}"] == 1
+    assert s["ppserve:time_to_first_token_seconds_sum{}"] == 0.5
+    assert s["ppserve:e2e_request_latency_seconds_sum{}"] == 1.0
+    assert s["ppserve:inter_token_latency_seconds_count{}"] == 2
+    assert s["ppserve:microbatch_tokens_sum{}"] == 5
+    assert s["ppserve:microbatch_compute_seconds_sum{stage=1}"] == 0.02
+
+
+def test_refresh_sets_gauges_and_counters_only_grow() -> None:
+    m = ServerMetrics("m")
+    m.refresh(_stats(num_preemptions=4, num_restarts=1, total_recovery_s=2.5, last_recovery_s=2.5))
+    s = _samples(m)
+    assert s["ppserve:num_requests_running{}"] == 2 and s["ppserve:num_requests_waiting{}"] == 1
+    assert s["ppserve:kv_cache_usage_perc{}"] == 0.25
+    assert s["ppserve:stage_bubble_fraction{stage=1}"] == 0.2 and s["ppserve:stage_busy_fraction{stage=0}"] == 0.8
+    assert s["ppserve:num_preemptions_total{}"] == 4 and s["ppserve:pipeline_restarts_total{}"] == 1
+    m.refresh(_stats(num_preemptions=6, num_restarts=1, total_recovery_s=2.5, last_recovery_s=2.5))
+    assert _samples(m)["ppserve:num_preemptions_total{}"] == 6  # the engine's totals, not their sum
+
+
+def test_the_dashboard_plots_only_series_the_exporter_has() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    names = {fam.name for fam in ServerMetrics("m").registry.collect()}
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count|total)$", "", n) for e in exprs for n in re.findall(r"ppserve:[a-z0-9_]+", e)}
+    assert used and used <= names, used - names
+    assert {"ppserve:stage_bubble_fraction", "ppserve:time_to_first_token_seconds"} <= used
