@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ppserve.model.attention import AttentionMetadata, SdpaBackend, select_backend
+from ppserve.model.attention import AttentionMetadata, SdpaBackend
+from ppserve.model.backend_select import select_backend
 
 
 def _scattered_batch(decodes: int, min_ctx: int, max_ctx: int, block_size: int, seed: int):

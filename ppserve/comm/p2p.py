@@ -39,9 +39,16 @@ class TorchP2PChannel:
         for work in [dist.irecv(hidden, src=self.peer), dist.irecv(times, src=self.peer)]:
             assert work is not None  # None only for a rank outside the group, which a stage never is
             work.wait()
-        if hidden.is_cuda:
-            torch.cuda.current_stream(hidden.device).synchronize()  # the data is there, not just the request
+        self._data_ready(hidden)
         return hidden, tuple(times.tolist())
+
+    @staticmethod
+    def _data_ready(hidden: Tensor) -> None:
+        """Block until the received data is there. On NCCL `work.wait()` only makes the current stream
+        wait for the transfer; without this the host would go on (and the stage's receive span end)
+        while the data is still on its way, and the wait would be booked as the next compute span."""
+        if hidden.is_cuda:
+            torch.cuda.current_stream(hidden.device).synchronize()
 
     def _wait_pending(self) -> None:
         for work in self._pending:

@@ -476,7 +476,7 @@ class AsyncEngine:
             "token_budget": c.scheduler.token_budget,
             "max_num_seqs": c.scheduler.max_num_seqs,
             "max_waiting": c.scheduler.max_waiting,
-            "block_size": c.cache.block_size,
+            "block_size": int(self.engine.scheduler.blocks.block_size),
             "max_model_len": int(self.engine.max_model_len),
             "config_json": json.dumps(config_to_dict(c), default=str, sort_keys=True),
         }

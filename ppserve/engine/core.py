@@ -113,7 +113,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_blocks=self.executor.num_kv_blocks,
-            block_size=self.config.cache.block_size,
+            block_size=self.executor.block_size,  # cache.block_size, or what the stages' attention prefers
             max_model_len=self.max_model_len,
             max_in_flight=self.config.parallel.pipeline_parallel_size,
             clock=self.clock,

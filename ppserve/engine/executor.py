@@ -41,7 +41,8 @@ class Executor(Protocol):
 
 
 def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
-               ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None) -> Any:
+               ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None,
+               gpus: float = 0.0) -> Any:
     """What one (stage, tp rank) needs to build its shard, from the engine config."""
     from ppserve.model.ops.settings import KernelSettings
     from ppserve.worker.stage_worker import StageSpec
@@ -55,11 +56,20 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
         model_dir=model_dir, arch=arch, stage=stage, num_stages=len(ranges), layer_start=start,
         layer_end=end, tp_rank=tp_rank, tp_size=par.tensor_parallel_size, dtype=cfg.model.dtype,
         kv_cache_dtype=cfg.cache.dtype, block_size=cfg.cache.block_size,
+        profile_tokens=cfg.scheduler.token_budget, profile_seqs=cfg.scheduler.max_num_seqs,
         attention_backend=cfg.model.attention_backend, num_threads=num_threads or par.num_threads,
         trace=cfg.trace.enabled,
         cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
-        max_model_len=cfg.model.max_model_len, kernels=kernels,
+        max_model_len=cfg.model.max_model_len, kernels=kernels, gpus=gpus,
     )
+
+
+def agreed_block_size(sizes: list[int]) -> int:
+    """The one KV block size of a pipeline (the scheduler's allocator is shared by every stage)."""
+    if len(set(sizes)) != 1:
+        raise ValueError(f"the stages chose different KV block sizes {sizes} (their attention backends differ: "
+                         "flash-attn on some nodes only?); set cache.block_size")
+    return sizes[0]
 
 
 class InProcExecutor:
@@ -71,16 +81,33 @@ class InProcExecutor:
         self.config, self.model_dir, self.arch = config, model_dir, arch
         self.num_kv_blocks = 0
         self._build(ranges)
-        cache = config.cache
-        if cache.num_blocks:
-            self.num_kv_blocks = cache.num_blocks
-        else:
-            # A fraction of free memory is shared by the stages of this one process.
-            budget = cache.kv_cache_memory if cache.kv_cache_memory > 1 else cache.kv_cache_memory / len(ranges)
-            self.num_kv_blocks = min(a.num_blocks_for_memory(budget) for a in self.actors)
+        self.block_size = agreed_block_size([w.block_size for w in self.workers])
+        self.num_kv_blocks = self._fit_kv_blocks()
         for a in self.actors:
             a.init_cache(self.num_kv_blocks)
         self._done: deque[StepResult] = deque()
+
+    def _fit_kv_blocks(self) -> int:
+        """One block count for every stage. The stages share this process (and its one device): a
+        fraction of free memory, or the GPU budget, is split among them by what a block costs each;
+        the profiled peak is the largest stage's (stages run one after another, never at once)."""
+        cache = self.config.cache
+        if cache.num_blocks:
+            return cache.num_blocks
+        workers = self.workers
+        if cache.kv_cache_memory is None and workers[0].device.type == "cuda":
+            import torch
+
+            from ppserve.worker.memory import kv_budget_bytes, split_blocks
+
+            peak = max(w.profile_peak_bytes() for w in workers)
+            free, total = torch.cuda.mem_get_info(workers[0].device)
+            budget = kv_budget_bytes(int(total), int(free), peak, cache.gpu_memory_utilization)
+            return split_blocks(budget, [w.kv_bytes_per_block() for w in workers])
+        mem = cache.kv_cache_memory
+        if mem is not None and mem <= 1:
+            mem = mem / len(workers)  # a fraction of this process's free memory, shared
+        return min(w.num_blocks_for_memory(mem, cache.gpu_memory_utilization) for w in workers)
 
     def _build(self, ranges: list[tuple[int, int]]) -> None:
         from ppserve.comm.channel import InProcChannel

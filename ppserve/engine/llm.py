@@ -38,6 +38,7 @@ _SHORTCUTS = {
     "num_kv_blocks": ("cache", "num_blocks"),
     "kv_cache_dtype": ("cache", "dtype"),
     "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "trace": ("trace", "enabled"),
 }
 

@@ -18,21 +18,21 @@ from typing import Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.dispatch import (
-    RAY_GET_TIMEOUT_S,
     ClassicDispatch,
     CompiledGraphDispatch,
     ConnectionDispatch,
     resolve_dispatch,
 )
-from ppserve.engine.executor import stage_spec
+from ppserve.engine.executor import agreed_block_size, stage_spec
+from ppserve.engine.placement import order_stages_by_node, resolve_gpus_per_worker
 from ppserve.metrics.spans import estimate_offset
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
-# Start-up and rebuild calls (placement, weight loading) may take minutes on big models (RAY_GET_TIMEOUT_S);
-# a microbatch must not: the hot path waits parallel.stage_timeout_s, so a hung stage is rebuilt like a
-# dead one.
+# Start-up and rebuild calls (placement, weight loading) may take minutes on big models
+# (parallel.startup_timeout_s); a microbatch must not: the hot path waits parallel.stage_timeout_s, so a
+# hung stage is rebuilt like a dead one.
 
 
 @contextlib.contextmanager
@@ -71,15 +71,29 @@ class RayExecutor:
         self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
         self.model_dir, self.arch = model_dir, arch
         self.ranges = list(ranges)
-        self.dispatch_kind = resolve_dispatch(par.dispatch, par.gpus_per_worker)
+        self.startup_timeout_s = par.startup_timeout_s
         self.dispatch: ConnectionDispatch | CompiledGraphDispatch | ClassicDispatch | None = None
         self.init_ray()
+        self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker, ray.cluster_resources().get("GPU", 0))
+        self.dispatch_kind = resolve_dispatch(par.dispatch, self.gpus_per_worker)
         self.init_actors()
         self.init_clock_offsets()
-        blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory) for a in self.actors]
-        fitted = min(ray.get(blocks, timeout=RAY_GET_TIMEOUT_S))
+        self.block_size = agreed_block_size(self._startup_get([a.block_size.remote() for a in self.actors],
+                                                              "reading the KV block size"))
+        blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory, config.cache.gpu_memory_utilization)
+                  for a in self.actors]
+        fitted = min(self._startup_get(blocks, "sizing the KV cache"))
         self.num_kv_blocks = config.cache.num_blocks or fitted
         self.init_caches_and_dispatch()
+
+    def _startup_get(self, refs: Any, what: str) -> Any:
+        """ray.get for a start-up step, bounded by parallel.startup_timeout_s (named when it runs out)."""
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{what} took longer than parallel.startup_timeout_s={self.startup_timeout_s:g} s") from None
 
     # ---- construction ----------------------------------------------------------------------------
     def init_ray(self) -> None:
@@ -106,7 +120,7 @@ class RayExecutor:
 
     def init_actors(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from ppserve.worker.stage_actor import StageActor
@@ -114,8 +128,8 @@ class RayExecutor:
         par = self.config.parallel
         world = self.pp * self.tp
         bundle = {"CPU": par.cpus_per_worker}
-        if par.gpus_per_worker:
-            bundle["GPU"] = par.gpus_per_worker
+        if self.gpus_per_worker:
+            bundle["GPU"] = self.gpus_per_worker
         # One placement group per stage: its TP ranks packed on one node; stages go where resources allow,
         # or onto the nodes labelled with the stage's custom resource (launch/ scripts set those labels).
         self.placement_groups = []
@@ -124,7 +138,11 @@ class RayExecutor:
             if par.stage_resources:
                 b[par.stage_resources[s]] = 0.01
             self.placement_groups.append(placement_group([dict(b) for _ in range(self.tp)], strategy="STRICT_PACK"))
-        ray.get([pg.ready() for pg in self.placement_groups], timeout=RAY_GET_TIMEOUT_S)
+        self._startup_get([pg.ready() for pg in self.placement_groups], "placing the stages (Ray resources)")
+        if not par.stage_resources:
+            # The groups are interchangeable: renumber the stages so neighbours share nodes (placement.py).
+            nodes = [placement_group_table(pg)["bundles_to_node_id"][0] for pg in self.placement_groups]
+            self.placement_groups = [self.placement_groups[i] for i in order_stages_by_node(nodes)]
         actor_cls = ray.remote(StageActor)
         threads = par.num_threads or max(1, int(par.cpus_per_worker))
         self.actors: list[Any] = []
@@ -133,43 +151,43 @@ class RayExecutor:
             for r in range(self.tp):
                 rank = s * self.tp + r
                 spec = stage_spec(self.config, self.model_dir, self.arch, s, self.ranges, tp_rank=r,
-                                  num_threads=threads)
+                                  num_threads=threads, gpus=self.gpus_per_worker)
                 actor = actor_cls.options(
-                    num_cpus=par.cpus_per_worker, num_gpus=par.gpus_per_worker,
+                    num_cpus=par.cpus_per_worker, num_gpus=self.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_groups[s], placement_group_bundle_index=r),
                 ).remote(spec, rank, world, rank - self.tp if s > 0 else None,
                          rank + self.tp if s < self.pp - 1 else None)
                 self.actors.append(actor)
                 self.layout.append({"stage": s, "tp_rank": r, "layers": [start, end]})
-        infos = ray.get([a.node_info.remote() for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        infos = self._startup_get([a.node_info.remote() for a in self.actors], "starting the stage actors")
         for lay, info in zip(self.layout, infos, strict=True):
             lay.update(info)
         master = infos[0]["node_ip"]
-        port = ray.get(self.actors[0].listen_for_store.remote(master), timeout=RAY_GET_TIMEOUT_S)
+        port = self._startup_get(self.actors[0].listen_for_store.remote(master), "opening the rendezvous")
         tp_groups = [[s * self.tp + r for r in range(self.tp)] for s in range(self.pp)]
-        ray.get([a.init_distributed.remote(master, port, tp_groups) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        self._startup_get([a.init_distributed.remote(master, port, tp_groups) for a in self.actors],
+                          "loading weights and joining torch.distributed")
         for lay in self.layout:
             logger.info("stage %d tp %d: layers %s on node %s (pid %s)", lay["stage"], lay["tp_rank"],
                         lay["layers"], lay["node_ip"], lay["pid"])
 
     def init_clock_offsets(self, pings: int = 5) -> None:
         """Each actor's offset to the engine clock: half the round trip of the fastest of a few pings."""
-        import ray
 
         self.offsets: list[int] = []
         for a in self.actors:
             samples = []
             for _ in range(pings):
                 t0 = time.perf_counter_ns()
-                remote = ray.get(a.clock_ns.remote(), timeout=RAY_GET_TIMEOUT_S)
+                remote = self._startup_get(a.clock_ns.remote(), "measuring clock offsets")
                 samples.append((t0, remote, time.perf_counter_ns()))
             self.offsets.append(estimate_offset(samples))
 
     def init_caches_and_dispatch(self) -> None:
         import ray
 
-        ray.get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], timeout=RAY_GET_TIMEOUT_S)
+        self._startup_get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], "allocating the KV cache")
         if self.dispatch_kind == "connections":
             # The actors connect back to this process: on loopback when Ray is embedded, else on the
             # address the cluster knows this node by.

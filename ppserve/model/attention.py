@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ppserve.model.ops import native
 from ppserve.model.ops.native import PagedDecode, PrefillAttention
 
 logger = logging.getLogger(__name__)
@@ -107,18 +106,20 @@ class AttentionMetadata:
         )
 
     @classmethod
-    def for_static_decodes(cls, slot_mapping: Tensor, context_lens: Tensor, block_tables: Tensor,
-                           block_size: int) -> AttentionMetadata:
-        """Decode-only metadata whose tensors are given buffers (a CUDA graph's static inputs).
+    def for_static_decodes(cls, slot_mapping: Tensor, context_lens: Tensor, block_tables: Tensor, block_size: int,
+                           cu_query_lens_t: Tensor, decode_token_idx: Tensor,
+                           cu_context_lens_t: Tensor) -> AttentionMetadata:
+        """Decode-only metadata made of given device buffers only (a CUDA graph's static inputs).
 
-        Everything the backends read on the decode path is a tensor, so a graph captured with this
-        metadata and replayed after new values are copied into the buffers sees the new values. The
-        Python lists are fixed at their shapes: query lengths are all 1 and context lengths the table's
-        capacity (an upper bound; only `decode_context_lens`, the tensor, is read per token).
+        Everything the backends read on the decode path is one of these tensors, and nothing here
+        copies host data to the device or syncs: a graph captured with this metadata and replayed after
+        new values are copied into the buffers sees the new values. The caller allocates the buffers once:
+        `cu_query_lens_t` = [0..n] int32, `decode_token_idx` = [0..n) int64, `cu_context_lens_t` = multiples
+        of the table's capacity (int32). The Python lists are fixed at their shapes: query lengths all 1,
+        context lengths the table's capacity (an upper bound; only `decode_context_lens`, the tensor, is
+        read per token).
         """
         n, width = block_tables.shape
-        dev = block_tables.device
-        cu = list(range(n + 1))
         capacity = width * block_size
         return cls(
             slot_mapping=slot_mapping,
@@ -126,14 +127,14 @@ class AttentionMetadata:
             context_lens=[capacity] * n,
             block_tables=block_tables,
             block_size=block_size,
-            cu_query_lens=cu,
+            cu_query_lens=list(range(n + 1)),
             decode_seqs=list(range(n)),
             prefill_seqs=[],
-            decode_token_idx=torch.arange(n, dtype=torch.int64, device=dev),
+            decode_token_idx=decode_token_idx,
             decode_context_lens=context_lens,
             decode_block_tables=block_tables,
-            cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=dev),
-            cu_context_lens_t=torch.arange(0, (n + 1) * capacity, capacity, dtype=torch.int32, device=dev),
+            cu_query_lens_t=cu_query_lens_t,
+            cu_context_lens_t=cu_context_lens_t,
             max_query_len=1,
             max_context_len=capacity,
         )
@@ -178,6 +179,12 @@ class AttentionBackend(ABC):
     """Writes the step's K/V into the paged cache, then computes causal attention for every token."""
 
     name: str = "abstract"
+    preferred_block_size: int = 16  # the KV block size this backend is fastest with (cache.block_size unset)
+
+    def reads_cache_in_place(self, block_size: int) -> bool:
+        """Whether decodes read K/V through the block table (no gather): their cost does not grow with
+        the table's width, so one CUDA-graph width serves all."""
+        return False
 
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
@@ -273,6 +280,9 @@ class CpuPagedBackend(SdpaBackend):
 
     name = "cpu_paged"
 
+    def reads_cache_in_place(self, block_size: int) -> bool:
+        return True
+
     def __init__(self, kernel: PagedDecode, prefill: PrefillAttention | None = None) -> None:
         self._kernel = kernel
         self._prefill = prefill
@@ -304,6 +314,10 @@ class FlashAttnBackend(AttentionBackend):
     """
 
     name = "flash_attn"
+    preferred_block_size = 256  # flash-attn 2 reads a paged cache in place only for multiples of 256
+
+    def reads_cache_in_place(self, block_size: int) -> bool:
+        return block_size % 256 == 0
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional, GPU only
@@ -323,8 +337,7 @@ class FlashAttnBackend(AttentionBackend):
                       max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
                       softmax_scale=scale, causal=True)  # flash-attn >= 2.1 aligns causal bottom-right
         if meta.block_size % 256 == 0 and kv_cache.dtype == q.dtype:
-            return self._varlen(q, kv_cache[0], kv_cache[1],
-                                block_table=meta.block_tables.to(torch.int32), **common)
+            return self._varlen(q, kv_cache[0], kv_cache[1], block_table=_int32(meta, "block_tables"), **common)
         _, _, _, hkv, d = kv_cache.shape
         slots = meta.context_slots()  # [sum ctx]
         keys = kv_cache[0].view(-1, hkv, d).index_select(0, slots).to(q.dtype)  # [sum ctx, Hkv, D]
@@ -337,32 +350,17 @@ class FlashAttnBackend(AttentionBackend):
         the block size allows, else SDPA over the gathered blocks."""
         if meta.block_size % 256 == 0 and kv_cache.dtype == q.dtype:
             out = self._with_kvcache(q.unsqueeze(1), kv_cache[0], kv_cache[1],
-                                     cache_seqlens=meta.decode_context_lens.to(torch.int32),
-                                     block_table=meta.decode_block_tables.to(torch.int32),
+                                     cache_seqlens=_int32(meta, "decode_context_lens"),
+                                     block_table=_int32(meta, "decode_block_tables"),
                                      softmax_scale=scale, causal=True)
             return out.squeeze(1)
         return self._fallback._decodes(q, kv_cache, meta, scale)
 
 
-def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
-    """'auto' picks flash-attn on CUDA when importable, the native paged kernel on CPU when it builds, SDPA
-    otherwise; 'sdpa', 'cpu_paged' and 'flash_attn' force one (a clear error where it cannot run)."""
-    on_cuda = torch.device(device).type == "cuda"
-    if prefer == "sdpa":
-        return SdpaBackend()
-    if prefer in ("flash_attn", "flash"):
-        if not (on_cuda and flash_attn_available()):
-            raise ValueError("attention backend 'flash_attn' needs a CUDA device and the flash-attn package")
-        return FlashAttnBackend()
-    if prefer == "cpu_paged":
-        kernel = None if on_cuda else native.paged_decode()
-        if kernel is None:
-            raise ValueError("attention backend 'cpu_paged' needs a CPU device and a C compiler to build its kernel "
-                             "(see the log for the build error)")
-        return CpuPagedBackend(kernel, native.prefill_attention())
-    if prefer != "auto":
-        raise ValueError(f"unknown attention backend {prefer!r} (auto, sdpa, cpu_paged, flash_attn)")
-    if on_cuda:
-        return FlashAttnBackend() if flash_attn_available() else SdpaBackend()
-    kernel = native.paged_decode()
-    return CpuPagedBackend(kernel, native.prefill_attention()) if kernel is not None else SdpaBackend()
+def _int32(meta: AttentionMetadata, field: str) -> Tensor:
+    """flash-attn's int32 copy of a metadata tensor, converted once per step and shared by every layer
+    (inside a captured decode graph the one conversion is part of the graph, so it is redone per replay)."""
+    key = field + "_i32"
+    if key not in meta.scratch:
+        meta.scratch[key] = getattr(meta, field).to(torch.int32)
+    return meta.scratch[key]

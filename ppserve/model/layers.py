@@ -1,6 +1,7 @@
 """Building-block layers of a Llama-family decoder that know their tensor-parallel shard.
 
-Every parallel layer takes the FULL Hugging Face tensor in `weight_loader` and keeps only the slice
+Every parallel layer takes the FULL Hugging Face tensor in `weight_loader` (a tensor, or a lazily read
+`CheckpointTensor` indexed the same way, so only the shard is read from disk) and keeps only the slice
 its TP rank owns, so the loader never needs to know how a layer is sharded. At TP size 1 each layer
 is an ordinary dense layer.
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ppserve.model import ops
+from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
 from ppserve.model.ops import native
 from ppserve.model.ops.gemm import PackedWeight, can_prepack
 from ppserve.model.parallel import TPContext
@@ -29,11 +31,11 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _copy_checked(param: nn.Parameter, shard: Tensor, what: str) -> None:
+def _copy_checked(param: nn.Parameter, shard: Tensor | CheckpointTensor, what: str) -> None:
     if param.shape != shard.shape:
         raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(shard.shape)}")
     with torch.no_grad():
-        param.copy_(shard)
+        param.copy_(as_tensor(shard))
 
 
 class RMSNorm(nn.Module):
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
         is modified (x may be a tensor the caller still holds, such as a stage's received input)."""
         return ops.add_rms_norm(x, y, self.weight, self.eps)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         _copy_checked(param, full, "RMSNorm.weight")
 
 
@@ -146,7 +148,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.fast.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         _copy_checked(param, full[self.out_start:self.out_end], "ColumnParallelLinear")
 
 
@@ -185,7 +187,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return None
         return amx(x, self.gate_up_amx, None, silu_mul=True)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         if not isinstance(shard_id, int):
             raise ValueError(f"MergedColumnParallelLinear needs an integer shard_id, got {shard_id!r}")
         start, end = self.tp.shard_range(self.out_sizes[shard_id])
@@ -228,7 +230,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads_local * head_dim
         self.kv_size = self.num_kv_heads_local * head_dim
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         d = self.head_dim
         if shard_id == "q":
             start = self.tp.rank * self.num_heads_local * d
@@ -276,7 +278,7 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         if param is self.bias:
             _copy_checked(param, full, "RowParallelLinear.bias")
         else:
@@ -300,7 +302,7 @@ class _VocabShard(nn.Module):
         self.vocab_end = min(self.vocab_start + self.per_rank, vocab_size)
         self.weight = _empty((self.per_rank, hidden_size), dtype, device)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         if full.shape[0] != self.vocab_size:
             raise ValueError(f"vocab matrix has {full.shape[0]} rows, expected {self.vocab_size}")
         with torch.no_grad():

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ppserve.model.attention import AttentionBackend
+from ppserve.model.checkpoint_tensor import CheckpointTensor
 from ppserve.model.parallel import TPContext
 from ppserve.model.registry import build_stage_model, describe_model
 from ppserve.model.stage_model import LAYER_NAME, StageModel
@@ -174,9 +175,10 @@ def _wanted(name: str, layer_start: int, layer_end: int, need_embed: bool, need_
 
 
 def iter_weights(model_dir: Path, layer_start: int, layer_end: int, num_layers: int, need_embed: bool,
-                 need_head: bool) -> Iterator[tuple[str, Tensor]]:
-    """Yield (HF name, tensor) for layers [layer_start, layer_end), plus the embedding and/or the final
-    norm and LM head when asked; other tensors are never read from disk. With tied embeddings (no
+                 need_head: bool) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (HF name, lazily read tensor) for layers [layer_start, layer_end), plus the embedding and/or
+    the final norm and LM head when asked; other tensors are never read from disk, and of these only
+    the window a layer's weight_loader indexes (its TP shard) is read. With tied embeddings (no
     lm_head.weight in the checkpoint) `need_head` also yields the embedding matrix."""
     from safetensors import safe_open
 
@@ -189,7 +191,7 @@ def iter_weights(model_dir: Path, layer_start: int, layer_end: int, num_layers: 
     for handle in handles:
         for name in handle.keys():
             if _wanted(name, layer_start, layer_end, need_embed, need_head, head_is_embed):
-                yield name, handle.get_tensor(name)
+                yield name, CheckpointTensor(handle.get_slice(name))
 
 
 # GGUF tensor name (without .weight/.bias) -> HF module name

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ppserve.model.arch import ModelArch
 from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend
+from ppserve.model.checkpoint_tensor import CheckpointTensor
 from ppserve.model.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from ppserve.model.parallel import TPContext
 
@@ -63,6 +64,7 @@ class StageModel(nn.Module):
         self.is_first = layer_start == 0
         self.is_last = layer_end == arch.num_layers
         backend = attn_backend if attn_backend is not None else SdpaBackend()
+        self.attn_backend = backend  # every layer's (one object: its per-step work is shared)
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
                              if self.is_first else None)
         self.layers = nn.ModuleList(self.layer_class(arch, tp, dtype, device, backend)  # type: ignore[call-arg]
@@ -124,8 +126,9 @@ class StageModel(nn.Module):
             names += [NORM, EMBED if self.arch.tie_word_embeddings else HEAD]
         return sorted(set(names))
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load checkpoint-named tensors, keeping only this stage's layers and this TP rank's shards."""
+    def load_weights(self, weights: Iterable[tuple[str, Tensor | CheckpointTensor]]) -> None:
+        """Load checkpoint-named tensors (real, or read lazily: only this rank's shard is read), keeping
+        only this stage's layers and this TP rank's shards."""
         seen: set[str] = set()
         for name, tensor in weights:
             if self._load_one(name, tensor):
@@ -145,7 +148,7 @@ class StageModel(nn.Module):
             if module is not self and hasattr(module, "prepack"):
                 module.prepack()
 
-    def _load_one(self, name: str, tensor: Tensor) -> bool:
+    def _load_one(self, name: str, tensor: Tensor | CheckpointTensor) -> bool:
         """Load one tensor if this stage needs it; returns whether it was used."""
         if name == EMBED:
             used = False

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model = load_model_spec(args.model)
     tp = args.tp or cfg.parallel.tensor_parallel_size
-    block_size = cfg.cache.block_size
+    block_size = cfg.cache.block_size or 16  # unset: 16-token blocks, as on most GPU deployments
     if args.hardware.endswith(".json"):
         cost: Any = ProfileCostModel(Profile.load(args.hardware))
         if args.pp and args.pp != cost.num_stages:

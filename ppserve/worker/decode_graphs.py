@@ -11,12 +11,15 @@ the block manager never hands out. Their outputs are dropped. Tables are padded 
 with the pad block (never read: beyond each sequence's context length).
 
 `capture=False` runs the same padded static buffers eagerly. It is what a graph replays, minus the
-graph, so the padding and buffer handling are checked on machines without a GPU.
+graph, so the padding and buffer handling are checked on machines without a GPU. Every graph is captured
+at start-up (`capture_all`, its time logged), not while serving; the captured region runs under
+`no_host_transfers`, and the metadata it reads is built from buffers allocated once.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from torch import Tensor
 
 from ppserve.model.attention import AttentionMetadata
 from ppserve.model.stage_model import StageModel
+from ppserve.worker.capture_guard import no_host_transfers
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,8 @@ class DecodeGraphRunner:
     captured as CUDA graphs when `capture` is set."""
 
     def __init__(self, model: StageModel, kv_caches: list[Tensor], *, block_size: int, max_batch: int,
-                 max_blocks: int, pad_block: int, dtype: torch.dtype, device: torch.device, capture: bool) -> None:
+                 max_blocks: int, pad_block: int, dtype: torch.dtype, device: torch.device, capture: bool,
+                 paged_in_place: bool = False) -> None:
         if capture and device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -70,7 +75,9 @@ class DecodeGraphRunner:
         self.pad_block = pad_block
         self.capture = capture
         self.batch_sizes = graph_batch_sizes(max_batch)
-        self.widths = table_widths(max_blocks)
+        # A backend that reads the paged cache in place costs the same at any table width: one width
+        # (the widest) serves every batch. Others gather the whole width, so narrower tables pay off.
+        self.widths = [max_blocks] if paged_in_place else table_widths(max_blocks)
         i64 = dict(dtype=torch.int64, device=device)
         # Static inputs. Graphs read these addresses on every replay: never reallocate them.
         self.input_ids = torch.zeros(max_batch, **i64)
@@ -79,6 +86,12 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.full((max_batch,), pad_block * block_size, **i64)
         self.context_lens = torch.ones(max_batch, **i64)
         self.block_tables = torch.full((max_batch, max_blocks), pad_block, **i64)
+        # The metadata's derived tensors, fixed by the shape alone: built here once, sliced per graph, so
+        # nothing in the captured region copies host data (see capture_guard.py).
+        self.cu_query_lens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.token_idx = torch.arange(max_batch, **i64)
+        self.cu_context_lens = {w: torch.arange(0, (max_batch + 1) * w * block_size, w * block_size,
+                                                dtype=torch.int32, device=device) for w in self.widths}
         self.graphs: dict[tuple[int, int], tuple[Any, Tensor]] = {}  # (batch, width) -> (graph, its output)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_runs = 0  # microbatches run through the static buffers (replays, when capturing)
@@ -101,7 +114,8 @@ class DecodeGraphRunner:
         if not self.capture:
             return self._forward(batch, width)[:n].clone()
         key = (batch, width)
-        if key not in self.graphs:
+        if key not in self.graphs:  # capture_all() took every shape at start-up; this is a fallback
+            logger.warning("decode graph (batch %d, width %d) captured while serving", batch, width)
             self.graphs[key] = self._capture(batch, width)
         graph, out = self.graphs[key]
         graph.replay()
@@ -128,11 +142,24 @@ class DecodeGraphRunner:
         self.block_tables[:n, used:width].fill_(self.pad_block)
         self.block_tables[n:batch, :width].fill_(self.pad_block)
 
+    def capture_all(self) -> float:
+        """Capture every (batch size, table width) graph now, before serving; returns the seconds it took."""
+        t0 = time.perf_counter()
+        for width in self.widths:
+            for batch in self.batch_sizes:
+                if (batch, width) not in self.graphs:
+                    self.graphs[(batch, width)] = self._capture(batch, width)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, table widths %s) in %.1f s", len(self.graphs),
+                    self.batch_sizes, self.widths, elapsed)
+        return elapsed
+
     def _forward(self, batch: int, width: int) -> Tensor:
         # Fresh metadata for every trace: backends cache per-step tensors (masks) in meta.scratch, and a
         # cached tensor would be baked into the graph instead of recomputed from the buffers.
-        meta = AttentionMetadata.for_static_decodes(self.slot_mapping[:batch], self.context_lens[:batch],
-                                                    self.block_tables[:batch, :width], self.block_size)
+        meta = AttentionMetadata.for_static_decodes(
+            self.slot_mapping[:batch], self.context_lens[:batch], self.block_tables[:batch, :width], self.block_size,
+            self.cu_query_lens[:batch + 1], self.token_idx[:batch], self.cu_context_lens[width][:batch + 1])
         first = self.model.is_first
         return self.model(self.input_ids[:batch] if first else None, None if first else self.hidden[:batch],
                           self.positions[:batch], self.kv_caches, meta)
@@ -147,10 +174,9 @@ class DecodeGraphRunner:
                 self._forward(batch, width)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool), no_host_transfers(f"the decode graph (batch {batch})"):
             out = self._forward(batch, width)
-        logger.info("captured a decode CUDA graph: batch %d, table width %d blocks (%d graphs)", batch, width,
-                    len(self.graphs) + 1)
+        logger.debug("captured a decode CUDA graph: batch %d, table width %d blocks", batch, width)
         return graph, out
 
 

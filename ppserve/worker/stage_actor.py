@@ -84,9 +84,17 @@ class StageActor:
 
         if self.spec.num_threads:
             torch.set_num_threads(self.spec.num_threads)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        import ray
+
+        from ppserve.worker.devices import cuda_device_for_actor
+
+        # The GPU Ray assigned to this actor, never "cuda:0 of the node" (see worker/devices.py).
+        gpu = cuda_device_for_actor(
+            ray.get_runtime_context().get_accelerator_ids().get("GPU", []), os.environ.get("CUDA_VISIBLE_DEVICES"),
+            torch.cuda.device_count() if torch.cuda.is_available() else 0, self.spec.gpus)
+        backend = "gloo" if gpu is None else "nccl"
+        if gpu is not None:
+            torch.cuda.set_device(gpu)
         if ipaddress.ip_address(master).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             # Every rank is on this machine. Gloo otherwise listens on whatever the host name resolves
             # to, often a routable address.
@@ -108,9 +116,30 @@ class StageActor:
         device = self.worker.device
         self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
         self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
+        self.warm_up_links()
 
-    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
-        n: int = self.worker.num_blocks_for_memory(kv_cache_memory)
+    def warm_up_links(self) -> None:
+        """One collective over the TP group and one message over each stage link, now: NCCL creates its
+        communicators and buffers on first use, so their memory is in use before the KV cache is sized
+        (and the first microbatch does not pay for it)."""
+        import torch
+
+        worker = self.worker
+        if worker.tp.size > 1:
+            worker.tp.all_reduce(torch.zeros(1, device=worker.device))
+        hidden = worker.arch.hidden_size
+        if self.outbound is not None:  # non-blocking: every rank sends before it receives, so none waits forever
+            self.outbound.send(torch.zeros(1, hidden, dtype=worker.dtype, device=worker.device),
+                               (0.0,) * (self.spec.stage + 1))
+        if self.inbound is not None:
+            self.inbound.recv(1, hidden, worker.dtype, self.spec.stage)
+        worker.note_memory("communication warmed up")
+
+    def block_size(self) -> int:
+        return int(self.worker.block_size)
+
+    def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
+        n: int = self.worker.num_blocks_for_memory(kv_cache_memory, gpu_memory_utilization)
         return n
 
     def init_cache(self, num_blocks: int) -> None:

@@ -19,7 +19,12 @@ from torch import Tensor
 
 from ppserve.metrics.spans import SpanRecorder
 from ppserve.model.arch import ModelArch
-from ppserve.model.attention import allocate_kv_cache, kv_cache_bytes_per_block, select_backend
+from ppserve.model.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+)
+from ppserve.model.backend_select import select_backend
 from ppserve.model.loader import iter_weights
 from ppserve.model.ops.settings import KernelSettings
 from ppserve.model.ops.settings import configure as configure_kernels
@@ -29,11 +34,13 @@ from ppserve.request import TokenLogprob
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.input_batch import InputBatch
+from ppserve.worker.memory import GiB, kv_budget_bytes
 from ppserve.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 1 << 30  # a CPU worker's KV cache when cache.kv_cache_memory is unset
 
 
 def cpu_has_native_bf16() -> bool:
@@ -76,7 +83,7 @@ class StageSpec:
     tp_size: int = 1
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" = the model's dtype
-    block_size: int = 16
+    block_size: int | None = None  # None: the attention backend's preferred_block_size
     attention_backend: str = "auto"
     num_threads: int | None = None
     trace: bool = True
@@ -84,6 +91,9 @@ class StageSpec:
     cuda_graph_max_batch: int = 64
     max_model_len: int | None = None  # sizes the graphs' block tables; None = max_position_embeddings
     kernels: KernelSettings = KernelSettings()  # which CPU kernels this process may use
+    profile_tokens: int = 512  # the largest microbatch (scheduler.token_budget): what the memory profile runs
+    profile_seqs: int = 256  # sequences it may hold (scheduler.max_num_seqs): rows of logits and sampling
+    gpus: float = 0.0  # GPUs Ray gave this actor (its device comes from that assignment: worker/devices.py)
 
 
 class StageWorker:
@@ -98,9 +108,13 @@ class StageWorker:
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
         self.init_model()
-        self.batch = InputBatch(spec.block_size, self.device)
+        # The KV block size: cache.block_size, else the one the attention backend reads in place.
+        self.block_size = spec.block_size or self.model.attn_backend.preferred_block_size
+        self.batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[Tensor] = []
         self.graphs: DecodeGraphRunner | None = None
+        self.memory_log: list[dict[str, Any]] = []  # note_memory's figures, one per start-up phase
+        self.note_memory("weights loaded")
 
     def init_threads(self) -> None:
         """torch intra-op threads = the cores given to this worker: `num_threads` when set (Ray actors get
@@ -134,20 +148,89 @@ class StageWorker:
     # ---- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
         per_layer = kv_cache_bytes_per_block(
-            self.spec.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype
+            self.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype
         )
         return int(per_layer) * self.model.num_local_layers
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def num_blocks_for_memory(self, kv_cache_memory: float) -> int:
-        """Blocks that fit `kv_cache_memory`: bytes when > 1, else a fraction of free memory now."""
-        if kv_cache_memory > 1:
-            budget = int(kv_cache_memory)
+    def kv_budget_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
+        """The bytes this worker's KV cache may take: `kv_cache_memory` when set (bytes when > 1, else a
+        fraction of free memory now); unset, on CUDA, what the profile leaves of
+        `gpu_memory_utilization` x total (worker/memory.py), and on CPU DEFAULT_CPU_KV_BYTES."""
+        if kv_cache_memory is not None:
+            return int(kv_cache_memory) if kv_cache_memory > 1 else int(kv_cache_memory * free_memory_bytes(self.device))
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        peak = self.profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget_bytes(int(total), int(free), peak, gpu_memory_utilization)
+        logger.info("stage %d tp %d: KV budget %.2f GiB = %.2f x %.1f GiB - %.2f GiB in use - %.2f GiB peak",
+                    self.spec.stage, self.spec.tp_rank, budget / GiB, gpu_memory_utilization, total / GiB,
+                    (total - free) / GiB, peak / GiB)
+        return budget
+
+    def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float = 0.9) -> int:
+        """Blocks that fit this worker's KV budget (see kv_budget_bytes)."""
+        return max(1, self.kv_budget_bytes(kv_cache_memory, gpu_memory_utilization) // self.kv_bytes_per_block())
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Run the largest microbatch the scheduler may form (scheduler.token_budget tokens over up to
+        max_num_seqs sequences, logits and sampling for each) on a scratch KV cache; return how far
+        allocated memory rose above what stays allocated (0 on CPU, where only the code path is exercised)."""
+        spec, bs = self.spec, self.block_size
+        tokens = max(1, spec.profile_tokens)
+        seqs = max(1, min(spec.profile_seqs, tokens))
+        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        tables, nxt = [], 0
+        for n in lens:
+            need = -(-n // bs)
+            tables.append(list(range(nxt, nxt + need)))
+            nxt += need
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        cache = allocate_kv_cache(self.model.num_local_layers, nxt, bs, self.model.num_kv_heads_local,
+                                  self.arch.head_dim, self.kv_dtype, self.device)
+        meta = AttentionMetadata.build(lens, lens, tables, bs, self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        hidden_in = None if self.model.is_first else torch.zeros(tokens, self.arch.hidden_size, dtype=self.dtype,
+                                                                 device=self.device)
+        hidden = self.model(ids if self.model.is_first else None, hidden_in, positions, cache, meta)
+        if self.model.is_last:
+            last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(seqs)], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+            from ppserve.request import SamplingParams
+
+            sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
+            del logits
+        del hidden, cache
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = int(torch.cuda.max_memory_allocated(self.device) - base)
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    def note_memory(self, phase: str) -> dict[str, Any]:
+        """Record (and log) the memory figures at a start-up phase: the GPU check prints these."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            entry = {"phase": phase, "allocated_gib": torch.cuda.memory_allocated(self.device) / GiB,
+                     "reserved_gib": torch.cuda.memory_reserved(self.device) / GiB, "free_gib": free / GiB,
+                     "total_gib": total / GiB}
         else:
-            budget = int(kv_cache_memory * free_memory_bytes(self.device))
-        return max(1, budget // self.kv_bytes_per_block())
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            entry = {"phase": phase, "rss_gib": rss / GiB, "free_gib": free_memory_bytes(self.device) / GiB}
+        self.memory_log.append(entry)
+        logger.info("stage %d tp %d memory after %s: %s", self.spec.stage, self.spec.tp_rank, phase,
+                    ", ".join(f"{k} {v:.2f}" for k, v in entry.items() if k != "phase"))
+        return entry
 
     def graphs_mode(self) -> str:
         """'capture', 'eager' or 'off' for decode-only microbatches (see decode_graphs.py)."""
@@ -163,20 +246,25 @@ class StageWorker:
         mode = self.graphs_mode()
         pad = 0 if mode == "off" else 1
         self.kv_caches = allocate_kv_cache(
-            self.model.num_local_layers, num_blocks + pad, self.spec.block_size, self.model.num_kv_heads_local,
+            self.model.num_local_layers, num_blocks + pad, self.block_size, self.model.num_kv_heads_local,
             self.arch.head_dim, self.kv_dtype, self.device,
         )
         self.graphs = None
         if pad:
             max_len = self.spec.max_model_len or self.arch.max_position_embeddings
             self.graphs = DecodeGraphRunner(
-                self.model, self.kv_caches, block_size=self.spec.block_size,
-                max_batch=self.spec.cuda_graph_max_batch, max_blocks=-(-max_len // self.spec.block_size),
+                self.model, self.kv_caches, block_size=self.block_size,
+                max_batch=self.spec.cuda_graph_max_batch, max_blocks=-(-max_len // self.block_size),
                 pad_block=num_blocks, dtype=self.dtype, device=self.device, capture=mode == "capture",
+                paged_in_place=self.model.attn_backend.reads_cache_in_place(self.block_size),
             )
-        logger.info("stage %d tp %d: KV cache of %d blocks (%d tokens, %.1f MiB, %s)", self.spec.stage,
-                    self.spec.tp_rank, num_blocks, num_blocks * self.spec.block_size,
-                    num_blocks * self.kv_bytes_per_block() / 2**20, self.kv_dtype)
+        logger.info("stage %d tp %d: KV cache of %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.spec.stage,
+                    self.spec.tp_rank, num_blocks, self.block_size, num_blocks * self.block_size,
+                    num_blocks * self.kv_bytes_per_block() / GiB, self.kv_dtype)
+        self.note_memory("KV cache allocated")
+        if self.graphs is not None and mode == "capture":
+            self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
+            self.note_memory("decode graphs captured")
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -13,8 +13,8 @@ from ppserve.model.attention import (
     FlashAttnBackend,
     SdpaBackend,
     allocate_kv_cache,
-    select_backend,
 )
+from ppserve.model.backend_select import select_backend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -112,3 +112,30 @@ def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size
     assert graphed == padded
     if dtype == "float32":
         assert graphed == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_paged"])
+@pytest.mark.parametrize("first_stage", [True, False])
+def test_the_captured_region_makes_no_host_copy_or_sync(tiny_llama_dir, backend: str, first_stage: bool) -> None:
+    """What a CUDA graph captures (the runner's forward over its static buffers, metadata included) runs
+    here eagerly under the guard that a capture uses: a host copy or a sync anywhere in it fails."""
+    from ppserve.model.backend_select import select_backend
+    from ppserve.model.loader import load_stage_model
+    from ppserve.worker.capture_guard import HostTransferInCapture, no_host_transfers
+    from ppserve.worker.decode_graphs import DecodeGraphRunner
+
+    start, end = (0, 2) if first_stage else (2, 4)
+    model = load_stage_model(tiny_llama_dir, start, end, attn_backend=select_backend("cpu", backend))
+    caches = [torch.zeros(2, 9, 4, model.num_kv_heads_local, model.arch.head_dim) for _ in range(2)]
+    runner = DecodeGraphRunner(model, caches, block_size=4, max_batch=4, max_blocks=8, pad_block=8,
+                               dtype=torch.float32, device=torch.device("cpu"), capture=False)
+    for width in runner.widths:
+        for batch in runner.batch_sizes:
+            with no_host_transfers("the decode graph"):
+                out = runner._forward(batch, width)
+            assert out.shape[0] == batch
+    # The guard does catch the kind of call that broke capture before (a list copied to the device).
+    with pytest.raises(HostTransferInCapture, match="tensor"), no_host_transfers():
+        torch.tensor([0, 1, 2])
+    with pytest.raises(HostTransferInCapture, match="item"), no_host_transfers():
+        torch.zeros(1).item()

@@ -126,6 +126,48 @@ def test_stage_loads_only_its_layers(tiny_llama: Path) -> None:
     assert names and all(n.startswith(("model.layers.1.", "model.layers.2.")) for n in names)
 
 
+@pytest.mark.parametrize("arch_name", ["llama", "phi3"])
+def test_a_tp_rank_reads_only_its_shard_from_disk(tmp_path: Path, arch_name: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP rank r of 2 loads exactly rows/columns of its shard, and reads about half of the sharded bytes."""
+    from safetensors import safe_open
+
+    from ppserve.model.checkpoint_tensor import CheckpointTensor
+    from ppserve.model.parallel import TPContext
+    from tests.model_helpers import make_tiny_llama_dir
+
+    model_dir = make_tiny_llama_dir(tmp_path / arch_name, arch=arch_name, num_layers=4, hidden=64, heads=4,
+                                    kv_heads=2)
+    arch = describe_model(read_hf_config(model_dir))
+    read_bytes = 0
+    real_read = CheckpointTensor._read
+
+    def counting_read(self, index):  # type: ignore[no-untyped-def]
+        nonlocal read_bytes
+        t = real_read(self, index)
+        read_bytes += t.numel() * t.element_size()
+        return t
+
+    monkeypatch.setattr(CheckpointTensor, "_read", counting_read)
+    (path,) = list(model_dir.glob("*.safetensors"))
+    with safe_open(str(path), framework="pt") as f:
+        layer_bytes = sum(f.get_tensor(n).numel() * 4 for n in f.keys()
+                          if n.startswith(("model.layers.1.", "model.layers.2.")))
+        full = {n: f.get_tensor(n) for n in f.keys()}
+    per_rank = []
+    for rank in (0, 1):
+        read_bytes = 0
+        model = build_stage_model(arch, 1, 3, TPContext(rank=rank, size=2))  # a middle stage
+        model.load_weights(iter_weights(model_dir, 1, 3, 4, need_embed=False, need_head=False))
+        per_rank.append(read_bytes)
+        down = model.layers[1].mlp.down_proj.weight  # row-parallel: this rank's columns
+        cols = down.shape[1]
+        torch.testing.assert_close(down, full["model.layers.2.mlp.down_proj.weight"][:, rank * cols:(rank + 1) * cols])
+    # The norms are replicated, the rest is split: each rank reads a little more than half.
+    for b in per_rank:
+        assert 0.45 * layer_bytes < b < 0.6 * layer_bytes, (b, layer_bytes)
+
+
 def test_metadata_slot_mapping_follows_block_table() -> None:
     meta = AttentionMetadata.build([1, 3], [6, 3], [[7, 2], [4]], block_size=4, device="cpu")
     # seq 0: position 5 -> block 2, offset 1; seq 1: positions 0..2 in block 4
@@ -138,7 +180,8 @@ def test_metadata_slot_mapping_follows_block_table() -> None:
 def test_attention_backend_choice_on_cpu():
     """On CPU `auto` is the native paged kernel when it builds (SDPA otherwise); `sdpa` forces SDPA. The exact
     type is checked: the paged backend is an SDPA subclass, so isinstance would pass whatever was picked."""
-    from ppserve.model.attention import CpuPagedBackend, SdpaBackend, select_backend
+    from ppserve.model.attention import CpuPagedBackend, SdpaBackend
+    from ppserve.model.backend_select import select_backend
     from ppserve.model.ops import native
 
     expected = CpuPagedBackend if native.paged_decode() is not None else SdpaBackend

@@ -15,8 +15,8 @@ from ppserve.model.attention import (
     CpuPagedBackend,
     SdpaBackend,
     allocate_kv_cache,
-    select_backend,
 )
+from ppserve.model.backend_select import select_backend
 from ppserve.model.ops import native
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -1,0 +1,104 @@
+"""Bubble spans stay true over a transport whose receive does not block, like NCCL's.
+
+NCCL's `irecv(...).wait()` returns once the receive is ordered on the stream, before the data is
+there; the first kernel that reads the tensor waits for it. A stage that ended its `recv_wait` span at
+`wait()` would book the transfer as compute and its bubbles would read near zero. This model puts
+that behaviour under `TorchP2PChannel` on CPU: a fake `irecv` whose work handle returns at once, a
+"stream" whose data lands `DELAY_S` after the receive is posted, and a stage whose compute first
+touches the data (and so waits for it, as a kernel would). The channel's `_data_ready` (a stream
+synchronize on CUDA) is what moves the wait back into `recv_wait`.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from ppserve.comm import p2p
+from ppserve.comm.p2p import TorchP2PChannel
+from ppserve.metrics.bubbles import bubble_report
+from ppserve.metrics.spans import Span, SpanRecorder
+from ppserve.worker.stage_actor import StageActor
+
+DELAY_S = 0.08  # the transfer: the data lands this long after the receive is posted
+COMPUTE_S = 0.02  # the stage's own work on the data
+STEPS = 4
+
+
+class FakeStream:
+    """When the data lands; `synchronize` blocks until then (a kernel reading it would too)."""
+
+    def __init__(self) -> None:
+        self.lands_at = 0.0
+
+    def synchronize(self) -> None:
+        time.sleep(max(0.0, self.lands_at - time.perf_counter()))
+
+
+class FakeWork:
+    def wait(self) -> None:  # NCCL-like: the receive is ordered, nothing has arrived
+        pass
+
+
+class TouchingWorker:
+    """A stage's worker: its compute span starts, reads the input (waiting for it like a kernel would),
+    then computes for COMPUTE_S."""
+
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True)
+        self.arch = SimpleNamespace(hidden_size=8)
+        self.dtype = torch.float32
+        self.spec = SimpleNamespace(stage=1, tp_rank=0)
+
+    def execute(self, out: Any, hidden_in: torch.Tensor) -> tuple[torch.Tensor, None, float]:
+        with self.recorder.span("compute", out.step_id):
+            self.stream.synchronize()  # the first read of the received tensor
+            time.sleep(COMPUTE_S)
+        return hidden_in, None, COMPUTE_S
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, data_ready: bool) -> list[Span]:
+    stream = FakeStream()
+
+    def fake_irecv(tensor: torch.Tensor, src: int) -> FakeWork:
+        stream.lands_at = time.perf_counter() + DELAY_S
+        return FakeWork()
+
+    monkeypatch.setattr(p2p.dist, "irecv", fake_irecv)
+    channel = TorchP2PChannel(peer=0, device=torch.device("cpu"))
+    if data_ready:
+        monkeypatch.setattr(channel, "_data_ready", lambda hidden: stream.synchronize())  # CUDA: stream sync
+    else:
+        monkeypatch.setattr(channel, "_data_ready", lambda hidden: None)  # the old bug: trust wait()
+    worker = TouchingWorker(stream)
+    actor = StageActor.local(worker, channel, SimpleNamespace(send=lambda hidden, seconds: None))
+    for step in range(STEPS):
+        actor.execute(SimpleNamespace(step_id=step, total_tokens=3))
+    return [Span.from_dict(s.to_dict()) for s in worker.recorder.drain()]
+
+
+def _busy_and_wait(spans: list[Span]) -> tuple[float, float]:
+    compute = sum(s.end_ns - s.start_ns for s in spans if s.kind == "compute") / 1e9 / STEPS
+    wait = sum(s.end_ns - s.start_ns for s in spans if s.kind == "recv_wait") / 1e9 / STEPS
+    return compute, wait
+
+
+def test_the_wait_for_the_data_is_booked_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    compute, wait = _busy_and_wait(_run(monkeypatch, data_ready=True))
+    assert compute == pytest.approx(COMPUTE_S, abs=0.015)
+    assert wait >= DELAY_S * 0.9
+    spans = _run(monkeypatch, data_ready=True)
+    work = [(spans[0].start_ns, spans[-1].end_ns)]  # the engine had work throughout
+    stage = bubble_report(spans, work).stages[0]
+    assert stage.bubble_fraction > 0.6  # 80 ms of every 100 ms is waiting for the previous stage
+
+
+def test_trusting_the_work_handle_would_book_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failure the channel prevents, shown by the same model: the transfer lands in compute."""
+    compute, wait = _busy_and_wait(_run(monkeypatch, data_ready=False))
+    assert wait < 0.01 and compute >= DELAY_S * 0.9
