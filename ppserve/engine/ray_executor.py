@@ -156,8 +156,9 @@ class RayExecutor:
                     num_cpus=par.cpus_per_worker, num_gpus=self.gpus_per_worker,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_groups[s], placement_group_bundle_index=r),
-                ).remote(spec, rank, world, rank - self.tp if s > 0 else None,
-                         rank + self.tp if s < self.pp - 1 else None)
+                ).remote(spec, rank, world,  # stage links join TP ranks 0 only: one copy per stage pair
+                         rank - self.tp if s > 0 and r == 0 else None,
+                         rank + self.tp if s < self.pp - 1 and r == 0 else None)
                 self.actors.append(actor)
                 self.layout.append({"stage": s, "tp_rank": r, "layers": [start, end]})
         infos = self._startup_get([a.node_info.remote() for a in self.actors], "starting the stage actors")

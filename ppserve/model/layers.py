@@ -334,7 +334,12 @@ class ParallelLMHead(_VocabShard):
         self.fast.pack(self.weight)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """[N, H] -> [N, vocab] float32 logits over the whole vocabulary."""
+        """[N, H] -> [N, vocab] float32 logits over the whole vocabulary, on every TP rank."""
         local = self.fast.linear(hidden, self.weight, None)  # [N, per_rank]
         full = self.tp.all_gather_last_dim(local)  # [N, per_rank * tp.size]
         return full[:, :self.vocab_size].float()
+
+    def logits_on_first_rank(self, hidden: Tensor) -> Tensor | None:
+        """The same logits on TP rank 0 only (None elsewhere): the one rank that samples."""
+        full = self.tp.gather_last_dim_to_first(self.fast.linear(hidden, self.weight, None))
+        return None if full is None else full[:, :self.vocab_size].float()

@@ -46,6 +46,24 @@ class TPContext:
         dist.all_gather(shards, x, group=self.group)  # type: ignore[arg-type]
         return torch.cat(shards, dim=-1)
 
+    def gather_last_dim_to_first(self, x: Tensor) -> Tensor | None:
+        """`all_gather_last_dim` delivered to TP rank 0 only (None on the others): what one sampling
+        rank needs, at 1/size of the traffic and memory of gathering everywhere."""
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        first = dist.get_global_rank(self.group, 0)  # type: ignore[arg-type]
+        shards = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, shards, dst=first, group=self.group)  # type: ignore[arg-type]
+        return torch.cat(shards, dim=-1) if shards is not None else None
+
+    def broadcast_from_first(self, x: Tensor) -> Tensor:
+        """TP rank 0's `x` into every rank's `x` (same shape and dtype on all), in place."""
+        if self.size == 1:
+            return x
+        dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)  # type: ignore[arg-type]
+        return x
+
     def shard_range(self, total: int) -> tuple[int, int]:
         """The [start, end) slice of an evenly divisible dimension of length `total` owned by this rank."""
         if total % self.size != 0:

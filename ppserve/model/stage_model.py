@@ -113,6 +113,12 @@ class StageModel(nn.Module):
             raise RuntimeError("compute_logits called on a stage without the LM head")
         return self.lm_head(hidden)
 
+    def logits_for_sampling(self, hidden: Tensor) -> Tensor | None:
+        """`compute_logits` gathered to TP rank 0 only, which samples for the stage; None on other ranks."""
+        if self.lm_head is None:
+            raise RuntimeError("logits_for_sampling called on a stage without the LM head")
+        return self.lm_head.logits_on_first_rank(hidden)
+
     # ---- weights ---------------------------------------------------------------------------------
     def hf_names_needed(self) -> list[str]:
         """The checkpoint tensor names this stage must receive (used to report missing ones)."""

@@ -29,20 +29,19 @@ def _generator_for(sp: SamplingParams, output_index: int, device: torch.device) 
     return g
 
 
-def _filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Mask logits [V] outside top-k and the top-p nucleus with -inf."""
-    if top_k > 0 and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it stays).
-        cum_before = torch.cumsum(probs, dim=-1) - probs
-        drop = cum_before >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
-    return logits
+def _filter_rows(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Rows [N, V] with each row's top-k (k <= 0: all) and then top-p nucleus kept, the rest -inf.
+    One sort for the whole batch. Ties with the k-th value stay, and the nucleus is the smallest sorted
+    prefix whose mass reaches top_p (the token crossing it stays)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum_before = torch.cumsum(probs, dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(cum_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
 def greedy(logits: Tensor) -> list[int]:
@@ -81,6 +80,34 @@ def top_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> li
             for i, k in enumerate(ks)]
 
 
+def _race(logits: Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]) -> Tensor:
+    """Scores [N, V] whose row-wise argmax is each row's token: the logits for greedy rows; for sampled
+    rows the filtered probabilities divided by Exp(1) noise (an exponential race: argmax p_i / E_i is a
+    draw from p). So every row of the batch is decided on the device in one argmax, and the sampled
+    ids cross to the host in one transfer, with no per-request sync (torch.multinomial + .item() was
+    one sync per sampled request). A seeded row draws its noise from its own generator, seeded by
+    (seed, output position): reproducible whatever else shares the batch."""
+    rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    if not rows:
+        return logits
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+    top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=device)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+    picked = _filter_rows(logits.index_select(0, index).float() / temperature[:, None], top_k, top_p)
+    probs = torch.softmax(picked, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for j, i in enumerate(rows):
+        gen = _generator_for(params[i], output_indices[i], device)
+        if gen is not None:
+            noise[j].exponential_(generator=gen)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0/0 = NaN, which argmax picks
+    scores = logits.float().clone()
+    scores.index_copy_(0, index, probs / noise)
+    return scores
+
+
 def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
            histories: Sequence[tuple[Sequence[int], int]] | None = None,
            stop_ids: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -101,15 +128,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
             ids, num_prompt = histories[i]
             stops = (*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
             logits[i] = process_logits(logits[i], params[i], ids, num_prompt, stops)
-    out = greedy(logits) if logits.shape[0] else []
-    for i, sp in enumerate(params):
-        if sp.greedy:
-            continue
-        row = _filter(logits[i].float() / sp.temperature, sp.top_k, sp.top_p)
-        probs = torch.softmax(row, dim=-1)
-        gen = _generator_for(sp, output_indices[i], logits.device)
-        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
-    tokens = [int(t) for t in out]
+    tokens = greedy(_race(logits, params, output_indices)) if logits.shape[0] else []
     wanted = [i for i, sp in enumerate(params) if sp.logprobs is not None]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if wanted:

@@ -4,9 +4,10 @@ A plain class. The Ray executor runs one per process (`ray.remote(StageActor)`):
 TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PChannel`s. The in-process
 executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
 way one microbatch is: receive the hidden states and the stage times so far from the previous stage
-(`recv_wait`), compute (`compute`), hand both on (`send`); the last stage samples, takes each stage's
-slowest TP rank (one small all-reduce) and returns the StepResult on its TP rank 0. No other stage
-reports anything to the engine.
+(`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP group), compute
+(`compute`), take the stage's slowest TP rank (one small all-reduce) and hand both on (`send`, TP
+rank 0 again); the last stage's TP rank 0 samples and returns the StepResult. No other stage reports
+anything to the engine.
 
 Entry points, one per control plane (engine/dispatch.py): `execute(out)` (a Ray call or the
 in-process executor), `execute_chained(out, upstream)` (a node of a Ray compiled graph, stage s+1
@@ -131,8 +132,8 @@ class StageActor:
         if self.outbound is not None:  # non-blocking: every rank sends before it receives, so none waits forever
             self.outbound.send(torch.zeros(1, hidden, dtype=worker.dtype, device=worker.device),
                                (0.0,) * (self.spec.stage + 1))
-        if self.inbound is not None:
-            self.inbound.recv(1, hidden, worker.dtype, self.spec.stage)
+        if self.spec.stage > 0:
+            self._receive(1)  # and the TP broadcast that passes it on
         worker.note_memory("communication warmed up")
 
     def block_size(self) -> int:
@@ -151,27 +152,47 @@ class StageActor:
         worker = self.worker
         seconds: tuple[float, ...] = ()
         hidden_in = None
-        if self.inbound is not None:
+        if self.spec.stage > 0:
             with worker.recorder.span("recv_wait", out.step_id):
-                hidden_in, seconds = self.inbound.recv(out.total_tokens, worker.arch.hidden_size, worker.dtype,
-                                                       self.spec.stage)
+                hidden_in, seconds = self._receive(out.total_tokens)
         hidden, result, compute_s = worker.execute(out, hidden_in)
-        seconds += (compute_s,)
-        if self.outbound is not None:
-            assert hidden is not None
-            with worker.recorder.span("send", out.step_id):
-                self.outbound.send(hidden, seconds)
+        if not worker.model.is_last:
+            # The stage's time is its slowest rank's: taken here, since only TP rank 0 sends it on.
+            seconds += worker.slowest_rank((compute_s,))
+            if self.outbound is not None:
+                assert hidden is not None
+                with worker.recorder.span("send", out.step_id):
+                    self.outbound.send(hidden, seconds)
             return None
-        assert result is not None
-        seconds = worker.slowest_rank(seconds)
+        seconds = (*seconds, *worker.slowest_rank((compute_s,)))
         if self.spec.tp_rank != 0:
             return None
+        assert result is not None
         return dataclasses.replace(result, stage_seconds=seconds)
+
+    def _receive(self, num_tokens: int) -> tuple[Any, tuple[float, ...]]:
+        """The previous stage's hidden states and stage times. Only TP rank 0 of each stage holds a link
+        (one copy per stage pair crosses the network, not one per TP rank); it hands both on to the
+        other ranks of its stage with a broadcast over the TP group (NVLink within a node)."""
+        import torch
+
+        worker, stage = self.worker, self.spec.stage
+        hidden_size, dtype, device = worker.arch.hidden_size, worker.dtype, worker.device
+        if self.inbound is not None:
+            hidden, seconds = self.inbound.recv(num_tokens, hidden_size, dtype, stage)
+        else:
+            hidden, seconds = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device), (0.0,) * stage
+        if worker.tp.size == 1:
+            return hidden, seconds
+        times = torch.tensor(seconds, dtype=torch.float64, device=device)
+        worker.tp.broadcast_from_first(hidden)
+        worker.tp.broadcast_from_first(times)
+        return hidden, tuple(times.tolist())
 
     def execute_chained(self, out: SchedulerOutput, upstream: int | None = None) -> int | StepResult | None:
         """`execute` as a compiled-graph node: a non-last stage returns the step id for the next stage."""
         result = self.execute(out)
-        return out.step_id if self.outbound is not None else result
+        return out.step_id if not self.worker.model.is_last else result
 
     def serve_connection(self, address: Any, authkey: bytes, index: int) -> None:
         """Connect to the engine (HMAC-authenticated) and run every SchedulerOutput it sends, in order,

@@ -39,6 +39,55 @@ def test_sampler_top_p_and_top_k_masks():
         assert t == 1  # the top token alone carries more than 30 % of the mass
 
 
+def test_sampled_tokens_follow_the_filtered_distribution():
+    """The exponential race draws from softmax(logits / T) restricted to top-k / top-p: frequencies over
+    many independent rows of one batch match the expected probabilities."""
+    torch.manual_seed(0)
+    n = 6000
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))[None, :].repeat(n, 1)
+    tokens, _ = sample(logits, [SamplingParams(temperature=1.0)] * n, [0] * n)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.25, 0.15, 0.1]), atol=0.025, rtol=0)
+    # top_k=2 renormalises over the two most likely; temperature 0.5 squares the odds (0.5 : 0.25 -> 4 : 1)
+    tokens, _ = sample(logits, [SamplingParams(temperature=0.5, top_k=2)] * n, [0] * n)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    torch.testing.assert_close(freq, torch.tensor([0.8, 0.2, 0.0, 0.0]), atol=0.025, rtol=0)
+    # top_p=0.7: the nucleus is {0, 1} (0.5 before token 1, 0.75 before token 2)
+    tokens, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * n, [0] * n)
+    assert set(tokens) == {0, 1}
+
+
+def test_a_mixed_batch_is_decided_with_one_transfer_to_the_host(monkeypatch):
+    """Greedy, seeded and unseeded rows in one batch: no per-request .item() sync, one list of ids back."""
+    calls = {"item": 0, "tolist": 0}
+    for name in calls:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _name=name, _original=original, **k):
+            calls[_name] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    from ppserve.model.ops import native
+
+    monkeypatch.setattr(native, "greedy_argmax", lambda: None)
+    logits = torch.randn(6, 50)
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.2, top_k=5, seed=2), SamplingParams(), SamplingParams(temperature=0.9)]
+    tokens, _ = sample(logits, params, [0, 3, 0, 1, 0, 2])
+    assert calls == {"item": 0, "tolist": 1}
+    assert tokens[0] == int(logits[0].argmax()) and tokens[4] == int(logits[4].argmax())
+
+
+def test_seeded_rows_do_not_depend_on_their_neighbours():
+    logits = torch.randn(3, 40)
+    sp = SamplingParams(temperature=1.0, seed=77)
+    alone = sample(logits[1:2], [sp], [5])[0]
+    crowd = sample(logits, [SamplingParams(temperature=1.0), sp, SamplingParams(temperature=0.5, seed=3)],
+                   [0, 5, 0])[0]
+    assert crowd[1] == alone[0]
+
+
 def test_stop_token_ids_and_eos(llm):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
     stop_at = greedy[3]
