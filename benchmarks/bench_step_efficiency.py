@@ -104,7 +104,7 @@ def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partitio
         pids = [os.getpid()] + [int(d["pid"]) for d in llm.engine.executor.describe() if d.get("pid")]
         rss = peak_rss_mib(sorted(set(pids)), with_children=False)
         blocks = llm.engine.executor.num_kv_blocks
-        block_size = llm.config.cache.block_size
+        block_size = llm.engine.executor.block_size  # cache.block_size, or the attention kernel's page
         llm_ranges = llm.engine.executor.ranges
     ttft, tbt, p99 = latency_figures(start, [o.token_times for o in outs])
     return EngineResult(

@@ -25,7 +25,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--no-seq-cap", action="store_true",
                    help="do not cap requests per microbatch at max_num_seqs / pp (on by default)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="KV block size (default: the attention kernel's page, 256 with flash-attn, else 16)")
     g.add_argument("--num-kv-blocks", type=int)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--dtype", default="float32")

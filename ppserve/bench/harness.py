@@ -53,7 +53,7 @@ class EngineSpec:
     token_budget: int = 128
     max_num_seqs: int = 32
     seq_cap: bool = True  # scheduler.per_microbatch_seq_cap (max_num_seqs / pp requests per microbatch)
-    block_size: int = 16
+    block_size: int | None = None  # None: the attention kernel's page (256 with flash-attn, else 16)
     num_kv_blocks: int | None = None
     max_model_len: int | None = 2048
     dtype: str = "float32"
@@ -68,9 +68,10 @@ class EngineSpec:
             f"scheduler.policy={policy}",
             f"scheduler.max_num_seqs={self.max_num_seqs}",
             f"scheduler.per_microbatch_seq_cap={'true' if self.seq_cap else 'false'}",
-            f"cache.block_size={self.block_size}",
             f"model.dtype={self.dtype}",
         ]
+        if self.block_size is not None:
+            sets.append(f"cache.block_size={self.block_size}")
         if self.model:
             sets.append(f"model.model={self.model}")
         if self.max_model_len:

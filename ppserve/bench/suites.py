@@ -235,7 +235,7 @@ def sim_config(ctx: BenchContext, policy: str, overhead_s: float, num_blocks: in
     e = ctx.engine
     sched = SchedulerConfig(policy=policy, token_budget=token_budget or e.token_budget, max_num_seqs=e.max_num_seqs,
                             per_microbatch_seq_cap=e.seq_cap)
-    return SimConfig(scheduler=sched, num_blocks=num_blocks or 100_000, block_size=e.block_size,
+    return SimConfig(scheduler=sched, num_blocks=num_blocks or 100_000, block_size=e.block_size or 16,
                      max_model_len=e.max_model_len or 2048, schedule_overhead_s=overhead_s)
 
 

@@ -204,11 +204,12 @@ class StageWorker:
         hidden = self.model(ids if self.model.is_first else None, hidden_in, positions, cache, meta)
         if self.model.is_last:
             last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(seqs)], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last))
-            from ppserve.request import SamplingParams
+            logits = self.model.logits_for_sampling(hidden.index_select(0, last))
+            if logits is not None:  # the sampling rank: its peak is the stage's largest
+                from ppserve.request import SamplingParams
 
-            sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
-            del logits
+                sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
+                del logits
         del hidden, cache
         if not cuda:
             return 0
@@ -217,8 +218,9 @@ class StageWorker:
         torch.cuda.empty_cache()
         return max(0, peak)
 
-    def note_memory(self, phase: str) -> dict[str, Any]:
-        """Record (and log) the memory figures at a start-up phase: the GPU check prints these."""
+    def note_memory(self, phase: str, **facts: float) -> dict[str, Any]:
+        """Record (and log) the memory figures at a start-up phase, with what else the phase measured
+        (`facts`): the GPU check prints these."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             entry = {"phase": phase, "allocated_gib": torch.cuda.memory_allocated(self.device) / GiB,
@@ -227,6 +229,7 @@ class StageWorker:
         else:
             rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             entry = {"phase": phase, "rss_gib": rss / GiB, "free_gib": free_memory_bytes(self.device) / GiB}
+        entry.update(facts)
         self.memory_log.append(entry)
         logger.info("stage %d tp %d memory after %s: %s", self.spec.stage, self.spec.tp_rank, phase,
                     ", ".join(f"{k} {v:.2f}" for k, v in entry.items() if k != "phase"))
@@ -261,10 +264,11 @@ class StageWorker:
         logger.info("stage %d tp %d: KV cache of %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.spec.stage,
                     self.spec.tp_rank, num_blocks, self.block_size, num_blocks * self.block_size,
                     num_blocks * self.kv_bytes_per_block() / GiB, self.kv_dtype)
-        self.note_memory("KV cache allocated")
+        self.note_memory("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
+                         kv_gib=num_blocks * self.kv_bytes_per_block() / GiB)
         if self.graphs is not None and mode == "capture":
-            self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
-            self.note_memory("decode graphs captured")
+            seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
+            self.note_memory("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -305,8 +309,9 @@ class StageWorker:
             return hidden, None
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        if inp.sample_request_ids:
-            logits = self.model.compute_logits(hidden.index_select(0, inp.logits_indices))
+        logits = (self.model.logits_for_sampling(hidden.index_select(0, inp.logits_indices))
+                  if inp.sample_request_ids else None)
+        if logits is not None:  # TP rank 0 samples for the stage; the scheduler tells every rank the tokens
             states = inp.sample_states
             tokens, lps = sample(logits, [st.sampling for st in states],
                                  [len(st.token_ids) - st.num_prompt_tokens for st in states],
@@ -317,8 +322,8 @@ class StageWorker:
         return None, StepResult(out.step_id, sampled, logprobs=logprobs)
 
     def slowest_rank(self, stage_seconds: tuple[float, ...]) -> tuple[float, ...]:
-        """Each stage's time as its slowest TP rank's (the stage waits for all of them): a max all-reduce
-        over this stage's TP group of the times each rank's chain carried."""
+        """These times as the slowest TP rank's (the stage waits for all of them): a max all-reduce over
+        this stage's TP group. Each stage reduces its own time before TP rank 0 sends it on."""
         if self.tp.size == 1:
             return stage_seconds
         t = torch.tensor(stage_seconds, dtype=torch.float64, device=self.device)

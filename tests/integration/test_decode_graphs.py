@@ -101,9 +101,11 @@ def test_bad_cuda_graph_settings_are_rejected() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("block_size", [16, 256])  # 256: flash-attn's paged decode kernel inside the graph
-def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size: int) -> None:
+@pytest.mark.parametrize("backend", ["auto", "triton_paged"])
+def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size: int, backend: str) -> None:
     prompts = _prompts(2, 9)
-    common = dict(dtype=dtype, block_size=block_size, token_budget=32, cuda_graph_max_batch=8)
+    common = dict(dtype=dtype, block_size=block_size, token_budget=32, cuda_graph_max_batch=8,
+                  attention_backend=backend)
     # The same padded inputs run eagerly and replayed from captured graphs: the same kernels on the same
     # shapes, so every generated token agrees, in bf16 too.
     padded, _, _ = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", **common)

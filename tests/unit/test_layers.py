@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"sim"},  # the simulator
     {"timeline"},
     {"server"},  # gRPC and HTTP front doors, the demo
-    {"bench"},
+    {"bench", "gpu_check"},  # measurement tools (gpu_check: the one-shot GPU check)
     {"cli"},
 ]
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
