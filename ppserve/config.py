@@ -100,6 +100,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"parallel.startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
+        if self.gpus_per_worker is not None and not self.gpus_per_worker >= 0:
+            raise ValueError(f"parallel.gpus_per_worker must be >= 0 (or unset: auto), got {self.gpus_per_worker!r}")
         if self.max_restarts < 0:
             raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
         if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):

@@ -22,6 +22,7 @@ from ppserve.comm import p2p
 from ppserve.comm.p2p import TorchP2PChannel
 from ppserve.metrics.bubbles import bubble_report
 from ppserve.metrics.spans import Span, SpanRecorder
+from ppserve.model.parallel import TPContext
 from ppserve.worker.stage_actor import StageActor
 
 DELAY_S = 0.08  # the transfer: the data lands this long after the receive is posted
@@ -53,7 +54,13 @@ class TouchingWorker:
         self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True)
         self.arch = SimpleNamespace(hidden_size=8)
         self.dtype = torch.float32
+        self.device = torch.device("cpu")
         self.spec = SimpleNamespace(stage=1, tp_rank=0)
+        self.tp = TPContext()  # one rank: no broadcast after the receive
+        self.model = SimpleNamespace(is_last=False)  # a middle stage: it sends on
+
+    def slowest_rank(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
+        return seconds
 
     def execute(self, out: Any, hidden_in: torch.Tensor) -> tuple[torch.Tensor, None, float]:
         with self.recorder.span("compute", out.step_id):

@@ -35,6 +35,10 @@ def test_shipped_configs_load():
         ("scheduler.nosuch=1", "scheduler.nosuch"),
         ("scheduler", "section.key=value"),
         ("cache.block_size=1.5", "cache.block_size must be an integer"),
+        ("parallel.startup_timeout_s=0", "parallel.startup_timeout_s"),
+        ("cache.gpu_memory_utilization=1.5", "cache.gpu_memory_utilization"),
+        ("model.attention_backend=flashinfer", "model.attention_backend must be one of"),
+        ("parallel.gpus_per_worker=-1", "parallel.gpus_per_worker"),
     ],
 )
 def test_validation_names_the_value(override, message):
