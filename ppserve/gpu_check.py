@@ -194,9 +194,9 @@ class StepClock:
     def _wrap(self, worker: Any, stage: int) -> None:
         inner = worker.execute
 
-        def timed(out: Any, hidden_in: Any = None) -> Any:
+        def timed(out: Any, hidden_in: Any = None, inp: Any = None) -> Any:
             t0 = time.perf_counter()
-            result = inner(out, hidden_in)
+            result = inner(out, hidden_in, inp)
             wall = time.perf_counter() - t0
             if out.num_prefill_tokens == 0 and out.num_decode_tokens > 0:
                 self.samples[stage].append((wall, result.compute_s))

@@ -1,7 +1,8 @@
 """Control-plane latency from spans: how long a microbatch waits on the engine and the links, not on compute.
 
 Three gaps per microbatch, all on the engine's clock (spans of TP rank 0):
-- dispatch: the engine's `schedule` span ends -> stage 0 starts computing it;
+- dispatch: the engine's `schedule` span ends -> stage 0 starts working on it (its `prepare` span, where
+  it has one, else its compute);
 - hop: stage s ends computing it -> stage s+1 starts computing it (the hidden states' transfer and
   the stage's wake-up; a gap that a busy stage s+1 would have anyway is not the link's: a hop is
   counted from max(stage s end, stage s+1 free));
@@ -28,9 +29,12 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
     """{"dispatch", "hop", "turnaround"}: each {"count", "p50_s", "p90_s"} (None when nothing was seen)."""
     compute: dict[int, dict[int, Span]] = defaultdict(dict)  # step -> stage -> compute span (tp rank 0)
     schedule: dict[int, Span] = {}
+    first_prepare: dict[int, int] = {}  # step -> stage 0's prepare start (the step has arrived)
     for s in spans:
         if s.kind == "compute" and s.tp_rank == 0:
             compute[s.step_id][s.stage] = s
+        elif s.kind == "prepare" and s.tp_rank == 0 and s.stage == 0:
+            first_prepare[s.step_id] = s.start_ns
         elif s.kind == "schedule" and s.stage == ENGINE_STAGE:
             schedule[s.step_id] = s
     if not compute:
@@ -55,7 +59,7 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
         sched = schedule.get(step)
         if sched is not None and 0 in stages:
             ready = max(sched.end_ns, free_before.get((0, step), sched.end_ns))
-            dispatch.append(max(0, stages[0].start_ns - ready))
+            dispatch.append(max(0, first_prepare.get(step, stages[0].start_ns) - ready))
         for st in range(last):
             if st in stages and st + 1 in stages:
                 ready = max(stages[st].end_ns, free_before.get((st + 1, step), stages[st].end_ns))

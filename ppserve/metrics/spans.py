@@ -36,9 +36,12 @@ __all__ = [
 ]
 
 # What a span can say. `schedule` lives on the engine track (stage == ENGINE_STAGE).
-KINDS: frozenset[str] = frozenset({"recv_wait", "compute", "send", "schedule"})
+# `prepare` is a stage building a microbatch's inputs (its diff applied, tensors made) before its
+# hidden states arrive: work of the stage, kept out of `compute` so that compute stays the span from
+# the stage's inputs being complete to its outputs (what per-request bubbles measure between stages).
+KINDS: frozenset[str] = frozenset({"recv_wait", "prepare", "compute", "send", "schedule"})
 # Kinds that make a stage busy: waiting for input is idleness, which is exactly what a bubble is.
-BUSY_KINDS: frozenset[str] = frozenset({"compute", "send"})
+BUSY_KINDS: frozenset[str] = frozenset({"prepare", "compute", "send"})
 # The stage number of the engine / scheduler track.
 ENGINE_STAGE = -1
 

@@ -2,7 +2,7 @@
 
 Layout: one process "pipeline" (pid 1). Tracks (threads), in this order:
 - "scheduler": engine-track spans (stage -1), then "engine work" with one "work" slice per work interval;
-- per (stage, tp rank): "stage S / tp R" holding compute and send slices plus "bubble" and
+- per (stage, tp rank): "stage S / tp R" holding prepare, compute and send slices plus "bubble" and
   "starvation" slices (category "bubble"; both are idle time, so they never overlap a busy slice),
   and "stage S / tp R recv" holding recv_wait slices. recv_wait gets its own track because waiting
   for input overlaps idle time (and, with async receives, compute) and slices on one track must nest.

@@ -3,8 +3,9 @@
 A plain class. The Ray executor runs one per process (`ray.remote(StageActor)`): it binds the
 TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PChannel`s. The in-process
 executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
-way one microbatch is: receive the hidden states and the stage times so far from the previous stage
-(`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP group), compute
+way one microbatch is: apply its diff and build its input tensors (`prepare`, before waiting, so it
+overlaps the previous stage's compute), receive the hidden states and the stage times so far from the
+previous stage (`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP group), compute
 (`compute`), take the stage's slowest TP rank (one small all-reduce) and hand both on (`send`, TP
 rank 0 again); the last stage's TP rank 0 samples and returns the StepResult. No other stage reports
 anything to the engine.
@@ -152,10 +153,11 @@ class StageActor:
         worker = self.worker
         seconds: tuple[float, ...] = ()
         hidden_in = None
+        inp = worker.prepare(out)  # before the wait: it needs nothing from the previous stage
         if self.spec.stage > 0:
             with worker.recorder.span("recv_wait", out.step_id):
                 hidden_in, seconds = self._receive(out.total_tokens)
-        hidden, result, compute_s = worker.execute(out, hidden_in)
+        hidden, result, compute_s = worker.execute(out, hidden_in, inp)
         if not worker.model.is_last:
             # The stage's time is its slowest rank's: taken here, since only TP rank 0 sends it on.
             seconds += worker.slowest_rank((compute_s,))

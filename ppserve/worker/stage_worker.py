@@ -33,7 +33,7 @@ from ppserve.model.registry import build_stage_model
 from ppserve.request import TokenLogprob
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
-from ppserve.worker.input_batch import InputBatch
+from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, kv_budget_bytes
 from ppserve.worker.sampler import sample
 
@@ -272,17 +272,33 @@ class StageWorker:
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None) -> StageOutput:
-        """Run this stage's layers for one microbatch. The last stage samples (a StepResult of tokens);
-        other stages hand back the hidden states [T, H] for the next stage. Either way with the stage's
-        compute seconds, which the scheduler's cost model learns from."""
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Apply the microbatch's diff and build its input tensors (a `prepare` span). It needs nothing
+        from the previous stage, so the actor runs it before waiting for the hidden states: the host
+        work of step k overlaps the previous stage's compute of step k instead of following it."""
+        start = time.perf_counter_ns()
+        try:
+            self.batch.apply(out)
+            return self.batch.prepare(out)
+        finally:
+            self.recorder.record("prepare", start, time.perf_counter_ns(), out.step_id)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None,
+                inp: ModelInput | None = None) -> StageOutput:
+        """Run this stage's layers for one microbatch (`inp` from `prepare`, or prepared now). The last
+        stage samples (a StepResult of tokens); other stages hand back the hidden states [T, H] for the
+        next stage. Either way with the stage's compute seconds, which the scheduler's cost model learns
+        from."""
+        if inp is None:
+            inp = self.prepare(out)
         events = None
         if self.device.type == "cuda":  # the GPU's own clock: launches return before the work is done
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         start = time.perf_counter_ns()
         try:
-            hidden, result = self._compute(out, hidden_in)
+            hidden, result = self._compute(out, inp, hidden_in)
             if events is not None:
                 events[1].record()
                 events[1].synchronize()
@@ -294,9 +310,8 @@ class StageWorker:
         seconds = events[0].elapsed_time(events[1]) * 1e-3 if events is not None else (end - start) * 1e-9
         return StageOutput(hidden, result, seconds)
 
-    def _compute(self, out: SchedulerOutput, hidden_in: Tensor | None) -> tuple[Tensor | None, StepResult | None]:
-        self.batch.apply(out)
-        inp = self.batch.prepare(out)
+    def _compute(self, out: SchedulerOutput, inp: ModelInput,
+                 hidden_in: Tensor | None) -> tuple[Tensor | None, StepResult | None]:
         if self.graphs is not None and self.graphs.applies(inp.meta):
             hidden = self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
         else:

@@ -27,6 +27,7 @@ from ppserve.worker.stage_actor import StageActor
 
 DELAY_S = 0.08  # the transfer: the data lands this long after the receive is posted
 COMPUTE_S = 0.02  # the stage's own work on the data
+PREPARE_S = 0.005  # building the step's inputs, before the receive is posted
 STEPS = 4
 
 
@@ -62,7 +63,11 @@ class TouchingWorker:
     def slowest_rank(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
         return seconds
 
-    def execute(self, out: Any, hidden_in: torch.Tensor) -> tuple[torch.Tensor, None, float]:
+    def prepare(self, out: Any) -> None:
+        with self.recorder.span("prepare", out.step_id):
+            time.sleep(PREPARE_S)  # host work on the step's inputs
+
+    def execute(self, out: Any, hidden_in: torch.Tensor, inp: None = None) -> tuple[torch.Tensor, None, float]:
         with self.recorder.span("compute", out.step_id):
             self.stream.synchronize()  # the first read of the received tensor
             time.sleep(COMPUTE_S)
@@ -103,6 +108,20 @@ def test_the_wait_for_the_data_is_booked_as_waiting(monkeypatch: pytest.MonkeyPa
     work = [(spans[0].start_ns, spans[-1].end_ns)]  # the engine had work throughout
     stage = bubble_report(spans, work).stages[0]
     assert stage.bubble_fraction > 0.6  # 80 ms of every 100 ms is waiting for the previous stage
+
+
+def test_inputs_are_prepared_before_the_wait_and_count_as_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage builds step k's inputs before it waits for step k's hidden states, so that host work
+    overlaps the previous stage instead of following it, and the time is the stage's work, not a bubble."""
+    spans = _run(monkeypatch, data_ready=True)
+    for step in range(STEPS):
+        by_kind = {s.kind: s for s in spans if s.step_id == step}
+        assert by_kind["prepare"].end_ns <= by_kind["recv_wait"].start_ns <= by_kind["compute"].start_ns
+    work = [(spans[0].start_ns, spans[-1].end_ns)]
+    stage = bubble_report(spans, work).stages[0]
+    prepare = sum(s.end_ns - s.start_ns for s in spans if s.kind == "prepare")
+    compute = sum(s.end_ns - s.start_ns for s in spans if s.kind == "compute")
+    assert stage.busy_fraction == pytest.approx((prepare + compute) / (work[0][1] - work[0][0]), abs=0.02)
 
 
 def test_trusting_the_work_handle_would_book_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
