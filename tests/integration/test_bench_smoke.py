@@ -59,7 +59,7 @@ def test_replay_records_every_token(ctx):
         assert t.first_scheduled_s is not None and t.first_scheduled_s >= t.arrival_s
         assert t.token_times_s[0] >= t.first_scheduled_s
     s = run.summary()
-    # Recomputed from the run's own spans: a stage's busy time is the union of its compute and send spans
+    # Recomputed from the run's own spans: a stage's busy time is the union of its prepare, compute and send spans
     # in the window, and busy + bubble + starvation fill it; the second stage idles while the first
     # computes the first microbatch, so there is a bubble.
     from ppserve.metrics.bubbles import bubble_report, intersect, resolve_window, total, union
@@ -67,7 +67,8 @@ def test_replay_records_every_token(ctx):
     rep = bubble_report(run.spans, run.work_intervals, "active")
     _, window = resolve_window(run.spans, run.work_intervals, "active")
     for st in rep.stages:  # tp = 1: one rank per stage
-        spans = [(x.start_ns, x.end_ns) for x in run.spans if x.stage == st.stage and x.kind in ("compute", "send")]
+        spans = [(x.start_ns, x.end_ns) for x in run.spans if x.stage == st.stage
+                 and x.kind in ("prepare", "compute", "send")]
         assert st.busy_ns == total(intersect(union(spans), window))
         assert st.busy_ns + st.bubble_ns + st.starvation_ns == total(window)
     assert s["bubbles"]["mean_bubble_fraction"] == pytest.approx(rep.mean_bubble_fraction)
