@@ -96,13 +96,10 @@ class InProcExecutor:
             return cache.num_blocks
         workers = self.workers
         if cache.kv_cache_memory is None and workers[0].device.type == "cuda":
-            import torch
-
-            from ppserve.worker.memory import kv_budget_bytes, split_blocks
+            from ppserve.worker.memory import split_blocks
 
             peak = max(w.profile_peak_bytes() for w in workers)
-            free, total = torch.cuda.mem_get_info(workers[0].device)
-            budget = kv_budget_bytes(int(total), int(free), peak, cache.gpu_memory_utilization)
+            budget = workers[0].kv_budget_bytes(None, cache.gpu_memory_utilization, peak=peak)
             return split_blocks(budget, [w.kv_bytes_per_block() for w in workers])
         mem = cache.kv_cache_memory
         if mem is not None and mem <= 1:

@@ -5,10 +5,10 @@ TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PCha
 executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
 way one microbatch is: apply its diff and build its input tensors (`prepare`, before waiting, so it
 overlaps the previous stage's compute), receive the hidden states and the stage times so far from the
-previous stage (`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP group), compute
-(`compute`), take the stage's slowest TP rank (one small all-reduce) and hand both on (`send`, TP
-rank 0 again); the last stage's TP rank 0 samples and returns the StepResult. No other stage reports
-anything to the engine.
+previous stage (`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP
+group), compute (`compute`), take the stage's slowest TP rank (one small all-reduce) and hand both on
+(`send`, TP rank 0 again); the last stage's TP rank 0 samples and returns the StepResult. No other
+stage reports anything to the engine.
 
 Entry points, one per control plane (engine/dispatch.py): `execute(out)` (a Ray call or the
 in-process executor), `execute_chained(out, upstream)` (a node of a Ray compiled graph, stage s+1
@@ -158,15 +158,14 @@ class StageActor:
             with worker.recorder.span("recv_wait", out.step_id):
                 hidden_in, seconds = self._receive(out.total_tokens)
         hidden, result, compute_s = worker.execute(out, hidden_in, inp)
+        # The stage's time is its slowest rank's: taken here, since only TP rank 0 passes it on.
+        seconds += worker.slowest_rank((compute_s,))
         if not worker.model.is_last:
-            # The stage's time is its slowest rank's: taken here, since only TP rank 0 sends it on.
-            seconds += worker.slowest_rank((compute_s,))
             if self.outbound is not None:
                 assert hidden is not None
                 with worker.recorder.span("send", out.step_id):
                     self.outbound.send(hidden, seconds)
             return None
-        seconds = (*seconds, *worker.slowest_rank((compute_s,)))
         if self.spec.tp_rank != 0:
             return None
         assert result is not None

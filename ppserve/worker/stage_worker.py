@@ -155,15 +155,18 @@ class StageWorker:
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    def kv_budget_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
+    def kv_budget_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float,
+                        peak: int | None = None) -> int:
         """The bytes this worker's KV cache may take: `kv_cache_memory` when set (bytes when > 1, else a
-        fraction of free memory now); unset, on CUDA, what the profile leaves of
-        `gpu_memory_utilization` x total (worker/memory.py), and on CPU DEFAULT_CPU_KV_BYTES."""
+        fraction of free memory now); unset, on CUDA, what the profiled `peak` (this worker's own when
+        None) leaves of `gpu_memory_utilization` x total (worker/memory.py), and on CPU
+        DEFAULT_CPU_KV_BYTES."""
         if kv_cache_memory is not None:
             return int(kv_cache_memory) if kv_cache_memory > 1 else int(kv_cache_memory * free_memory_bytes(self.device))
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_BYTES
-        peak = self.profile_peak_bytes()
+        if peak is None:
+            peak = self.profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = kv_budget_bytes(int(total), int(free), peak, gpu_memory_utilization)
         logger.info("stage %d tp %d: KV budget %.2f GiB = %.2f x %.1f GiB - %.2f GiB in use - %.2f GiB peak",
