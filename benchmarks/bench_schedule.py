@@ -28,7 +28,7 @@ def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[s
     """Median schedule() and update_from_output() per microbatch with `num_requests` decoding requests on a
     pipeline of `pp` slots (pp microbatches in flight, each about num_requests / pp decodes)."""
     cfg = SchedulerConfig(policy="sarathi", token_budget=num_requests, max_num_seqs=num_requests)
-    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, max_in_flight=pp)
+    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, num_stages=pp)
     for i in range(num_requests):
         s.add_request(Request(f"r{i}", list(range(1, 33)), SamplingParams(max_tokens=10_000, ignore_eos=True)))
 

@@ -1,4 +1,4 @@
-"""Capacity under an SLO (the Sarathi-Serve protocol, DESIGN.md §6): the highest Poisson request rate
+"""Capacity under an SLO (the Sarathi-Serve protocol, ARCHITECTURE.md §6): the highest Poisson request rate
 at which p99 TBT <= a target and median scheduling delay <= 2 s, found by search over the rate on a
 fixed trace.
 

@@ -1,6 +1,6 @@
 """The benchmark harness: replay a workload against a real pipeline and measure it.
 
-Offline mode (the main one) drives `ppserve.engine.core.Engine` directly, as a server would but
+Offline mode (the main one) drives `ppserve.engine.llm_engine.LLMEngine` directly, as a server would but
 single-threaded: add every request whose arrival time has passed (relative to the run start on
 `time.perf_counter`, the engine clock), step the engine while it has work, sleep until the next
 arrival when it has none. Each request's arrival time is its *scheduled* arrival, so the time it

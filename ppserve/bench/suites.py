@@ -1,6 +1,6 @@
 """The four benchmarks, each a function from settings to a results folder:
 
-- `compare`:  one workload, one seed, several policies side by side in one run (DESIGN.md §4, §6);
+- `compare`:  one workload, one seed, several policies side by side in one run (ARCHITECTURE.md §3, §6);
 - `capacity`: the Sarathi-Serve capacity search per policy, on the real pipeline and/or the simulator;
 - `sweep`:    token budget vs p99 TBT and throughput (sarathi);
 - `validate`: the simulator, fitted to a profile of the real pipeline on workload A, predicts per-stage

@@ -1,6 +1,6 @@
-"""AsyncEngine: drives the single-threaded Engine from one dedicated thread for asyncio front doors.
+"""AsyncEngine: drives the single-threaded LLMEngine from one dedicated thread for asyncio front doors.
 
-The Engine is not thread-safe, so exactly one thread ("ppserve-engine") ever touches it after
+The LLMEngine is not thread-safe, so exactly one thread ("ppserve-engine") ever touches it after
 start-up. Everything else talks to that thread through a FIFO inbox of commands (add, cancel, call,
 stop), applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per
 step carrying that step's `TokenDelta`s, so the engine thread never blocks on a client. Each request's
@@ -141,7 +141,7 @@ class EngineObserver(Protocol):
 
 
 class AsyncEngine:
-    """Owns an Engine and its step-loop thread; every public method is for the event loop's thread."""
+    """Owns an LLMEngine and its step-loop thread; every public method is for the event loop's thread."""
 
     def __init__(
         self, engine: Any, *, keep_all_spans: bool = False, stats_window_s: float = STATS_WINDOW_S
@@ -174,10 +174,10 @@ class AsyncEngine:
 
     @classmethod
     def build(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
-        """Build the Engine (slow: loads weights, starts the pipeline). Call before the event loop runs."""
-        from ppserve.engine.core import Engine
+        """Build the LLMEngine (slow: loads weights, starts the pipeline). Call before the event loop runs."""
+        from ppserve.engine.llm_engine import LLMEngine
 
-        return cls(Engine(config), **kwargs)
+        return cls(LLMEngine(config), **kwargs)
 
     def add_observer(self, observer: EngineObserver) -> None:
         """Tell `observer` (on the engine thread) of requests added, deltas and microbatches. Before start()."""
@@ -220,7 +220,7 @@ class AsyncEngine:
     async def add_choices(
         self, prompt: PromptInput, sampling: SamplingParams, request_id: str | None = None
     ) -> list[RequestStream]:
-        """Queue the request's n choices (all or none; see Engine.add_choices): one stream per choice.
+        """Queue the request's n choices (all or none; see LLMEngine.add_choices): one stream per choice.
         Cancelling or releasing `request_id` covers every choice."""
         self._check_available()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"

@@ -49,10 +49,10 @@ def _check(result: Any, step_id: int) -> StepResult:
 
 
 class ConnectionDispatch:
-    def __init__(self, actors: list[Any], pp: int, tp: int, host: str) -> None:
+    def __init__(self, actors: list[Any], num_stages: int, tp: int, host: str) -> None:
         import ray
 
-        self.last = (pp - 1) * tp  # the actor whose connection carries the results
+        self.last = (num_stages - 1) * tp  # the actor whose connection carries the results
         authkey = os.urandom(32)
         conns: dict[int, Connection] = {}
         # The listener lives only while the actors connect: no port stays open afterwards.
@@ -111,17 +111,17 @@ class ConnectionDispatch:
 
 
 class CompiledGraphDispatch:
-    def __init__(self, actors: list[Any], pp: int, tp: int) -> None:
+    def __init__(self, actors: list[Any], num_stages: int, tp: int) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:
             upstream: list[Any] = [None] * tp
-            for s in range(pp):
+            for s in range(num_stages):
                 upstream = [actors[s * tp + r].execute_chained.bind(inp, upstream[r]) for r in range(tp)]
             dag = MultiOutputNode(upstream)
         t0 = time.perf_counter()
-        # At most pp microbatches are in flight (the scheduler's invariant); one more would block execute().
-        self.graph = dag.experimental_compile(_max_inflight_executions=pp)
+        # At most num_stages microbatches are in flight (the scheduler's invariant); one more would block execute().
+        self.graph = dag.experimental_compile(_max_inflight_executions=num_stages)
         logger.info("compiled the stage graph (%d actors) in %.2f s", len(actors), time.perf_counter() - t0)
         self.in_flight: deque[tuple[int, list[Any]]] = deque()
 
@@ -154,9 +154,9 @@ class CompiledGraphDispatch:
 
 
 class ClassicDispatch:
-    def __init__(self, actors: list[Any], pp: int, tp: int) -> None:
+    def __init__(self, actors: list[Any], num_stages: int, tp: int) -> None:
         self.actors = actors
-        self.last = (pp - 1) * tp
+        self.last = (num_stages - 1) * tp
         self.in_flight: deque[tuple[int, list[Any]]] = deque()
 
     def submit(self, out: SchedulerOutput) -> None:

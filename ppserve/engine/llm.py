@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.config import EngineConfig, load_config
-from ppserve.engine.core import Engine
+from ppserve.engine.llm_engine import LLMEngine
 from ppserve.engine.messages import PromptInput
 from ppserve.metrics.bubbles import BubbleReport, bubble_report
 from ppserve.metrics.spans import Span
@@ -67,7 +67,7 @@ class LLM:
             self.config = config
         else:
             self.config = load_config(config, overrides, extra)
-        self.engine = Engine(self.config)
+        self.engine = LLMEngine(self.config)
         self._spans: list[Span] = []
 
     @property

@@ -68,7 +68,7 @@ class RayExecutor:
 
         self.config = config
         par = config.parallel
-        self.pp, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
+        self.num_stages, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
         self.model_dir, self.arch = model_dir, arch
         self.ranges = list(ranges)
         self.startup_timeout_s = par.startup_timeout_s
@@ -126,14 +126,14 @@ class RayExecutor:
         from ppserve.worker.stage_actor import StageActor
 
         par = self.config.parallel
-        world = self.pp * self.tp
+        world = self.num_stages * self.tp
         bundle = {"CPU": par.cpus_per_worker}
         if self.gpus_per_worker:
             bundle["GPU"] = self.gpus_per_worker
         # One placement group per stage: its TP ranks packed on one node; stages go where resources allow,
         # or onto the nodes labelled with the stage's custom resource (launch/ scripts set those labels).
         self.placement_groups = []
-        for s in range(self.pp):
+        for s in range(self.num_stages):
             b = dict(bundle)
             if par.stage_resources:
                 b[par.stage_resources[s]] = 0.01
@@ -158,7 +158,7 @@ class RayExecutor:
                         placement_group=self.placement_groups[s], placement_group_bundle_index=r),
                 ).remote(spec, rank, world,  # stage links join TP ranks 0 only: one copy per stage pair
                          rank - self.tp if s > 0 and r == 0 else None,
-                         rank + self.tp if s < self.pp - 1 and r == 0 else None)
+                         rank + self.tp if s < self.num_stages - 1 and r == 0 else None)
                 self.actors.append(actor)
                 self.layout.append({"stage": s, "tp_rank": r, "layers": [start, end]})
         infos = self._startup_get([a.node_info.remote() for a in self.actors], "starting the stage actors")
@@ -166,7 +166,7 @@ class RayExecutor:
             lay.update(info)
         master = infos[0]["node_ip"]
         port = self._startup_get(self.actors[0].listen_for_store.remote(master), "opening the rendezvous")
-        tp_groups = [[s * self.tp + r for r in range(self.tp)] for s in range(self.pp)]
+        tp_groups = [[s * self.tp + r for r in range(self.tp)] for s in range(self.num_stages)]
         self._startup_get([a.init_distributed.remote(master, port, tp_groups) for a in self.actors],
                           "loading weights and joining torch.distributed")
         for lay in self.layout:
@@ -193,11 +193,11 @@ class RayExecutor:
             # The actors connect back to this process: on loopback when Ray is embedded, else on the
             # address the cluster knows this node by.
             host = "127.0.0.1" if self.owns_ray else ray.util.get_node_ip_address()
-            self.dispatch = ConnectionDispatch(self.actors, self.pp, self.tp, host)
+            self.dispatch = ConnectionDispatch(self.actors, self.num_stages, self.tp, host)
         elif self.dispatch_kind == "compiled":
-            self.dispatch = CompiledGraphDispatch(self.actors, self.pp, self.tp)
+            self.dispatch = CompiledGraphDispatch(self.actors, self.num_stages, self.tp)
         else:
-            self.dispatch = ClassicDispatch(self.actors, self.pp, self.tp)
+            self.dispatch = ClassicDispatch(self.actors, self.num_stages, self.tp)
 
     # ---- the hot path --------------------------------------------------------------------------
     def submit(self, out: SchedulerOutput) -> None:

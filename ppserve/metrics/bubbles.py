@@ -1,6 +1,6 @@
 """Pipeline bubble figures: pure functions from spans and work intervals to a labelled report.
 
-Definitions (DESIGN.md §5), for one (stage, tp rank) and one window W (a set of time intervals):
+Definitions (ARCHITECTURE.md §5), for one (stage, tp rank) and one window W (a set of time intervals):
 - busy       = |union of its prepare, compute and send spans ∩ W|   (overlaps count once)
 - bubble     = |(work ∩ W) − busy spans|   idle while the engine had work (a request waiting or in flight)
 - starvation = |W − work − busy spans|     idle with no work at all: the load's fault, not the pipeline's

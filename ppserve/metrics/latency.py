@@ -1,4 +1,4 @@
-"""Serving latency metrics from per-request timelines: TTFT, TBT, TPOT, scheduling delay (DESIGN.md §6).
+"""Serving latency metrics from per-request timelines: TTFT, TBT, TPOT, scheduling delay (ARCHITECTURE.md §6).
 
 Definitions follow Sarathi-Serve and Vidur:
 - TTFT: arrival to first output token.

@@ -1,6 +1,6 @@
 """Span records: what one stage (one tp rank) did and when, plus clock alignment and JSONL storage.
 
-A span is the raw fact every other metric is derived from (DESIGN.md §5). Workers record them with a
+A span is the raw fact every other metric is derived from (ARCHITECTURE.md §5). Workers record them with a
 `SpanRecorder`; the engine shifts each worker's spans onto its own clock with `estimate_offset` /
 `shift`, and keeps them as JSON lines. The engine also reports *work intervals*: half-open
 `(start_ns, end_ns)` ranges during which some request was waiting or in flight. Spans plus work

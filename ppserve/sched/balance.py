@@ -1,7 +1,7 @@
 """Balanced microbatch formation: how big the next microbatch is, so that the pipeline stays full.
 
 A pipeline of p stages keeps p microbatches in flight; it is balanced when consecutive microbatches
-cost the same on every stage (DESIGN.md §3, "Balance"). Two numbers shape the next microbatch:
+cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two numbers shape the next microbatch:
 
 - **Decode quota.** Each decoding request rides in one in-flight microbatch at a time (its next token
   needs the last one), so the decodes split into p groups that follow each other around the pipeline.
@@ -29,15 +29,16 @@ import math
 __all__ = ["decode_quota", "fair_share"]
 
 
-def decode_quota(num_decoding: int, num_ready: int, slots: int, free_slots: int) -> int:
-    """How many of the `num_ready` schedulable decodes the next microbatch takes (see the module doc)."""
+def decode_quota(num_decoding: int, num_ready: int, num_stages: int, free_slots: int) -> int:
+    """How many of the `num_ready` schedulable decodes the next microbatch takes (see the module doc);
+    `free_slots` is how many of the `num_stages` in-flight slots are empty."""
     if num_ready <= 0 or free_slots <= 0:
         return 0
-    per_group = math.ceil(max(num_decoding, num_ready) / slots)
+    per_group = math.ceil(max(num_decoding, num_ready) / num_stages)
     per_free_slot = math.ceil(num_ready / free_slots)
     return max(1, min(per_group, per_free_slot))
 
 
-def fair_share(work_in_reach: float, slots: int, cap: float) -> float:
-    """The next microbatch's share of the work in reach, at most `cap` (the budget)."""
-    return min(cap, work_in_reach / slots)
+def fair_share(work_in_reach: float, num_shares: int, cap: float) -> float:
+    """The next microbatch's share of the work in reach (split `num_shares` ways), at most `cap` (the budget)."""
+    return min(cap, work_in_reach / num_shares)

@@ -1,9 +1,9 @@
 """Budget accounting for one microbatch, and the modes that decide how big that budget is.
 
 A policy consults one budget object per microbatch (`chunk`, `spend`, `can_fit`, `has_seat`,
-`tokens_left`). `TokenBudget` counts tokens (the default, DESIGN.md §3); `TimeBudget` also counts
+`tokens_left`). `TokenBudget` counts tokens (the default, ARCHITECTURE.md §3); `TimeBudget` also counts
 predicted seconds from an online step-cost model, so a chunk late in a long prompt, or a batch of
-long-context decodes, gets fewer tokens than one from an empty cache (DESIGN.md §4, beyond the anchors).
+long-context decodes, gets fewer tokens than one from an empty cache (ARCHITECTURE.md §3).
 
 A `BudgetMode` is the small object the scheduler owns that makes these budgets and takes feedback
 after each microbatch (`Scheduler.observe_step`): `FixedTokenBudget` (default, ignores feedback),
@@ -225,10 +225,10 @@ class AdaptiveTokenBudget:
     full microbatches still meet it, corrected by the TBT actually measured.
 
     Model: a decode's next token is scheduled when its microbatch returns and comes back after the
-    `pp` microbatches in flight ahead of it went through the slowest stage, so with every microbatch
-    full, TBT ~= pp * T(budget), T from an online `StepCostModel` (as in the time mode) for one chunk
+    `num_stages` microbatches in flight ahead of it went through the slowest stage, so with every microbatch
+    full, TBT ~= num_stages * T(budget), T from an online `StepCostModel` (as in the time mode) for one chunk
     of `budget` tokens at the recent mean prefill context. The budget is the largest with
-    pp * T(budget) <= tbt_slo_s * safety * k, within [min_budget, max_budget].
+    num_stages * T(budget) <= tbt_slo_s * safety * k, within [min_budget, max_budget].
 
     Feedback: TBT is measured on the scheduler's own (injected) clock, the gap between two returns
     that brought a token to the same request. Every `min_samples` gaps, k becomes min(1, model bound /
@@ -241,19 +241,19 @@ class AdaptiveTokenBudget:
 
     needs_feedback = True
 
-    def __init__(self, tbt_slo_s: float, start: int, pp: int = 1, min_budget: int = 1, max_budget: int = 8192,
+    def __init__(self, tbt_slo_s: float, start: int, num_stages: int = 1, min_budget: int = 1, max_budget: int = 8192,
                  safety: float = 0.9, min_samples: int = 512, gain: float = 1.0,
                  cost: StepCostModel | None = None) -> None:
-        if tbt_slo_s <= 0 or not 0 < safety <= 1 or min_samples < 1 or gain <= 0 or pp < 1:
+        if tbt_slo_s <= 0 or not 0 < safety <= 1 or min_samples < 1 or gain <= 0 or num_stages < 1:
             raise ValueError(
                 f"bad adaptive budget settings: tbt_slo_s={tbt_slo_s!r} safety={safety!r} "
-                f"min_samples={min_samples!r} gain={gain!r} pp={pp!r}"
+                f"min_samples={min_samples!r} gain={gain!r} num_stages={num_stages!r}"
             )
         if not 1 <= min_budget <= max_budget:
             raise ValueError(f"need 1 <= min_budget <= max_budget, got {min_budget!r}, {max_budget!r}")
         self.tbt_slo_s = tbt_slo_s
         self.target_s = tbt_slo_s * safety
-        self.pp = pp
+        self.num_stages = num_stages
         self.min_budget = min_budget
         self.max_budget = max_budget
         self.min_samples = min_samples
@@ -307,7 +307,7 @@ class AdaptiveTokenBudget:
             # How far the model's bound for the largest budget in force undershot what was measured
             # (transfers, engine overhead, model error): trust the model that much less. Misses act at
             # once, recovery is gradual; an early transient under the start budget is no model error.
-            bound = self.pp * self.cost.predict([(self._window_budget, round(self._context))])
+            bound = self.num_stages * self.cost.predict([(self._window_budget, round(self._context))])
             k = min(1.0, bound / p99_s) if p99_s > 0 else 1.0
             self.correction = k if k < self.correction else self.correction + 0.25 * (k - self.correction)
         elif p99_s > self.target_s:  # no stage times: steer by the measured TBT alone, downward only
@@ -318,19 +318,19 @@ class AdaptiveTokenBudget:
     def _choose(self) -> int:
         if not self.cost.calibrated:  # no stage times (yet): only the measured TBT steers, from the start
             return min(self.max_budget, max(self.min_budget, round(self._start * self.correction)))
-        per_step = self.target_s * self.correction / self.pp - self.cost.base_s
+        per_step = self.target_s * self.correction / self.num_stages - self.cost.base_s
         n = self.cost.max_tokens(per_step, round(self._context), self.max_budget)
         return min(self.max_budget, max(self.min_budget, n))
 
 
-def make_budget_mode(config: SchedulerConfig, pp: int = 1) -> BudgetMode:
+def make_budget_mode(config: SchedulerConfig, num_stages: int = 1) -> BudgetMode:
     """The budget mode a scheduler config asks for (fixed token budget unless told otherwise)."""
     mode: BudgetMode
     if config.tbt_slo_ms is not None:
         # Never below one decode seat per request of a full microbatch: a smaller budget would
         # stall decodes and lengthen TBT, the opposite of what the controller wants.
-        floor = min(config.max_token_budget, max(1, math.ceil(config.max_num_seqs / pp)))
-        mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, pp, min_budget=floor,
+        floor = min(config.max_token_budget, max(1, math.ceil(config.max_num_seqs / num_stages)))
+        mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, num_stages, min_budget=floor,
                                    max_budget=config.max_token_budget)
     elif config.budget_mode == "time":
         tb = None if config.time_budget_ms is None else config.time_budget_ms * 1e-3

@@ -45,11 +45,11 @@ class StageCostModel:
         return cls(layer=1.0, embedding=0.0, lm_head=logits_fraction * vocab * hidden / layer)
 
 
-def _validate(num_layers: int, pp: int) -> None:
-    if pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
-    if num_layers < pp:
-        raise ValueError(f"cannot split {num_layers} layers over {pp} stages: every stage needs a layer")
+def _validate(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
+        raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages: every stage needs a layer")
 
 
 def ranges_from_counts(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -60,11 +60,11 @@ def ranges_from_counts(counts: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def even_partition(num_layers: int, pp: int) -> list[tuple[int, int]]:
+def even_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Split as evenly as possible; earlier stages take the remainder (the last holds the LM head)."""
-    _validate(num_layers, pp)
-    base, extra = divmod(num_layers, pp)
-    return ranges_from_counts([base + (1 if s < extra else 0) for s in range(pp)])
+    _validate(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    return ranges_from_counts([base + (1 if s < extra else 0) for s in range(num_stages)])
 
 
 def stage_costs(ranges: Sequence[tuple[int, int]], num_layers: int, cost: StageCostModel) -> list[float]:
@@ -79,16 +79,16 @@ def stage_costs(ranges: Sequence[tuple[int, int]], num_layers: int, cost: StageC
     return costs
 
 
-def cost_partition(num_layers: int, pp: int, cost: StageCostModel) -> list[tuple[int, int]]:
+def cost_partition(num_layers: int, num_stages: int, cost: StageCostModel) -> list[tuple[int, int]]:
     """Contiguous split minimizing the most expensive stage (exact, by dynamic programming)."""
-    _validate(num_layers, pp)
+    _validate(num_layers, num_stages)
     inf = float("inf")
     # best[s][n]: the lowest max-stage cost placing the first n layers on the first s stages.
-    best = [[inf] * (num_layers + 1) for _ in range(pp + 1)]
-    cut = [[0] * (num_layers + 1) for _ in range(pp + 1)]
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
-    for s in range(1, pp + 1):
-        for n in range(s, num_layers - (pp - s) + 1):
+    for s in range(1, num_stages + 1):
+        for n in range(s, num_layers - (num_stages - s) + 1):
             for m in range(s - 1, n):
                 if best[s - 1][m] == inf:
                     continue
@@ -98,7 +98,7 @@ def cost_partition(num_layers: int, pp: int, cost: StageCostModel) -> list[tuple
                 if val < best[s][n] - 1e-12 or (abs(val - best[s][n]) <= 1e-12 and m > cut[s][n]):
                     best[s][n], cut[s][n] = val, m
     bounds, n = [], num_layers
-    for s in range(pp, 0, -1):
+    for s in range(num_stages, 0, -1):
         m = cut[s][n]
         bounds.append((m, n))
         n = m
@@ -107,24 +107,24 @@ def cost_partition(num_layers: int, pp: int, cost: StageCostModel) -> list[tuple
 
 def partition_layers(
     num_layers: int,
-    pp: int,
+    num_stages: int,
     explicit: Sequence[int] | None = None,
     mode: str = "even",
     cost: StageCostModel | None = None,
 ) -> list[tuple[int, int]]:
     """Layer ranges [start, end) per stage: `explicit` counts win, then `mode` (even | cost)."""
-    _validate(num_layers, pp)
+    _validate(num_layers, num_stages)
     if explicit is not None:
         counts = list(explicit)
-        if len(counts) != pp or any(c < 1 for c in counts) or sum(counts) != num_layers:
+        if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != num_layers:
             raise ValueError(
-                f"layer_partition {counts} must have {pp} positive entries summing to {num_layers} layers"
+                f"layer_partition {counts} must have {num_stages} positive entries summing to {num_layers} layers"
             )
         return ranges_from_counts(counts)
     if mode == "even":
-        return even_partition(num_layers, pp)
+        return even_partition(num_layers, num_stages)
     if mode == "cost":
-        return cost_partition(num_layers, pp, cost or StageCostModel())
+        return cost_partition(num_layers, num_stages, cost or StageCostModel())
     raise ValueError(f"partition mode must be even or cost, got {mode!r}")
 
 

@@ -1,7 +1,7 @@
 """Admission policies: which requests join a microbatch and how many tokens each computes.
 
 Every policy shares the request model, the block manager and the pipeline; only admission differs
-(DESIGN.md §4). A policy sees a `BatchBuilder`, which owns block allocation and preemption, and calls
+(ARCHITECTURE.md §3). A policy sees a `BatchBuilder`, which owns block allocation and preemption, and calls
 `builder.add(req, num_tokens)`. Attributes tell the scheduler what else a policy takes part in:
 `token_budgeted` (it consults the token budget, so the budget mode's time budget and TBT target apply
 too; orca and static admit whole prompts under no token budget), `chunked_prefill` (it cuts prompts

@@ -1,14 +1,14 @@
 """The scheduler state machine: `schedule() -> SchedulerOutput`, `update_from_output(out, result)`.
 
 No torch, ray, grpc, I/O or clock reads of its own (the clock is injected). It owns the only KV block
-allocator and enforces the pipeline invariants: at most `max_in_flight` microbatches in flight, a
+allocator and enforces the pipeline invariants: at most `num_stages` microbatches in flight (one per stage), a
 decoding request in at most one of them (a prompt's consecutive prefill chunks may follow each other;
 only the last one samples).
 
-How a microbatch is formed (DESIGN.md §3-§4). The policy decides which requests join and how many
+How a microbatch is formed (ARCHITECTURE.md §3-§4). The policy decides which requests join and how many
 tokens each computes; for `sarathi` that is: every schedulable decode first (one token each, never
 stalled by a prefill), then the prefill chunks already under way, then new requests in arrival
-order, chunked so the microbatch holds exactly its budget. With a pipeline (p > 1 slots) the
+order, chunked so the microbatch holds exactly its budget. With a pipeline (p = num_stages > 1) the
 formation is *balanced* (`ppserve.sched.balance`): the decodes are spread over the in-flight
 microbatches, about 1/p of all decoding requests each, those in flight counted; the budget shrinks to
 a fair share of the work in reach, (in flight + schedulable) / p, in tokens or, where a cost model
@@ -47,17 +47,17 @@ class Scheduler:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
-        max_in_flight: int = 1,
+        num_stages: int = 1,
         clock: Callable[[], float] = lambda: 0.0,
         budget_mode: BudgetMode | None = None,
     ) -> None:
         self.config = config
         self.policy: Policy = make_policy(config.policy, balanced=config.balance)
         # How big each microbatch's budget is (fixed tokens unless the config asks for time or a TBT target).
-        self.budget_mode = budget_mode or make_budget_mode(config, max_in_flight)
+        self.budget_mode = budget_mode or make_budget_mode(config, num_stages)
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_model_len = max_model_len
-        self.max_in_flight = max_in_flight  # pp_size: one microbatch per stage keeps every stage busy
+        self.num_stages = num_stages  # the pipeline depth: one microbatch per stage keeps every stage busy
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -67,10 +67,10 @@ class Scheduler:
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
-        self.balanced = self.policy.balanced and max_in_flight > 1
+        self.balanced = self.policy.balanced and num_stages > 1
         self._seq_cap: int | None = None
         if config.per_microbatch_seq_cap:
-            self._seq_cap = max(1, config.max_num_seqs // max_in_flight)
+            self._seq_cap = max(1, config.max_num_seqs // num_stages)
 
     # ---- requests in and out -------------------------------------------------------------------
     def max_total_tokens(self, req: Request) -> int:
@@ -181,7 +181,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.in_flight)
 
     def has_room(self) -> bool:
-        return len(self.in_flight) < self.max_in_flight
+        return len(self.in_flight) < self.num_stages
 
     def schedule(self) -> SchedulerOutput | None:
         """Form the next microbatch, or None when the pipeline is full or nothing can run now."""
@@ -206,14 +206,14 @@ class Scheduler:
 
     def _balance(self, b: BatchBuilder) -> None:
         """Give the builder its decode quota and shrink its budget to a fair share (sched/balance.py)."""
-        p = self.max_in_flight
+        stages = self.num_stages
         num_ready = len(b.decodes)
         awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight)  # decode next once back
-        b.decode_quota = decode_quota(num_ready + awaiting, num_ready, p, p - len(self.in_flight))
+        b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, stages - len(self.in_flight))
         budget = b.budget
         cap = budget.token_budget
         assert cap is not None, "a balanced policy has a token budget"
-        slots = p * self.config.balance_rounds  # the microbatches the work in reach is shared among
+        shares = stages * self.config.balance_rounds  # the microbatches the work in reach is shared among
         timed = isinstance(budget, TimeBudget) and budget.active
         if timed:
             assert isinstance(budget, TimeBudget)
@@ -224,15 +224,15 @@ class Scheduler:
             for req in self._prefills_in_reach(b):
                 seconds += cost.marginal_s(req.num_uncomputed_tokens, req.num_computed_tokens)
             per_step = budget.time_budget_s - cost.base_s
-            budget.limit(cap, cost.base_s + fair_share(seconds, slots, per_step))
+            budget.limit(cap, cost.base_s + fair_share(seconds, shares, per_step))
             return
         tokens = sum(mb.total_tokens for mb in self.in_flight) + num_ready
-        limit = slots * cap  # beyond this the share is the whole budget: stop counting
+        limit = shares * cap  # beyond this the share is the whole budget: stop counting
         for req in self._prefills_in_reach(b):
             if tokens >= limit:
                 break
             tokens += req.num_uncomputed_tokens
-        budget.limit(math.ceil(fair_share(tokens, slots, cap)))
+        budget.limit(math.ceil(fair_share(tokens, shares, cap)))
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way, then the waiting requests that could take the free seats (arrival order)."""
@@ -357,8 +357,8 @@ class Scheduler:
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.blocks.check()
-        if len(self.in_flight) > self.max_in_flight:
-            raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.max_in_flight}")
+        if len(self.in_flight) > self.num_stages:
+            raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.num_stages}")
         sampling: set[str] = set()  # requests whose token is due from an in-flight microbatch
         counts: dict[str, int] = {}
         for out in self.in_flight:

@@ -239,7 +239,7 @@ def to_unix_times(engine_times: Sequence[float], engine_to_unix: float) -> list[
 
 # ---- errors --------------------------------------------------------------------------------------
 def error_to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Map ppserve's exceptions to the API's status codes (DESIGN.md §9)."""
+    """Map ppserve's exceptions to the API's status codes (ARCHITECTURE.md §9)."""
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverflowError):

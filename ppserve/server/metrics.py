@@ -15,7 +15,7 @@ window, restarts) are refreshed from the engine's stats when /metrics is scraped
 | `ppserve:time_to_first_token_seconds` | histogram | arrival -> first token |
 | `ppserve:inter_token_latency_seconds` | histogram | gap between consecutive tokens of a request |
 | `ppserve:e2e_request_latency_seconds` | histogram | arrival -> last token |
-| `ppserve:stage_busy_fraction`, `ppserve:stage_bubble_fraction`, `ppserve:stage_starvation_fraction` `{stage}` | gauge | each stage over the stats window (DESIGN's definitions) |
+| `ppserve:stage_busy_fraction`, `ppserve:stage_bubble_fraction`, `ppserve:stage_starvation_fraction` `{stage}` | gauge | each stage over the stats window (ARCHITECTURE.md §5's definitions) |
 | `ppserve:mean_bubble_fraction` | gauge | their mean over stages |
 | `ppserve:microbatch_tokens` | histogram | tokens per microbatch |
 | `ppserve:microbatch_compute_seconds{stage}` | histogram | a stage's compute time per microbatch (slowest TP rank) |

@@ -202,19 +202,19 @@ def load_model_spec(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     return spec
 
 
-def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, pp: int, tp: int, block_size: int) -> int:
+def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int, block_size: int) -> int:
     """KV blocks that fit on the tightest GPU: memory after this GPU's weight shard, times the KV fraction.
 
     Every stage holds KV for every token of a request, so the scheduler's block count is what the
     most loaded stage (the one with the most layers) can hold.
     """
-    layers = max(b - a for a, b in even_partition(model.num_layers, pp))
-    weights = model.num_params * model.dtype_bytes / (pp * tp)
+    layers = max(b - a for a, b in even_partition(model.num_layers, num_stages))
+    weights = model.num_params * model.dtype_bytes / (num_stages * tp)
     kv_per_token = 2 * layers * model.kv_dim * model.dtype_bytes / tp
     free = (hw.mem_bytes - weights) * hw.kv_mem_fraction
     if free <= 0:
         raise ValueError(
-            f"{model.name} does not fit on {pp * tp} x {hw.name}: {weights / 1e9:.1f} GB of weights per GPU"
+            f"{model.name} does not fit on {num_stages * tp} x {hw.name}: {weights / 1e9:.1f} GB of weights per GPU"
         )
     return max(1, int(free // (kv_per_token * block_size)))
 
@@ -230,11 +230,11 @@ def _roofline(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: floa
 
 @dataclass(frozen=True)
 class RooflineCostModel:
-    """Analytic per-stage step time for `model` split over pp stages (even layers) and tp ranks."""
+    """Analytic per-stage step time for `model` split over `num_stages` stages (even layers by default) and tp ranks."""
 
     model: ModelSpec
     hw: HardwareSpec
-    pp: int
+    num_stages: int
     tp: int
     layer_counts: tuple[int, ...] = field(default=())
 
@@ -242,14 +242,10 @@ class RooflineCostModel:
         if self.model.num_heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide {self.model.name}'s {self.model.num_heads} heads")
         if not self.layer_counts:
-            counts = tuple(b - a for a, b in even_partition(self.model.num_layers, self.pp))
+            counts = tuple(b - a for a, b in even_partition(self.model.num_layers, self.num_stages))
             object.__setattr__(self, "layer_counts", counts)
-        if len(self.layer_counts) != self.pp or sum(self.layer_counts) != self.model.num_layers:
-            raise ValueError(f"layer_counts {list(self.layer_counts)} must split {self.model.num_layers} over {self.pp}")
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp
+        if len(self.layer_counts) != self.num_stages or sum(self.layer_counts) != self.model.num_layers:
+            raise ValueError(f"layer_counts {list(self.layer_counts)} must split {self.model.num_layers} over {self.num_stages}")
 
     # The pieces, per layer and per tp rank; public so tests and tools can look at them.
     def linear_time(self, num_tokens: int) -> float:
@@ -307,12 +303,12 @@ class RooflineCostModel:
 
     def stage_time(self, stage: int, shape: BatchShape) -> float:
         t = self.layer_counts[stage] * self.layer_time(shape)
-        if stage == self.pp - 1:
+        if stage == self.num_stages - 1:
             t += self.lm_head_time(shape.num_sampled)
         return t
 
     def transfer_time(self, shape: BatchShape) -> float:
-        if self.pp == 1:
+        if self.num_stages == 1:
             return 0.0
         hw = self.hw
         # Every tp rank holds the full (all-reduced) hidden state and sends it over its own NIC in parallel.

@@ -1,8 +1,8 @@
 """Discrete-event simulation of the pipeline engine: ppserve's own scheduler over a step-time cost model.
 
-The step loop is the engine's own (`ppserve.engine.engine_core.EngineCore`), driven with a simulated
+The step loop is the engine's own (`ppserve.engine.core.EngineCore`), driven with a simulated
 executor and clock, with time taken from a cost model instead of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
-until `pp` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
+until `num_stages` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
 stage, hands its result to the scheduler after a fixed overhead (`schedule_overhead_s`: the result's
 way back and the engine's turnaround), and decides again. The control plane takes
 `dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ppserve.config import SchedulerConfig
-from ppserve.engine.engine_core import EngineCore
+from ppserve.engine.core import EngineCore
 from ppserve.metrics.bubbles import BubbleReport, Window, bubble_report
 from ppserve.metrics.latency import RequestTiming, summarize
 from ppserve.metrics.spans import Span, WorkInterval
@@ -224,14 +224,14 @@ class SimExecutor:
 def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:
     """Run the workload through the simulated engine until every admitted request finishes.
 
-    The step loop is the engine's own (`ppserve.engine.engine_core.EngineCore`) over a `SimExecutor`
+    The step loop is the engine's own (`ppserve.engine.core.EngineCore`) over a `SimExecutor`
     and a simulated clock; its intake models the engine's turnaround (`schedule_overhead_s` after each
     result) and queues the requests that arrived before the engine looks."""
     cfg = config or SimConfig()
-    pp = cost.num_stages
+    num_stages = cost.num_stages
     clock = SimClock()
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      max_in_flight=pp, clock=clock.seconds)
+                      num_stages=num_stages, clock=clock.seconds)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     check = sched.check_invariants if cfg.check_invariants else None
     executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)
@@ -288,7 +288,7 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
         spans=pipe.spans + core.engine_spans,
         work_intervals=core.work.intervals(clock.now_ns),
         timings=timings,
-        num_stages=pp,
+        num_stages=num_stages,
         num_microbatches=executor.num_microbatches,
         num_preemptions=sched.num_preemptions,
         end_s=clock.seconds(),

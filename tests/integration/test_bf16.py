@@ -1,7 +1,7 @@
 """bfloat16: ppserve against transformers run in bfloat16 on the same weights (SmolLM2-135M-Instruct).
 
 bf16 is checked by tolerance and agreement, not equality: two correct bf16 implementations round
-differently and drift apart after a few dozen tokens (DESIGN.md, section 10). The float32 fast path
+differently and drift apart after a few dozen tokens (ARCHITECTURE.md §10). The float32 fast path
 is untouched: exactness stays with test_model.py and test_equality_default.py.
 """
 

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from ppserve import LLM, SamplingParams
-from ppserve.engine.core import PipelineFailed
+from ppserve.engine.llm_engine import PipelineFailed
 from tests.oracle import reference_greedy
 
 MAX_NEW = 24  # exactness against transformers is a float32 property: every engine here pins float32

@@ -21,7 +21,7 @@ def make_scheduler(
     **cfg: object,
 ) -> Scheduler:
     config = SchedulerConfig(policy=policy, token_budget=token_budget, **cfg)  # type: ignore[arg-type]
-    return Scheduler(config, num_blocks, block_size, max_model_len, max_in_flight=pp)
+    return Scheduler(config, num_blocks, block_size, max_model_len, num_stages=pp)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8, ignore_eos: bool = True) -> Request:
@@ -50,7 +50,7 @@ def step(s: Scheduler, token: int = 7) -> SchedulerOutput | None:
 
 
 def drive(s: Scheduler, rng: random.Random, max_steps: int = 100_000, eos_prob: float = 0.0) -> list[SchedulerOutput]:
-    """Run a pipeline of depth s.max_in_flight to completion, completing microbatches oldest first."""
+    """Run a pipeline of depth s.num_stages to completion, completing microbatches oldest first."""
     outs: list[SchedulerOutput] = []
     for _ in range(max_steps):
         if not s.has_unfinished:

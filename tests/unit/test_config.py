@@ -83,7 +83,7 @@ def test_sampling_params_validation(kwargs, field):
 
 
 def test_context_limit_respects_positions_and_sliding_window():
-    from ppserve.engine.core import context_limit
+    from ppserve.engine.llm_engine import context_limit
 
     assert context_limit(None, 4096, None) == 4096
     assert context_limit(1024, 4096, None) == 1024

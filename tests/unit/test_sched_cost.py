@@ -119,7 +119,7 @@ def test_time_budget_is_a_token_budget_until_calibrated():
 def test_budget_modes_from_config():
     assert isinstance(make_budget_mode(SchedulerConfig()), FixedTokenBudget)
     assert isinstance(make_budget_mode(SchedulerConfig(budget_mode="time")), TimeBudgetMode)
-    ad = make_budget_mode(SchedulerConfig(tbt_slo_ms=100, max_num_seqs=64), pp=4)
+    ad = make_budget_mode(SchedulerConfig(tbt_slo_ms=100, max_num_seqs=64), num_stages=4)
     assert isinstance(ad, AdaptiveTokenBudget) and ad.min_budget == 16 and ad.token_budget == 512
     for bad in (dict(budget_mode="flops"), dict(time_budget_ms=5.0), dict(budget_mode="time", time_budget_ms=-1.0),
                 dict(tbt_slo_ms=0.0), dict(tbt_slo_ms=50.0, budget_mode="time"),

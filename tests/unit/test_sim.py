@@ -140,7 +140,7 @@ def test_sim_trace_round_trip(tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt3():
-    return RooflineCostModel(load_model_spec("gpt3-175b"), load_hardware("a100"), pp=8, tp=8)
+    return RooflineCostModel(load_model_spec("gpt3-175b"), load_hardware("a100"), num_stages=8, tp=8)
 
 
 def test_cost_model_monotone(gpt3):
@@ -324,7 +324,7 @@ def test_simulate_cli_and_profile_round_trip(tmp_path, capsys):
 
 def test_time_budget_mode_in_the_simulator_evens_out_long_context_microbatches():
     m, hw = load_model_spec("llama3-8b"), load_hardware("a100")
-    cost = RooflineCostModel(m, hw, pp=2, tp=1)
+    cost = RooflineCostModel(m, hw, num_stages=2, tp=1)
     wl = uniform_lengths(30, (512, 7000), (4, 16), seed=3)
     cv = {}
     for mode in ("tokens", "time"):

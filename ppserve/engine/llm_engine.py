@@ -1,0 +1,368 @@
+"""The engine step loop: schedule until the pipeline is full, take back the oldest microbatch, stream.
+
+Single-threaded by design. Concurrency comes from the executor (Ray); the engine keeps at most
+`pp_size` microbatches in flight so every stage has work while requests exist. One step reads:
+
+    fill the pipeline -> collect the oldest microbatch -> hand it to the scheduler (tokens, stage
+    times for its cost model) -> fill the pipeline again -> detokenize and check stop strings
+
+so the stages get their next microbatch before any text work is done: detokenization and stop
+strings are off the critical path. A request that hits a stop string may already ride in the
+microbatch just sent; it is finished at once (its blocks freed) and that token is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from typing import Any
+
+from ppserve.config import EngineConfig
+from ppserve.engine.core import EngineCore
+from ppserve.engine.detokenizer import IncrementalDetokenizer
+from ppserve.engine.dispatch import StageFailure
+from ppserve.engine.messages import PromptInput, TokenDelta
+from ppserve.engine.output import OutputState
+from ppserve.metrics.spans import Span, WorkTracker
+from ppserve.request import FinishReason, Request, SamplingParams, choice_params
+from ppserve.sched.output import RequestUpdate
+from ppserve.sched.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineFailed(RuntimeError):
+    """A stage died and the pipeline could not be rebuilt within parallel.max_restarts attempts."""
+
+
+def context_limit(asked: int | None, max_positions: int, sliding_window: int | None) -> int:
+    """The context a request may fill: `model.max_model_len`, by default the model's own. Attention that
+    looks back only `sliding_window` tokens is not implemented, so such a model's context stops there
+    (within the window, full attention is the same thing)."""
+    limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
+    if asked is None:
+        if limit < max_positions:
+            logger.warning("the model attends over a sliding window of %d tokens: the context is capped there "
+                           "(max_position_embeddings %d)", limit, max_positions)
+        return limit
+    if asked > max_positions:
+        raise ValueError(f"model.max_model_len {asked} exceeds the model's max_position_embeddings {max_positions}")
+    if asked > limit:
+        raise ValueError(f"model.max_model_len {asked} exceeds the model's sliding window of {limit} tokens "
+                         "(sliding-window attention is not implemented; full attention is the same within it)")
+    return asked
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Any = time.perf_counter) -> None:
+        self.config = config
+        self.clock = clock
+        self.init_model_source()
+        self.init_tokenizer()
+        self.init_executor()
+        self.init_scheduler()
+        self.tracked: dict[str, OutputState] = {}  # unfinished requests, by id
+        self._ids = itertools.count()
+        self.init_recovery_state()
+        self.init_partition()
+
+    # ---- construction ----------------------------------------------------------------------------
+    def init_model_source(self) -> None:
+        from ppserve.model.loader import read_generation_defaults, read_hf_config, resolve_model
+        from ppserve.model.registry import describe_model
+
+        self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
+        arch = describe_model(read_hf_config(self.model_dir))
+        # generation_config.json's end-of-sequence ids end a request too (transformers' generate stops
+        # on them), and its sampling fields are the defaults the front doors offer.
+        self.sampling_defaults, gen_eos = read_generation_defaults(self.model_dir)
+        eos = tuple(dict.fromkeys((*arch.eos_token_ids, *gen_eos)))
+        self.arch = dataclasses.replace(arch, eos_token_ids=eos)  # parsed once, shipped to every worker
+        self.max_model_len = context_limit(self.config.model.max_model_len, self.arch.max_position_embeddings,
+                                           self.arch.sliding_window)
+
+    def init_tokenizer(self) -> None:
+        self.tokenizer = None
+        if any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.eos_token_ids = tuple(self.arch.eos_token_ids)
+
+    def init_executor(self) -> None:
+        from ppserve.sched.partition import initial_ranges
+
+        par = self.config.parallel
+        kind = par.executor
+        if kind == "auto":
+            kind = "inproc" if par.world_size == 1 else "ray"
+        ranges = initial_ranges(par, self.arch)
+        if kind == "inproc":
+            from ppserve.engine.executor import InProcExecutor
+
+            self.executor = InProcExecutor(self.config, str(self.model_dir), self.arch, ranges)
+        else:
+            from ppserve.engine.ray_executor import RayExecutor
+
+            self.executor = RayExecutor(self.config, str(self.model_dir), self.arch, ranges)
+
+    def init_scheduler(self) -> None:
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            num_blocks=self.executor.num_kv_blocks,
+            block_size=self.executor.block_size,  # cache.block_size, or what the stages' attention prefers
+            max_model_len=self.max_model_len,
+            num_stages=self.config.parallel.pipeline_parallel_size,
+            clock=self.clock,
+        )
+        self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
+
+    @property
+    def work(self) -> WorkTracker:
+        """When the engine had work (a request waiting or in flight): the bubble math's intervals."""
+        return self.core.work
+
+    def init_partition(self) -> None:
+        """partition_mode: calibrated: measure the stage costs (or read them) and re-split the layers."""
+        par = self.config.parallel
+        if par.partition_mode != "calibrated" or par.pipeline_parallel_size < 2 or par.layer_partition:
+            return
+        from ppserve.engine.calibration import calibrated_ranges
+
+        ranges = calibrated_ranges(self)
+        if ranges != self.executor.ranges:
+            self.executor.repartition(ranges)
+
+    def init_recovery_state(self) -> None:
+        self.recovering = False  # read by other threads (AsyncEngine): True while the pipeline is rebuilt
+        self.num_restarts = 0  # pipeline rebuilds that succeeded
+        self.last_recovery_s: float | None = None  # failure detected -> pipeline serving again
+        self.recovery_times_s: list[float] = []
+        self._consecutive_failures = 0  # reset by a step that succeeds; bounded by parallel.max_restarts
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int] | PromptInput) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages rendered by the model's chat template."""
+        if isinstance(prompt, PromptInput):
+            if prompt.messages is not None:
+                prompt = self.render_chat(prompt.messages)
+            elif prompt.text is not None:
+                prompt = prompt.text
+            else:
+                assert prompt.token_ids is not None
+                prompt = list(prompt.token_ids)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass prompts as lists of token ids")
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
+            return ids
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:5]}")
+        return ids
+
+    def render_chat(self, messages: tuple[tuple[str, str], ...] | list[dict[str, str]]) -> str:
+        """The prompt text for chat messages, by the model's own chat template (generation prompt added)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
+        msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
+        text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return text
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json defaults, then `overrides`."""
+        return SamplingParams(**{**self.sampling_defaults, **overrides})
+
+    def add_request(
+        self,
+        prompt: str | list[int] | PromptInput,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; ValueError (bad input) or OverflowError (queue full)."""
+        rids = self.add_choices(prompt, sampling, request_id, arrival_time)
+        if len(rids) != 1:
+            raise AssertionError("unreachable: add_choices answers n ids")
+        return rids[0]
+
+    def add_choices(
+        self,
+        prompt: str | list[int] | PromptInput,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[str]:
+        """Queue `sampling.n` requests for one prompt (each its own sequence; see choice_params) and
+        return their ids: `request_id` itself when n is 1, else `request_id/i`. All or none are queued."""
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        ids = self.tokenize(prompt)
+        sampling = self.resolve_max_tokens(len(ids), sampling)
+        base = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        choices = choice_params(sampling)
+        rids = [base] if len(choices) == 1 else [f"{base}/{i}" for i in range(len(choices))]
+        arrival = self.clock() if arrival_time is None else arrival_time
+        added: list[str] = []
+        try:
+            for rid, sp in zip(rids, choices, strict=True):
+                req = Request(request_id=rid, prompt_token_ids=list(ids), sampling=sp, arrival_time=arrival,
+                              eos_token_ids=self.eos_token_ids)
+                self.scheduler.add_request(req)
+                added.append(rid)
+                detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+                self.tracked[rid] = OutputState(req, detok)
+        except Exception:
+            for rid in added:  # a queue that fills half-way through the choices takes none of them
+                self.abort(rid, FinishReason.CANCELLED)
+            raise
+        self.work.update(True, time.perf_counter_ns())
+        return rids
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, sampling: SamplingParams) -> SamplingParams:
+        """The request's sampling with max_tokens set: an unset one (None) is what the context leaves
+        after the prompt (within scheduler.max_tokens_limit). ValueError naming the field and the
+        limit when max_tokens, prompt + max_tokens or min_tokens is too long."""
+        limit = self.config.scheduler.max_tokens_limit or self.max_model_len
+        if sampling.max_tokens is None:
+            room = max(1, min(limit, self.max_model_len - num_prompt_tokens))  # a full prompt is refused later
+            sampling = dataclasses.replace(sampling, max_tokens=room)
+        assert sampling.max_tokens is not None
+        if sampling.max_tokens > limit:
+            raise ValueError(f"max_tokens {sampling.max_tokens} is above the limit of {limit} "
+                             "(scheduler.max_tokens_limit, or the model's context)")
+        total = num_prompt_tokens + sampling.max_tokens
+        # A prompt that alone fills the context is refused by the scheduler, with its own message.
+        if num_prompt_tokens < self.max_model_len and total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) is "
+                             f"{total} tokens, above the model's context of {self.max_model_len} tokens")
+        if sampling.min_tokens > sampling.max_tokens:
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) is above max_tokens ({sampling.max_tokens}, "
+                             "or what the context leaves after the prompt)")
+        return sampling
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel now: KV blocks are freed at once, no token is streamed afterwards."""
+        return self.abort(request_id, FinishReason.CANCELLED) is not None
+
+    def abort(self, request_id: str, reason: FinishReason) -> TokenDelta | None:
+        """Finish an unfinished request now (cancel, error); its final delta, or None if it is unknown."""
+        st = self.tracked.pop(request_id, None)
+        self.scheduler.finish_request(request_id, reason)
+        if st is None:
+            return None
+        return TokenDelta(request_id, (), "", (), True, reason.value, st.times())
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self.tracked)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        """Fill the pipeline, wait for the oldest microbatch, and return what each request gained.
+
+        A stage that died is survived: the pipeline is rebuilt, every unfinished request is recomputed
+        from its prompt and the tokens it already has, and this step returns nothing.
+        """
+        try:
+            deltas = self._step()
+        except StageFailure as e:
+            self.recover(e)
+            return []
+        self._consecutive_failures = 0
+        return deltas
+
+    def _step(self) -> list[TokenDelta]:
+        stepped = self.core.step()
+        if stepped is None:
+            return []
+        now, updates = stepped
+        return [d for u in updates if (d := self._process(u, now))]
+
+    def recover(self, cause: BaseException) -> None:
+        """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
+        rebuild = getattr(self.executor, "rebuild", None)
+        limit = self.config.parallel.max_restarts
+        t0 = time.perf_counter()
+        logger.error("a pipeline stage failed (%s); rebuilding", cause)
+        self.recovering = True
+        try:
+            while True:
+                self._consecutive_failures += 1
+                if rebuild is None or self._consecutive_failures > limit:
+                    raise PipelineFailed(
+                        f"a stage failed and the pipeline was not rebuilt after {limit} attempt(s) "
+                        f"(parallel.max_restarts={limit}): {cause}"
+                    ) from cause
+                try:
+                    rebuild()
+                    break
+                except Exception as e:  # the rebuild itself failed: counts as one more failure
+                    logger.error("pipeline rebuild attempt %d failed: %s", self._consecutive_failures, e)
+                    cause = e
+            requeued = self.scheduler.requeue_all_for_recompute()
+        finally:
+            self.recovering = False
+        elapsed = time.perf_counter() - t0
+        self.num_restarts += 1
+        self.last_recovery_s = elapsed
+        self.recovery_times_s.append(elapsed)
+        logger.warning("pipeline rebuilt in %.2f s (restart %d); %d request(s) requeued for recompute",
+                       elapsed, self.num_restarts, len(requeued))
+
+    def _process(self, u: RequestUpdate, now: float) -> TokenDelta | None:
+        rid, token_ids, reason = u.request_id, u.new_token_ids, u.finish_reason
+        st = self.tracked.get(rid)
+        if st is None:
+            return None
+        text, hit_stop = st.advance(token_ids, reason is not None, now)
+        if hit_stop:
+            if reason is None:
+                self.scheduler.finish_request(rid, FinishReason.STOP)
+            reason = FinishReason.STOP
+        times = (now,) * len(token_ids)
+        if reason is None:
+            return TokenDelta(rid, token_ids, text, times, False, logprobs=u.logprobs)
+        del self.tracked[rid]
+        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=u.logprobs)
+
+    def request_state(self, rid: str) -> OutputState | None:
+        return self.tracked.get(rid)
+
+    # ---- observability -------------------------------------------------------------------------
+    def reset_observations(self) -> None:
+        """Forget the spans and work intervals recorded so far (warm-up, calibration), so what is
+        measured next starts clean."""
+        self.executor.drain_spans()
+        self.core.reset_observations()
+
+    def collect_spans(self) -> list[Span]:
+        spans = [Span.from_dict(d) for d in self.executor.drain_spans()]
+        spans.extend(self.core.drain_engine_spans())
+        return spans
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+            "in_flight": len(s.in_flight),
+            "kv_blocks_used": s.blocks.num_used,
+            "kv_blocks_total": s.blocks.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_restarts": self.num_restarts,
+            "last_recovery_s": self.last_recovery_s,
+            "total_recovery_s": sum(self.recovery_times_s),
+        }
+
+    def shutdown(self) -> None:
+        ex = getattr(self, "executor", None)
+        if ex is not None:
+            ex.shutdown()
