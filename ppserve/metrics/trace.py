@@ -86,35 +86,63 @@ def to_chrome_trace(
     """
     spans = list(spans)
     work = None if work_intervals is None else [(int(a), int(b)) for a, b in work_intervals]
+    groups = _group_by_track(spans)
+    idle = _idle_slices(spans, work, bubble_window) if bubbles else {}
+    for stage, rank in idle:  # a stage track that only idled still gets drawn
+        groups.setdefault((stage, rank, "main"), [])
+    tracks = _Tracks()
+    slices = _lay_out_tracks(tracks, groups, work, idle)
+    slices += _span_slices(spans, tracks.span_tid)
+    slices += _flow_arrows(spans, tracks.span_tid)
+    slices += _counter_events(counters)
+    return {"traceEvents": tracks.events + slices, "displayTimeUnit": "ns", "otherData": _other_data(work)}
 
-    # Group slices per logical track: (stage, tp_rank, "main" | "recv"). The engine track is stage -1.
-    groups: dict[tuple[int, int, str], list[tuple[int, int, Any]]] = defaultdict(list)
+
+TrackKey = tuple[int, int, str]  # (stage, tp rank, "main" | "recv"); the engine track is stage -1
+Item = tuple[int, int, int]  # (start ns, end ns, index of the span)
+IdleSlice = tuple[str, int, int]  # ("bubble" | "starvation", start ns, end ns)
+
+
+def _group_by_track(spans: Sequence[Span]) -> dict[TrackKey, list[Item]]:
+    """The spans of each logical track; recv_wait has its own, as it overlaps idle time and compute."""
+    groups: dict[TrackKey, list[Item]] = defaultdict(list)
     for idx, s in enumerate(spans):
         sub = "recv" if s.kind == "recv_wait" else "main"
         stage = s.stage if s.stage >= 0 else ENGINE_STAGE
         groups[(stage, s.tp_rank if stage >= 0 else 0, sub)].append((s.start_ns, s.end_ns, idx))
-    bubble_slices: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    if bubbles and any(s.stage >= 0 for s in spans):
-        for key, (bub, starve) in idle_intervals(spans, work, bubble_window).items():
-            bubble_slices[key] = [("bubble", a, b) for a, b in bub] + [
-                ("starvation", a, b) for a, b in starve
-            ]
-            groups.setdefault((key[0], key[1], "main"), [])
-            groups.setdefault((key[0], key[1], "recv"), [])
+    return groups
 
-    events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "ts": 0, "pid": PID, "tid": 0, "args": {"name": "pipeline"}},
-    ]
-    tid_counter = 0
 
-    def new_track(name: str) -> int:
-        nonlocal tid_counter
-        tid_counter += 1
-        tid = tid_counter
-        events.append(
+def _idle_slices(
+    spans: Sequence[Span], work: list[WorkInterval] | None, window: Window
+) -> dict[tuple[int, int], list[IdleSlice]]:
+    """Per (stage, tp rank): its bubble then its starvation intervals, from the bubble math itself."""
+    if not any(s.stage >= 0 for s in spans):
+        return {}  # an engine-only trace has no stage to be idle
+    return {
+        key: [("bubble", a, b) for a, b in bub] + [("starvation", a, b) for a, b in starve]
+        for key, (bub, starve) in idle_intervals(spans, work, window).items()
+    }
+
+
+class _Tracks:
+    """Hands out track ids in display order, with their metadata events, and records each span's track."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "ts": 0, "pid": PID, "tid": 0, "args": {"name": "pipeline"}},
+        ]
+        self.span_tid: dict[int, int] = {}
+        self._last_tid = 0
+
+    def new(self, name: str) -> int:
+        """A new track named `name`, sorted after every track made before it."""
+        self._last_tid += 1
+        tid = self._last_tid
+        self.events.append(
             {"name": "thread_name", "ph": "M", "ts": 0, "pid": PID, "tid": tid, "args": {"name": name}}
         )
-        events.append(
+        self.events.append(
             {
                 "name": "thread_sort_index",
                 "ph": "M",
@@ -126,62 +154,81 @@ def to_chrome_trace(
         )
         return tid
 
-    span_tid: dict[int, int] = {}
-    slices: list[dict[str, Any]] = []
-
-    def place(name: str, items: list[tuple[int, int, Any]], main_tid: int | None = None) -> int:
-        """Give each lane of `items` a track; returns the first lane's tid."""
+    def place(self, name: str, items: list[Item]) -> int:
+        """Give each lane of `items` a track (overflow lanes "... (overlap k)"); returns the first lane's tid."""
         lanes = _lanes(items) or [[]]
-        first = main_tid if main_tid is not None else new_track(name)
+        first = self.new(name)
         for k, lane in enumerate(lanes):
-            tid = first if k == 0 else new_track(f"{name} (overlap {k})")
+            tid = first if k == 0 else self.new(f"{name} (overlap {k})")
             for _, _, idx in lane:
-                span_tid[idx] = tid
+                self.span_tid[idx] = tid
         return first
 
-    # Scheduler and engine-work tracks first, then stages in order.
-    sched_tid = new_track("scheduler")
-    place("scheduler", groups.pop((ENGINE_STAGE, 0, "main"), []), main_tid=sched_tid)
+
+def _lay_out_tracks(
+    tracks: _Tracks,
+    groups: dict[TrackKey, list[Item]],
+    work: list[WorkInterval] | None,
+    idle: dict[tuple[int, int], list[IdleSlice]],
+) -> list[dict[str, Any]]:
+    """Make the tracks in display order (scheduler, engine work, stages); returns the work and idle slices."""
+    slices: list[dict[str, Any]] = []
+    tracks.place("scheduler", groups.pop((ENGINE_STAGE, 0, "main"), []))
     if (ENGINE_STAGE, 0, "recv") in groups:
-        place("scheduler recv", groups.pop((ENGINE_STAGE, 0, "recv")))
+        tracks.place("scheduler recv", groups.pop((ENGINE_STAGE, 0, "recv")))
     if work:
-        work_tid = new_track("engine work")
+        work_tid = tracks.new("engine work")
         for a, b in work:
             slices.append(_slice("work", "work", a, b, work_tid, {}))
     for stage, rank in sorted({(k[0], k[1]) for k in groups}):
         name = f"stage {stage} / tp {rank}"
-        main_tid = place(name, groups.get((stage, rank, "main"), []))
-        for bname, a, b in bubble_slices.get((stage, rank), []):
+        main_tid = tracks.place(name, groups.get((stage, rank, "main"), []))
+        for bname, a, b in idle.get((stage, rank), []):
             slices.append(_slice(bname, "bubble", a, b, main_tid, {"stage": stage, "tp_rank": rank}))
         if groups.get((stage, rank, "recv")):
-            place(f"{name} recv", groups[(stage, rank, "recv")])
+            tracks.place(f"{name} recv", groups[(stage, rank, "recv")])
+    return slices
 
-    for idx, s in enumerate(spans):
-        slices.append(
-            _slice(
-                s.kind,
-                s.kind,
-                s.start_ns,
-                s.end_ns,
-                span_tid[idx],
-                {
-                    "step_id": s.step_id,
-                    "num_prefill_tokens": s.num_prefill_tokens,
-                    "num_decode_tokens": s.num_decode_tokens,
-                    "request_ids": list(s.request_ids),
-                    "span": s.to_dict(),
-                },
-            )
+
+def _span_slices(spans: Sequence[Span], span_tid: dict[int, int]) -> list[dict[str, Any]]:
+    """One slice per span, in span order, carrying the raw span so `load_chrome_trace` gets it back."""
+    return [
+        _slice(
+            s.kind,
+            s.kind,
+            s.start_ns,
+            s.end_ns,
+            span_tid[idx],
+            {
+                "step_id": s.step_id,
+                "num_prefill_tokens": s.num_prefill_tokens,
+                "num_decode_tokens": s.num_decode_tokens,
+                "request_ids": list(s.request_ids),
+                "span": s.to_dict(),
+            },
         )
+        for idx, s in enumerate(spans)
+    ]
 
-    # Flow arrows: one per hop of a microbatch, from its compute on stage s (lowest tp rank) to its
-    # compute on stage s+1. The start sits just inside the source slice's end so it binds to it.
+
+def _first_rank_compute(spans: Sequence[Span]) -> dict[int, dict[int, int]]:
+    """step_id -> stage -> index of that stage's compute span on its lowest tp rank."""
     compute: dict[int, dict[int, int]] = defaultdict(dict)
     for idx, s in enumerate(spans):
         if s.kind == "compute" and s.stage >= 0:
             prev = compute[s.step_id].get(s.stage)
             if prev is None or s.tp_rank < spans[prev].tp_rank:
                 compute[s.step_id][s.stage] = idx
+    return compute
+
+
+def _flow_arrows(spans: Sequence[Span], span_tid: dict[int, int]) -> list[dict[str, Any]]:
+    """One arrow per hop of a microbatch, from its compute on stage s to its compute on stage s+1.
+
+    The start sits just inside the source slice's end so that it binds to that slice.
+    """
+    compute = _first_rank_compute(spans)
+    events: list[dict[str, Any]] = []
     flow_id = 0
     for step in sorted(compute):
         by_stage = compute[step]
@@ -192,7 +239,7 @@ def to_chrome_trace(
             flow_id += 1
             name = f"microbatch {step}"
             src_ts = _us(max(src.start_ns, src.end_ns - 1))
-            slices.append(
+            events.append(
                 {
                     "name": name,
                     "cat": "flow",
@@ -203,7 +250,7 @@ def to_chrome_trace(
                     "tid": span_tid[by_stage[stage]],
                 }
             )
-            slices.append(
+            events.append(
                 {
                     "name": name,
                     "cat": "flow",
@@ -215,30 +262,33 @@ def to_chrome_trace(
                     "tid": span_tid[by_stage[stage + 1]],
                 }
             )
+    return events
 
-    for name, t_ns, values in counters:
-        slices.append(
-            {
-                "name": name,
-                "ph": "C",
-                "ts": _us(int(t_ns)),
-                "pid": PID,
-                "tid": 0,
-                "args": {k: float(v) for k, v in values.items()},
-            }
-        )
 
+def _counter_events(counters: Iterable[Counter]) -> list[dict[str, Any]]:
+    """The caller's counters (queue depth, KV blocks, ...) as "C" events on the process."""
+    return [
+        {
+            "name": name,
+            "ph": "C",
+            "ts": _us(int(t_ns)),
+            "pid": PID,
+            "tid": 0,
+            "args": {k: float(v) for k, v in values.items()},
+        }
+        for name, t_ns, values in counters
+    ]
+
+
+def _other_data(work: list[WorkInterval] | None) -> dict[str, Any]:
+    """What the trace carries besides its events: the format and the work intervals, for the round trip."""
     return {
-        "traceEvents": events + slices,
-        "displayTimeUnit": "ns",
-        "otherData": {
-            "ppserve": {
-                "format": FORMAT_VERSION,
-                "clock": "engine ns; ts/dur in µs",
-                # None (not []) when the engine reported none: the bubble math treats them differently.
-                "work_intervals": None if work is None else [list(w) for w in work],
-            }
-        },
+        "ppserve": {
+            "format": FORMAT_VERSION,
+            "clock": "engine ns; ts/dur in µs",
+            # None (not []) when the engine reported none: the bubble math treats them differently.
+            "work_intervals": None if work is None else [list(w) for w in work],
+        }
     }
 
 
