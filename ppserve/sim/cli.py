@@ -10,9 +10,16 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppserve.config import add_config_arguments
+
+if TYPE_CHECKING:  # the run path imports these lazily, so `ppserve --help` stays instant
+    from ppserve.config import EngineConfig, SchedulerConfig
+    from ppserve.metrics.bubbles import Window
+    from ppserve.sim.cost_model import CostModel, ModelSpec
+    from ppserve.sim.simulator import SimResult
+    from ppserve.sim.workload import WorkloadRequest
 
 
 def add_parser(sub: Any) -> None:
@@ -49,6 +56,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _load_spans(path: str) -> list[Any]:
+    """Spans from a spans JSONL or a Chrome trace written by ppserve."""
     from ppserve.metrics.spans import read_jsonl
     from ppserve.metrics.trace import load_chrome_trace
 
@@ -60,54 +68,96 @@ def _load_spans(path: str) -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ppserve.config import load_config
-    from ppserve.sim.cost_model import (
-        Profile,
-        ProfileCostModel,
-        RooflineCostModel,
-        fit_profile,
-        kv_cache_blocks,
-        load_hardware,
-        load_model_spec,
-    )
-    from ppserve.sim.simulator import SimConfig, simulate
-    from ppserve.sim.workload import at_once as all_at_once
-    from ppserve.sim.workload import clip_to_context, default_trace_path, read_trace, with_poisson_arrivals
-
+    """Fit a profile (`--fit-from`), or simulate the workload and print (and write) what it measured."""
     if args.fit_from:
-        prof = fit_profile(_load_spans(args.fit_from), note=f"fitted from {args.fit_from}")
-        prof.save(args.profile_out)
-        for i, s in enumerate(prof.stages):
-            print(f"stage {i}: {s.a * 1e3:.4f} ms + {s.b * 1e6:.4f} us/prefill token + {s.c * 1e6:.4f} us/decode "
-                  f"token ({s.num_samples} microbatches, rms residual {s.rms_residual_s * 1e3:.4f} ms)")
-        print(f"transfer {prof.transfer_s * 1e3:.4f} ms -> {args.profile_out}")
-        return 0
+        return _fit_profile(args.fit_from, args.profile_out)
+    from ppserve.config import load_config
+    from ppserve.sim.cost_model import load_model_spec
+    from ppserve.sim.simulator import SimConfig, simulate
 
     cfg = load_config(args.config, args.overrides)
-    sc = cfg.scheduler
-    # The config's scheduler section (every --set scheduler.* applies), with the flags on top.
-    sched = dataclasses.replace(
+    sched = _scheduler_config(cfg.scheduler, args)
+    model = load_model_spec(args.model)
+    tp = args.tp or cfg.parallel.tensor_parallel_size
+    block_size = cfg.cache.block_size or 16  # unset: 16-token blocks, as on most GPU deployments
+    cost, num_blocks = _cost_model(args, cfg, model, tp, block_size)
+    max_len = cfg.model.max_model_len or model.max_model_len
+    path, wl = _workload(args, max_len)
+
+    res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, max_len, args.overhead_ms * 1e-3,
+                                       args.dispatch_ms * 1e-3, check_invariants=args.check))
+    summary = res.summary(args.window)
+    # Every setting that shaped the run, printed and saved beside the figures so a run can be repeated.
+    settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
+                "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
+                "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
+                "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
+                "prefill_scale": args.prefill_scale, "decode_scale": args.decode_scale,
+                "overhead_ms": args.overhead_ms, "dispatch_ms": args.dispatch_ms}
+    _print_report(res, summary, settings, args.window)
+    _write_outputs(res, summary, settings, args.trace, args.json_out)
+    return 0
+
+
+def _fit_profile(spans_path: str, profile_out: str) -> int:
+    """Fit a per-stage profile from measured spans, save it and print each stage's fit."""
+    from ppserve.sim.cost_model import fit_profile
+
+    prof = fit_profile(_load_spans(spans_path), note=f"fitted from {spans_path}")
+    prof.save(profile_out)
+    for i, s in enumerate(prof.stages):
+        print(f"stage {i}: {s.a * 1e3:.4f} ms + {s.b * 1e6:.4f} us/prefill token + {s.c * 1e6:.4f} us/decode "
+              f"token ({s.num_samples} microbatches, rms residual {s.rms_residual_s * 1e3:.4f} ms)")
+    print(f"transfer {prof.transfer_s * 1e3:.4f} ms -> {profile_out}")
+    return 0
+
+
+def _scheduler_config(sc: SchedulerConfig, args: argparse.Namespace) -> SchedulerConfig:
+    """The config's scheduler section (every --set scheduler.* applies), with the flags on top."""
+    return dataclasses.replace(
         sc,
         policy=args.policy or sc.policy,
         token_budget=args.token_budget or sc.token_budget,
         max_num_seqs=args.max_num_seqs or sc.max_num_seqs,
         per_microbatch_seq_cap=args.seq_cap or sc.per_microbatch_seq_cap,
+        # The whole workload may queue at once (--at-once): never reject it for the queue's length.
         max_waiting=max(sc.max_waiting, args.num_requests),
     )
-    model = load_model_spec(args.model)
-    tp = args.tp or cfg.parallel.tensor_parallel_size
-    block_size = cfg.cache.block_size or 16  # unset: 16-token blocks, as on most GPU deployments
+
+
+def _cost_model(
+    args: argparse.Namespace, cfg: EngineConfig, model: ModelSpec, tp: int, block_size: int
+) -> tuple[CostModel, int]:
+    """The cost model (a fitted profile, or the roofline of model on hardware) and the KV blocks it allows."""
+    from ppserve.sim.cost_model import (
+        Profile,
+        ProfileCostModel,
+        RooflineCostModel,
+        kv_cache_blocks,
+        load_hardware,
+    )
+
     if args.hardware.endswith(".json"):
-        cost: Any = ProfileCostModel(Profile.load(args.hardware))
-        if args.pp and args.pp != cost.num_stages:
-            raise ValueError(f"--pp {args.pp} but the profile {args.hardware} has {cost.num_stages} stages")
-        num_blocks = cfg.cache.num_blocks or 1_000_000
-    else:
-        pp = args.pp or cfg.parallel.pipeline_parallel_size
-        hw = load_hardware(args.hardware)
-        cost = RooflineCostModel(model, hw, pp, tp)
-        num_blocks = cfg.cache.num_blocks or kv_cache_blocks(model, hw, pp, tp, block_size)
-    max_len = cfg.model.max_model_len or model.max_model_len
+        profiled = ProfileCostModel(Profile.load(args.hardware))
+        if args.pp and args.pp != profiled.num_stages:
+            raise ValueError(f"--pp {args.pp} but the profile {args.hardware} has {profiled.num_stages} stages")
+        # A profile says nothing about memory: unless the config caps it, the KV cache never runs out.
+        return profiled, cfg.cache.num_blocks or 1_000_000
+    pp = args.pp or cfg.parallel.pipeline_parallel_size
+    hw = load_hardware(args.hardware)
+    roofline = RooflineCostModel(model, hw, pp, tp)
+    return roofline, cfg.cache.num_blocks or kv_cache_blocks(model, hw, pp, tp, block_size)
+
+
+def _workload(args: argparse.Namespace, max_len: int) -> tuple[Path, list[WorkloadRequest]]:
+    """The trace's requests (a path, or a name in the shared traces), re-timed as asked, clipped to the context."""
+    from ppserve.sim.workload import (
+        at_once,
+        clip_to_context,
+        default_trace_path,
+        read_trace,
+        with_poisson_arrivals,
+    )
 
     path = Path(args.workload)
     if not path.exists():
@@ -117,20 +167,14 @@ def run(args: argparse.Namespace) -> int:
     if args.rate:
         wl = with_poisson_arrivals(wl, args.rate, args.seed)
     if args.at_once:
-        wl = all_at_once(wl)
-    wl = clip_to_context(wl, max_len)
+        wl = at_once(wl)
+    return path, clip_to_context(wl, max_len)
 
-    res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, max_len, args.overhead_ms * 1e-3,
-                                       args.dispatch_ms * 1e-3, check_invariants=args.check))
-    summary = res.summary(args.window)
-    settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
-                "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
-                "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
-                "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
-                "prefill_scale": args.prefill_scale, "decode_scale": args.decode_scale,
-                "overhead_ms": args.overhead_ms, "dispatch_ms": args.dispatch_ms}
+
+def _print_report(res: SimResult, summary: dict[str, Any], settings: dict[str, Any], window: Window) -> None:
+    """Settings, the bubble report, throughput and the latency percentiles, as text."""
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    print(res.bubble_report(args.window).format_text())
+    print(res.bubble_report(window).format_text())
     thr, lat = summary["throughput"], summary["latency"]
     print(f"finished {res.num_finished} requests ({len(res.rejected)} rejected), {res.num_microbatches} microbatches, "
           f"{res.num_preemptions} preemptions in {thr['duration_s']:.3f} s simulated: "
@@ -139,9 +183,14 @@ def run(args: argparse.Namespace) -> int:
         st = lat[name]
         if st["count"]:
             print(f"{name[:-2]:>16}: p50 {st['p50'] * 1e3:.2f} ms  p99 {st['p99'] * 1e3:.2f} ms")
-    if args.trace:
-        print(f"trace: {res.save_trace(args.trace)}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"settings": settings, **summary}, indent=2) + "\n")
-        print(f"json: {args.json_out}")
-    return 0
+
+
+def _write_outputs(
+    res: SimResult, summary: dict[str, Any], settings: dict[str, Any], trace: str | None, json_out: str | None
+) -> None:
+    """The Chrome trace (--trace) and the settings plus summary as JSON (--json), where asked for."""
+    if trace:
+        print(f"trace: {res.save_trace(trace)}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"settings": settings, **summary}, indent=2) + "\n")
+        print(f"json: {json_out}")
