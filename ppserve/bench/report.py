@@ -166,6 +166,16 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path, note: str) -> Path:
+    """Title the figure with `note` (if any), write it to `path` and free it: every plot ends so."""
+    if note:
+        fig.suptitle(note, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
 def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     v = sorted(values)
     n = len(v)
@@ -190,12 +200,7 @@ def plot_latency_cdfs(samples: Mapping[str, Mapping[str, Sequence[float]]], path
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
-    if note:
-        fig.suptitle(note, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, note)
 
 
 def plot_bubble_bars(summaries: Mapping[str, Mapping[str, Any]], path: str | Path, note: str = "") -> Path:
@@ -220,12 +225,7 @@ def plot_bubble_bars(summaries: Mapping[str, Mapping[str, Any]], path: str | Pat
     ax2.bar(names, p50, color="tab:red", alpha=0.7)
     ax2.set_ylabel("per-request bubble time p50 (ms)")
     ax2.grid(axis="y", alpha=0.3)
-    if note:
-        fig.suptitle(note, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, note)
 
 
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, note: str = "") -> Path:
@@ -243,12 +243,7 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path, note: str = 
     ax2.plot(budgets, thr, "s--", color="tab:green", label="output tokens/s")
     ax2.set_ylabel("output tokens/s", color="tab:green")
     ax.grid(alpha=0.3)
-    if note:
-        fig.suptitle(note, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, note)
 
 
 def plot_capacity(results: Mapping[str, Mapping[str, Any]], path: str | Path, slo_tbt_s: float,
@@ -266,9 +261,4 @@ def plot_capacity(results: Mapping[str, Mapping[str, Any]], path: str | Path, sl
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    if note:
-        fig.suptitle(note, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(plt, fig, path, note)
