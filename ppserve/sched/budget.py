@@ -153,8 +153,9 @@ class BudgetMode(Protocol):
         ...
 
 
-class FixedTokenBudget:
-    """The default: every microbatch gets the configured token budget; feedback is ignored."""
+class _BudgetModeBase:
+    """What the modes share, each overriding what it does differently: the token budget in force,
+    which is also the cap; microbatch budgets that count tokens alone; feedback ignored."""
 
     needs_feedback = False
 
@@ -177,7 +178,11 @@ class FixedTokenBudget:
         return None
 
 
-class TimeBudgetMode:
+class FixedTokenBudget(_BudgetModeBase):
+    """The default: every microbatch gets the configured token budget; feedback is ignored."""
+
+
+class TimeBudgetMode(_BudgetModeBase):
     """Microbatches filled to a predicted time on the slowest stage, with `token_budget` as a hard cap.
 
     The cost model learns from the slowest stage's measured compute time of each microbatch (the
@@ -192,17 +197,9 @@ class TimeBudgetMode:
                  cost: StepCostModel | None = None) -> None:
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s!r}")
-        self._token_budget = token_budget
+        super().__init__(token_budget)
         self.time_budget_s = time_budget_s
         self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
-
-    @property
-    def token_budget(self) -> int:
-        return self._token_budget
-
-    @property
-    def token_cap(self) -> int:
-        return self._token_budget
 
     def current_time_budget_s(self) -> float:
         if self.time_budget_s is not None:
@@ -220,7 +217,7 @@ class TimeBudgetMode:
             self.cost.observe(out.chunks(), max(stage_seconds))
 
 
-class AdaptiveTokenBudget:
+class AdaptiveTokenBudget(_BudgetModeBase):
     """Chooses the token budget from a time-between-tokens (TBT) target: the largest budget whose
     full microbatches still meet it, corrected by the TBT actually measured.
 
@@ -251,6 +248,7 @@ class AdaptiveTokenBudget:
             )
         if not 1 <= min_budget <= max_budget:
             raise ValueError(f"need 1 <= min_budget <= max_budget, got {min_budget!r}, {max_budget!r}")
+        super().__init__(min(max(start, min_budget), max_budget))  # the budget in force, from the start
         self.tbt_slo_s = tbt_slo_s
         self.target_s = tbt_slo_s * safety
         self.num_stages = num_stages
@@ -260,24 +258,16 @@ class AdaptiveTokenBudget:
         self.gain = gain
         self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
         self.correction = 1.0  # k above
-        self._start = min(max(start, min_budget), max_budget)
-        self._budget = self._start
+        self._start = self._token_budget
         self._context = 0.0  # running mean context of prefill chunks, weighted by their tokens
         self._last_token: dict[str, float] = {}
         self._gaps: list[float] = []
-        self._window_budget = self._budget  # the largest budget in force while the current gaps were measured
+        self._window_budget = self._token_budget  # the largest budget in force while the current gaps were measured
         self.history: list[tuple[int, float]] = []  # (budget in force, measured p99 TBT) per feedback round
-
-    @property
-    def token_budget(self) -> int:
-        return self._budget
 
     @property
     def token_cap(self) -> int:
         return self.max_budget
-
-    def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget:
-        return TokenBudget(token_budget, max_seqs)
 
     def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
                 finished: Collection[str]) -> None:
@@ -296,10 +286,10 @@ class AdaptiveTokenBudget:
                 tokens = sum(n for n, _ in prefill)
                 mean_ctx = sum(n * ctx for n, ctx in prefill) / tokens
                 self._context += 0.05 * (mean_ctx - self._context)
-        self._window_budget = max(self._window_budget, self._budget)
+        self._window_budget = max(self._window_budget, self._token_budget)
         if len(self._gaps) >= self.min_samples:
             self._correct(percentile(self._gaps, 99))
-        self._budget = self._choose()
+        self._token_budget = self._choose()
 
     def _correct(self, p99_s: float) -> None:
         self.history.append((self._window_budget, p99_s))
@@ -313,7 +303,7 @@ class AdaptiveTokenBudget:
         elif p99_s > self.target_s:  # no stage times: steer by the measured TBT alone, downward only
             self.correction *= (self.target_s / p99_s) ** self.gain
         self._gaps = []
-        self._window_budget = self._budget
+        self._window_budget = self._token_budget
 
     def _choose(self) -> int:
         if not self.cost.calibrated:  # no stage times (yet): only the measured TBT steers, from the start
