@@ -96,17 +96,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-# Checkpoint module inside a layer -> (our module path, shard id of our fused layer)
+# Checkpoint module inside a layer -> (our module path, shard id of our fused layer); a map is only
+# looked up and its names sorted, so the order of its entries is free.
+# These modules of Llama's layer every checkpoint stores whole, under our own names: a family built on
+# these blocks (Phi-3) fuses other tensors but maps these the same way.
+LLAMA_UNFUSED_WEIGHTS: WeightMap = {
+    "self_attn.o_proj": ("self_attn.o_proj", None),
+    "mlp.down_proj": ("mlp.down_proj", None),
+    "input_layernorm": ("input_layernorm", None),
+    "post_attention_layernorm": ("post_attention_layernorm", None),
+}
 LLAMA_WEIGHTS: WeightMap = {
     "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
     "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
     "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "self_attn.o_proj": ("self_attn.o_proj", None),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "mlp.down_proj": ("mlp.down_proj", None),
-    "input_layernorm": ("input_layernorm", None),
-    "post_attention_layernorm": ("post_attention_layernorm", None),
+    **LLAMA_UNFUSED_WEIGHTS,
 }
 
 

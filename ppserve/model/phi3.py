@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ppserve.model.arch import ModelArch, common_fields, require_silu
-from ppserve.model.llama import LlamaDecoderLayer
+from ppserve.model.llama import LLAMA_UNFUSED_WEIGHTS, LlamaDecoderLayer
 from ppserve.model.stage_model import Fused, StageModel, WeightMap
 
 
@@ -42,11 +42,8 @@ def _gate_up_rows(a: ModelArch) -> tuple[int, ...]:
 
 PHI3_WEIGHTS: WeightMap = {
     "self_attn.qkv_proj": ("self_attn.qkv_proj", Fused(("q", "k", "v"), _qkv_rows)),
-    "self_attn.o_proj": ("self_attn.o_proj", None),
     "mlp.gate_up_proj": ("mlp.gate_up_proj", Fused((0, 1), _gate_up_rows)),
-    "mlp.down_proj": ("mlp.down_proj", None),
-    "input_layernorm": ("input_layernorm", None),
-    "post_attention_layernorm": ("post_attention_layernorm", None),
+    **LLAMA_UNFUSED_WEIGHTS,
 }
 
 
