@@ -13,7 +13,6 @@ processes' CPU seconds per second over two idle seconds (a compiled graph's chan
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve import LLM, SamplingParams
+from ppserve.bench.report import write_json
 from ppserve.metrics.control_plane import control_plane_latency
 
 QUESTIONS = [
@@ -83,8 +83,7 @@ def main() -> None:
         print(f"| {plane} | {statistics.median(r['tokens_per_s'] for r in rs):.1f} | "
               f"{100 * statistics.median(r['bubble'] for r in rs):.1f}% | {med('dispatch'):.2f} | {med('hop'):.2f} | "
               f"{med('turnaround'):.2f} | {statistics.median(r['idle_actor_cpu_per_s'] for r in rs):.2f} cores |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=2))
+    write_json(args.out, {"args": vars(args), "runs": runs})
     print(f"wrote {args.out} (medians over {args.rounds} round(s))")
 
 

@@ -12,11 +12,10 @@ head costs from the stages' compute times on a short run at the configured budge
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 from ppserve import LLM, SamplingParams
+from ppserve.bench.report import write_json
 
 
 def run(mode: str, prompts: list[list[int]], max_tokens: int, budget: int) -> dict[str, object]:
@@ -57,8 +56,7 @@ def main() -> None:
         st = r["stages"]
         print(f"| {r['mode']} | {r['layers']} | {st[0]['compute_ms_mean']:.1f} | {st[1]['compute_ms_mean']:.1f} | "
               f"{r['imbalance']:.2f}x | {100 * r['mean_bubble_fraction_active']:.1f}% | {r['wall_s']:.2f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
+    write_json(args.out, {"args": vars(args), "runs": rows})
     print(f"wrote {args.out}")
 
 

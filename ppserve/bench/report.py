@@ -50,7 +50,9 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
+    """`data` as indented JSON at `path` (its folder made if missing); what JSON cannot hold becomes a string."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
     return path
 
