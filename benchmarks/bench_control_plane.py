@@ -52,7 +52,7 @@ def run(plane: str, partition: str, max_tokens: int) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         spans = llm.spans()
         bubble = llm.bubble_stats().mean_bubble_fraction
-        pids = [int(d["pid"]) for d in llm.engine.executor.describe()]
+        pids = [d.pid for d in llm.engine.executor.describe()]
         c0 = process_cpu_s(pids)
         time.sleep(2.0)
         idle_cpu = (process_cpu_s(pids) - c0) / 2.0

@@ -21,7 +21,7 @@ from ppserve.bench.report import write_json
 def run(mode: str, prompts: list[list[int]], max_tokens: int, budget: int) -> dict[str, object]:
     with LLM(pipeline_parallel_size=2, partition_mode=mode, token_budget=budget, max_num_seqs=len(prompts),
              overrides=["scheduler.per_microbatch_seq_cap=true"]) as llm:
-        layout = [d["layers"] for d in llm.engine.executor.describe()]
+        layout = [[d.layer_start, d.layer_end] for d in llm.engine.executor.describe()]
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         llm.spans()
         llm._spans.clear()

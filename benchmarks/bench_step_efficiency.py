@@ -101,7 +101,7 @@ def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partitio
         start = time.perf_counter()
         outs = llm.generate(prompts, sp)
         wall = time.perf_counter() - start
-        pids = [os.getpid()] + [int(d["pid"]) for d in llm.engine.executor.describe() if d.get("pid")]
+        pids = [os.getpid()] + [d.pid for d in llm.engine.executor.describe() if d.pid]
         rss = peak_rss_mib(sorted(set(pids)), with_children=False)
         blocks = llm.engine.executor.num_kv_blocks
         block_size = llm.engine.executor.block_size  # cache.block_size, or the attention kernel's page

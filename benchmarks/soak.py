@@ -139,7 +139,7 @@ async def _wait_idle(ac: AsyncPPServeClient, timeout_s: float = 60.0) -> dict[st
     deadline = time.monotonic() + timeout_s
     while True:
         s = await ac.stats()
-        if (s["kv_blocks_used"] == 0 and s["running"] + s["waiting"] + s["in_flight_microbatches"] == 0) or (
+        if (s.kv_blocks_used == 0 and s.running + s.waiting + s.in_flight_microbatches == 0) or (
             time.monotonic() > deadline
         ):
             return s
@@ -178,9 +178,9 @@ async def run_soak(address: str, server_pid: int | None, requests: int = 2000, c
         fig.wall_s = time.monotonic() - t0
         s = await _wait_idle(ac)
         memory(str(requests))
-        fig.kv_blocks_used_after, fig.kv_blocks_total = s["kv_blocks_used"], s["kv_blocks_total"]
-        fig.running_after, fig.waiting_after = s["running"], s["waiting"]
-        fig.in_flight_after = s["in_flight_microbatches"]
+        fig.kv_blocks_used_after, fig.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
+        fig.running_after, fig.waiting_after = s.running, s.waiting
+        fig.in_flight_after = s.in_flight_microbatches
     if server_pid is not None:
         fig.peak_rss_mib = proc_status_kib(server_pid, "VmHWM") / 1024
     return fig

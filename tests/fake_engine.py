@@ -6,6 +6,9 @@ One token ("a", id 7) per request per step, and a bounded waiting queue (Overflo
 from __future__ import annotations
 
 from ppserve.engine.messages import RequestTimes, TokenDelta
+from ppserve.engine.stats import EngineCounts
+from ppserve.metrics.spans import Span
+from ppserve.worker.info import WorkerInfo
 
 
 class FakeEngine:
@@ -25,8 +28,9 @@ class FakeEngine:
         self.clock = time.perf_counter
         self.work = WorkTracker()
         self.executor = SimpleNamespace(
-            describe=lambda: [{"stage": 0, "tp_rank": 0, "layers": [0, 2], "pid": 1}]
+            describe=lambda: [WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=2, node_ip="local", pid=1)]
         )
+        self.scheduler = SimpleNamespace(blocks=SimpleNamespace(block_size=16))
         self.core = SimpleNamespace(step_observers=[])
         self.paused = False
         self.prompt_length = 4  # tokens of a prompt given as text or messages (the fake has no tokenizer)
@@ -81,17 +85,10 @@ class FakeEngine:
     def unfinished_ids(self) -> list[str]:
         return list(self.left)
 
-    def stats(self) -> dict:
-        return {
-            "running": len(self.left),
-            "waiting": 0,
-            "in_flight": 0,
-            "kv_blocks_used": 0,
-            "kv_blocks_total": 8,
-            "num_preemptions": 0,
-        }
+    def stats(self) -> EngineCounts:
+        return EngineCounts(running=len(self.left), kv_blocks_total=8)
 
-    def collect_spans(self) -> list:
+    def collect_spans(self) -> list[Span]:
         return []
 
     def shutdown(self) -> None:

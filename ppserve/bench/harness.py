@@ -277,7 +277,7 @@ def replay(
         name=name, timings=timings, spans=spans, work_intervals=work,
         num_stages=engine.config.parallel.pipeline_parallel_size,
         num_prompt_tokens=sum(r.prompt_len for r in requests),
-        num_preemptions=engine.stats()["num_preemptions"], aborted=aborted,
+        num_preemptions=engine.stats().num_preemptions, aborted=aborted,
         meta={"num_submitted": nxt, "num_finished": len(finished)},
     )
 

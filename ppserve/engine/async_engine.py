@@ -1,11 +1,11 @@
 """AsyncEngine: drives the single-threaded LLMEngine from one dedicated thread for asyncio front doors.
 
 The LLMEngine is not thread-safe, so exactly one thread ("ppserve-engine") ever touches it after
-start-up. Everything else talks to that thread through a FIFO inbox of commands (add, cancel, call,
-stop), applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per
-step carrying that step's `TokenDelta`s, so the engine thread never blocks on a client. Each request's
-deltas are merged into one pending `StreamChunk` on the event loop (a queue of depth one that
-coalesces), so a slow client receives bigger chunks instead of stalling anyone.
+start-up. Everything else talks to that thread through a FIFO inbox of commands (engine/inbox.py),
+applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per step
+carrying that step's `TokenDelta`s, so the engine thread never blocks on a client; on the event loop
+each request's deltas merge into its `RequestStream` (engine/streams.py). The statistics window
+(engine/stats.py) is fed and read on the engine thread.
 
 Every front door (gRPC, HTTP, the demo) uses this bridge; it imports no grpc, protobuf or web
 framework, and keeps no copy of the engine's request state: the engine's final delta of a request
@@ -15,119 +15,34 @@ carries its times.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
-from ppserve.config import EngineConfig, config_to_dict
-from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes, TokenDelta
-from ppserve.request import FinishReason, SamplingParams, TokenLogprob
+from ppserve.config import EngineConfig
+from ppserve.engine.inbox import AddRequest, Call, Cancel, Command, Stop
+from ppserve.engine.messages import PipelineUnavailable, PromptInput, TokenDelta
+from ppserve.engine.stats import STATS_WINDOW_S, EngineStats, ServingConfig, StatsWindow
+from ppserve.engine.streams import RequestStream
+from ppserve.metrics.spans import Span
+from ppserve.request import FinishReason, SamplingParams
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.2  # how long the idle engine thread waits for a command before housekeeping
-SPAN_DRAIN_INTERVAL_S = 10.0  # drain stage spans at least this often (a drain waits for in-flight work)
-STATS_WINDOW_S = 30.0  # the "recent window" of GetStats rates and bubble fractions
 CALL_TIMEOUT_S = 60.0  # an engine-thread call that takes longer means the pipeline is stuck
 
+T = TypeVar("T")
 
-def engine_to_unix_offset(engine_clock: Any = time.perf_counter) -> float:
+
+def engine_to_unix_offset(engine_clock: Callable[[], float] = time.perf_counter) -> float:
     """Add this to an engine-clock time (monotonic seconds) to get Unix seconds."""
     return time.time() - float(engine_clock())
-
-
-@dataclass
-class StreamChunk:
-    """New output of one request since the last chunk the client took (its deltas merged)."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    token_times: list[float] = field(default_factory=list)  # engine clock
-    num_output_tokens: int = 0  # cumulative
-    finished: bool = False
-    finish_reason: str | None = None
-    times: RequestTimes | None = None  # on the last chunk
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with token_ids, when asked for
-
-    def merge(self, d: TokenDelta) -> None:
-        self.token_ids.extend(d.token_ids)
-        self.logprobs.extend(d.logprobs)
-        self.text += d.text
-        self.token_times.extend(d.token_times)
-        if d.finished:
-            self.finished, self.finish_reason, self.times = True, d.finish_reason, d.times
-
-
-class RequestStream:
-    """The event-loop side of one request: merges deltas; iterate it to receive chunks."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.num_prompt_tokens = 0
-        self._pending: StreamChunk | None = None
-        self._event = asyncio.Event()
-        self._num_output = 0
-        self._done = False
-
-    # Called on the event loop only (via call_soon_threadsafe).
-    def _push(self, delta: TokenDelta) -> None:
-        if self._done or (self._pending is not None and self._pending.finished):
-            return
-        if self._pending is None:
-            self._pending = StreamChunk(self.request_id)
-        self._pending.merge(delta)
-        self._event.set()
-
-    async def next_chunk(self) -> StreamChunk | None:
-        """The merged output since the last call; None after the final chunk."""
-        if self._done:
-            return None
-        await self._event.wait()
-        self._event.clear()
-        chunk, self._pending = self._pending, None
-        assert chunk is not None
-        self._num_output += len(chunk.token_ids)
-        chunk.num_output_tokens = self._num_output
-        self._done = chunk.finished
-        return chunk
-
-    def __aiter__(self) -> AsyncIterator[StreamChunk]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[StreamChunk]:
-        while (chunk := await self.next_chunk()) is not None:
-            yield chunk
-
-
-async def merge_choices(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamChunk]]:
-    """(choice index, chunk) from several streams as each has output, until every one has finished."""
-    if len(streams) == 1:
-        async for chunk in streams[0]:
-            yield 0, chunk
-        return
-    waiting = {asyncio.ensure_future(st.next_chunk()): i for i, st in enumerate(streams)}
-    try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for fut in sorted(done, key=waiting.__getitem__):
-                i = waiting.pop(fut)
-                chunk = fut.result()
-                if chunk is None:
-                    continue
-                if not chunk.finished:
-                    waiting[asyncio.ensure_future(streams[i].next_chunk())] = i
-                yield i, chunk
-    finally:
-        for fut in waiting:
-            fut.cancel()
 
 
 class EngineObserver(Protocol):
@@ -151,9 +66,7 @@ class AsyncEngine:
         self.vocab_size: int = engine.arch.vocab_size
         # Unset sampling fields take these (the model's generation_config.json) before ppserve's own.
         self.sampling_defaults: dict[str, Any] = dict(getattr(engine, "sampling_defaults", {}))
-        self.keep_all_spans = keep_all_spans or bool(self.config.trace.path)
-        self.stats_window_s = stats_window_s
-        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._groups: dict[str, list[str]] = {}  # a request id -> its choices' stream ids
         self.observers: list[EngineObserver] = []  # see add_observer
@@ -161,14 +74,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None
-        # Engine-thread state below.
-        self._spans: collections.deque[Any] = collections.deque()
-        self._last_drain = time.monotonic()
-        self._token_log: collections.deque[tuple[float, int]] = collections.deque()  # (engine time, tokens)
-        self._tokens_total = 0
-        self._finished_total = 0
-        self._start_time = engine.clock()
-        self._start_ns = time.perf_counter_ns()
+        # Engine-thread state: the statistics window.
+        self.window = StatsWindow(engine.collect_spans, engine.clock, window_s=stats_window_s,
+                                  keep_all_spans=keep_all_spans or bool(self.config.trace.path))
         # Engine clock (monotonic) -> Unix time, for the per-token timestamps clients see.
         self.engine_to_unix = engine_to_unix_offset(engine.clock)
 
@@ -197,7 +105,7 @@ class AsyncEngine:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the step loop (unfinished requests are cancelled) and join the thread."""
         self._stopping = True
-        self._inbox.put(("stop",))
+        self._inbox.put(Stop())
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -231,7 +139,8 @@ class AsyncEngine:
         # Registered before the engine sees the request, so no delta can arrive for an unknown stream.
         self._streams.update(zip(rids, streams, strict=True))
         self._groups[rid] = rids
-        fut = self._post_call(("add", prompt, sampling, rid))
+        fut: asyncio.Future[int] = self._future()
+        self._inbox.put(AddRequest(prompt, sampling, rid, fut))
         try:
             num_prompt_tokens = await fut
         except asyncio.CancelledError:
@@ -250,13 +159,16 @@ class AsyncEngine:
         """Fire-and-forget cancel of a request and its choices (safe inside a handler's cleanup: it
         never awaits)."""
         for rid in self._groups.get(request_id, [request_id]):
-            self._inbox.put(("cancel", rid, None))
+            self._inbox.put(Cancel(rid))
 
     async def cancel(self, request_id: str) -> bool:
         # Checked first: once the engine thread has stopped, nothing would ever answer the command.
         self._check_available()
-        rids = self._groups.get(request_id, [request_id])
-        results = [await self._post_call(("cancel", rid)) for rid in rids]
+        results = []
+        for rid in self._groups.get(request_id, [request_id]):
+            fut: asyncio.Future[bool] = self._future()
+            self._inbox.put(Cancel(rid, fut))
+            results.append(await fut)
         return any(results)
 
     def release(self, request_id: str) -> None:
@@ -264,13 +176,19 @@ class AsyncEngine:
         for rid in self._groups.pop(request_id, [request_id]):
             self._streams.pop(rid, None)
 
-    async def call(self, fn: Callable[[Any], Any], timeout: float = CALL_TIMEOUT_S) -> Any:
+    async def call(self, fn: Callable[[Any], T], timeout: float = CALL_TIMEOUT_S) -> T:
         """Run fn(engine) on the engine thread between steps and return its result."""
         self._check_available()
-        return await asyncio.wait_for(self._post_call(("call", fn)), timeout)
+        fut: asyncio.Future[T] = self._future()
+        self._inbox.put(Call(fn, fut))
+        return await asyncio.wait_for(fut, timeout)
 
-    async def stats(self) -> dict[str, Any]:
-        return dict(await self.call(lambda _eng: self._stats()))
+    async def stats(self) -> EngineStats:
+        return await self.call(lambda _eng: self._stats())
+
+    def all_spans(self) -> list[Span]:
+        """Engine thread only (through call()): every span kept so far, freshly drained."""
+        return self.window.all_spans()
 
     def _check_available(self) -> None:
         if self.failure is not None:
@@ -280,11 +198,9 @@ class AsyncEngine:
         if getattr(self.engine, "recovering", False):
             raise PipelineUnavailable("the pipeline is being rebuilt after a stage failure; retry shortly")
 
-    def _post_call(self, cmd: tuple[Any, ...]) -> asyncio.Future[Any]:
+    def _future(self) -> asyncio.Future[Any]:
         assert self._loop is not None
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        self._inbox.put((*cmd, fut))
-        return fut
+        return self._loop.create_future()
 
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -302,8 +218,8 @@ class AsyncEngine:
                     break
                 if deltas:
                     self._emit(deltas)
-            if time.monotonic() - self._last_drain > SPAN_DRAIN_INTERVAL_S:
-                self._drain_spans()
+            if self.window.drain_due:
+                self.window.drain_spans()
         self._cancel_all(FinishReason.CANCELLED)
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -313,7 +229,7 @@ class AsyncEngine:
         except queue.Empty:
             return True
         while True:
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return False
             self._apply(cmd)
             try:
@@ -321,31 +237,24 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: tuple[Any, ...]) -> None:
-        kind, fut = cmd[0], cmd[-1]
+    def _apply(self, cmd: AddRequest | Cancel | Call) -> None:
         try:
-            if kind == "add":
-                _, prompt, sampling, rid, _ = cmd
-                result: Any = self._add(prompt, sampling, rid)
-            elif kind == "cancel":
-                # End the stream (if a client still reads it) with a cancelled finish.
-                closing = self.engine.abort(cmd[1], FinishReason.CANCELLED)
-                result = closing is not None
-                if closing is not None:
-                    self._observe([closing])
-                self._post(self._deliver, [closing or TokenDelta(cmd[1], (), "", (), True, "cancelled")])
-            elif kind == "call":
-                result = cmd[1](self.engine)
-            else:
-                raise RuntimeError(f"unknown engine command {kind!r}")
+            result: Any
+            match cmd:
+                case AddRequest(prompt, sampling, rid, _):
+                    result = self._add(prompt, sampling, rid)
+                case Cancel(rid, _):
+                    result = self._cancel(rid)
+                case Call(fn, _):
+                    result = fn(self.engine)
         except BaseException as e:
-            if fut is not None:
-                self._post(_set_exception, fut, e)
+            if cmd.reply is not None:
+                self._post(_set_exception, cmd.reply, e)
             else:
-                logger.warning("engine command %s failed: %s", kind, e)
+                logger.warning("engine command %s failed: %s", type(cmd).__name__, e)
             return
-        if fut is not None:
-            self._post(_set_result, fut, result)
+        if cmd.reply is not None:
+            self._post(_set_result, cmd.reply, result)
 
     def _add(self, prompt: PromptInput, sampling: SamplingParams, rid: str) -> int:
         eng = self.engine
@@ -355,16 +264,21 @@ class AsyncEngine:
             obs.on_added(num_prompt_tokens * len(rids))
         return num_prompt_tokens
 
+    def _cancel(self, rid: str) -> bool:
+        closing: TokenDelta | None = self.engine.abort(rid, FinishReason.CANCELLED)
+        if closing is not None:
+            self._observe([closing])
+        # End the stream (if a client still reads it) with a cancelled finish.
+        self._post(self._deliver, [closing or TokenDelta(rid, (), "", (), True, "cancelled")])
+        return closing is not None
+
     def _observe(self, deltas: list[TokenDelta]) -> None:
         for obs in self.observers:
             obs.on_deltas(deltas)
 
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._observe(deltas)
-        n = sum(len(d.token_ids) for d in deltas)
-        self._finished_total += sum(d.finished for d in deltas)
-        self._tokens_total += n
-        self._token_log.append((self.engine.clock(), n))
+        self.window.record(deltas)
         self._post(self._deliver, deltas)
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
@@ -372,9 +286,9 @@ class AsyncEngine:
         for d in deltas:
             stream = self._streams.get(d.request_id)
             if stream is not None:
-                stream._push(d)
+                stream.push(d)
 
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(fn, *args)
@@ -402,87 +316,20 @@ class AsyncEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if cmd[-1] is not None and cmd[0] != "stop":
-                self._post(_set_exception, cmd[-1], PipelineUnavailable("the engine stopped"))
+            if not isinstance(cmd, Stop) and cmd.reply is not None:
+                self._post(_set_exception, cmd.reply, PipelineUnavailable("the engine stopped"))
 
-    # ---- observability (engine thread) -----------------------------------------------------------
-    def _drain_spans(self) -> None:
-        self._last_drain = time.monotonic()
-        try:
-            self._spans.extend(self.engine.collect_spans())
-        except Exception as e:  # observability must never take serving down
-            logger.warning("collecting spans failed: %s", e)
-            return
-        if not self.keep_all_spans:
-            horizon = time.perf_counter_ns() - int(self.stats_window_s * 1e9)
-            while self._spans and self._spans[0].end_ns < horizon:
-                self._spans.popleft()
-
-    def all_spans(self) -> list[Any]:
-        """Engine thread only (through call()): every span kept so far, freshly drained."""
-        self._drain_spans()
-        return list(self._spans)
-
-    def _stats(self) -> dict[str, Any]:
-        from ppserve.metrics.bubbles import bubble_report
-
+    # ---- statistics (engine thread) --------------------------------------------------------------
+    def _stats(self) -> EngineStats:
         eng = self.engine
-        s: dict[str, Any] = dict(eng.stats())
-        now_ns = time.perf_counter_ns()
-        t0_ns = max(self._start_ns, now_ns - int(self.stats_window_s * 1e9))
-        window_s = max(1e-9, (now_ns - t0_ns) / 1e9)
-        now = eng.clock()
-        while self._token_log and self._token_log[0][0] < now - self.stats_window_s:
-            self._token_log.popleft()
-        s["tokens_per_s"] = sum(n for _, n in self._token_log) / window_s
-        s["window_s"] = window_s
-        self._drain_spans()
-        spans = [sp for sp in self._spans if sp.end_ns > t0_ns]
-        stages: list[dict[str, Any]] = []
-        mean_bubble = 0.0
-        if spans:
-            try:
-                rep = bubble_report(spans, eng.work.intervals(now_ns), window=(t0_ns, now_ns))
-                stages = [
-                    {
-                        "stage": st.stage,
-                        "busy_fraction": st.busy_fraction,
-                        "bubble_fraction": st.bubble_fraction,
-                        "starvation_fraction": st.starvation_fraction,
-                    }
-                    for st in rep.stages
-                ]
-                mean_bubble = rep.mean_bubble_fraction
-            except Exception as e:  # e.g. a window with no stage spans at all
-                logger.debug("bubble report: %s", e)
-        s["stages"] = stages
-        s["mean_bubble_fraction"] = mean_bubble
-        s["workers"] = [dict(w, node_ip=w.get("node_ip", w.get("node", ""))) for w in eng.executor.describe()]
-        s["requests_finished"] = self._finished_total
-        s["tokens_generated"] = self._tokens_total
-        s["uptime_s"] = now - self._start_time
-        s["config"] = self.serving_config()
-        return s
+        return self.window.snapshot(eng.stats(), eng.work.intervals, eng.executor.describe(), self.serving_config())
 
-    def serving_config(self) -> dict[str, Any]:
-        import json
-
-        c = self.config
-        return {
-            "model": c.model.model or "SmolLM2-135M-Instruct (default)",
-            "pipeline_parallel_size": c.parallel.pipeline_parallel_size,
-            "tensor_parallel_size": c.parallel.tensor_parallel_size,
-            "policy": c.scheduler.policy,
-            "token_budget": c.scheduler.token_budget,
-            "max_num_seqs": c.scheduler.max_num_seqs,
-            "max_waiting": c.scheduler.max_waiting,
-            "block_size": int(self.engine.scheduler.blocks.block_size),
-            "max_model_len": int(self.engine.max_model_len),
-            "config_json": json.dumps(config_to_dict(c), default=str, sort_keys=True),
-        }
+    def serving_config(self) -> ServingConfig:
+        return ServingConfig.of(self.config, block_size=int(self.engine.scheduler.blocks.block_size),
+                                max_model_len=int(self.engine.max_model_len))
 
 
-def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+def _set_result(fut: asyncio.Future[T], value: T) -> None:
     if not fut.done():  # the awaiting caller may have been cancelled meanwhile
         fut.set_result(value)
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppserve.config import add_config_arguments
+
+if TYPE_CHECKING:  # the stats type only: `ppserve --help` stays instant
+    from ppserve.engine.stats import EngineStats
 
 
 def add_parser(sub: Any) -> None:
@@ -74,15 +77,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from ppserve.config import load_config
     from ppserve.server.server import run_server
 
-    overrides = list(args.overrides)
-    if args.ray_address:
-        overrides.append(f"parallel.ray_address={args.ray_address}")
-    if args.host:
-        overrides.append(f"server.host={args.host}")
-    if args.port is not None:
-        overrides.append(f"server.port={args.port}")
-    if args.http_port is not None:
-        overrides.append(f"server.http_port={args.http_port}")
+    # The flags are shorthands for settings; an empty address or host is no setting, port 0 is one.
+    flags = {"parallel.ray_address": args.ray_address or None, "server.host": args.host or None,
+             "server.port": args.port, "server.http_port": args.http_port}
+    overrides = [*args.overrides, *(f"{key}={value}" for key, value in flags.items() if value is not None)]
     config = load_config(args.config, overrides)
     return run_server(config, config.server.host, config.server.port)
 
@@ -137,38 +135,38 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(s: dict[str, Any]) -> str:
+def format_stats(s: EngineStats) -> str:
     """GetStats as a human-readable table."""
-    c = s["config"]
+    c = s.config
     lines = [
-        f"model        {c['model']}",
-        f"parallel     pp={c['pipeline_parallel_size']} tp={c['tensor_parallel_size']}   "
-        f"policy {c['policy']}, token budget {c['token_budget']}, block size {c['block_size']}, "
-        f"max_model_len {c['max_model_len']}",
-        f"requests     running {s['running']}  waiting {s['waiting']}  in-flight microbatches "
-        f"{s['in_flight_microbatches']}  finished {s['requests_finished']}",
-        f"kv blocks    {s['kv_blocks_used']} / {s['kv_blocks_total']} used   preemptions {s['num_preemptions']}",
-        f"throughput   {s['tokens_per_s']:.1f} tok/s over the last {s['window_s']:.1f} s   "
-        f"({s['tokens_generated']} tokens since start, up {s['uptime_s']:.0f} s)",
-        f"recovery     {s['num_restarts']} pipeline restart(s)"
-        + (f", last took {s['last_recovery_s']:.2f} s, {s['total_recovery_s']:.2f} s in all"
-           if s["num_restarts"] else ""),
+        f"model        {c.model}",
+        f"parallel     pp={c.pipeline_parallel_size} tp={c.tensor_parallel_size}   "
+        f"policy {c.policy}, token budget {c.token_budget}, block size {c.block_size}, "
+        f"max_model_len {c.max_model_len}",
+        f"requests     running {s.running}  waiting {s.waiting}  in-flight microbatches "
+        f"{s.in_flight_microbatches}  finished {s.requests_finished}",
+        f"kv blocks    {s.kv_blocks_used} / {s.kv_blocks_total} used   preemptions {s.num_preemptions}",
+        f"throughput   {s.tokens_per_s:.1f} tok/s over the last {s.window_s:.1f} s   "
+        f"({s.tokens_generated} tokens since start, up {s.uptime_s:.0f} s)",
+        f"recovery     {s.num_restarts} pipeline restart(s)"
+        + (f", last took {s.last_recovery_s:.2f} s, {s.total_recovery_s:.2f} s in all"
+           if s.num_restarts else ""),
         "",
         f"{'stage':>5} {'busy%':>7} {'bubble%':>8} {'starve%':>8}",
     ]
-    for st in s["stages"]:
+    for st in s.stages:
         lines.append(
-            f"{st['stage']:>5} {st['busy_fraction'] * 100:>6.1f}% {st['bubble_fraction'] * 100:>7.1f}% "
-            f"{st['starvation_fraction'] * 100:>7.1f}%"
+            f"{st.stage:>5} {st.busy_fraction * 100:>6.1f}% {st.bubble_fraction * 100:>7.1f}% "
+            f"{st.starvation_fraction * 100:>7.1f}%"
         )
-    if not s["stages"]:
+    if not s.stages:
         lines.append("  (no stage activity in the window)")
-    lines.append(f" mean bubble {s['mean_bubble_fraction'] * 100:.1f}% (window: last {s['window_s']:.1f} s)")
+    lines.append(f" mean bubble {s.mean_bubble_fraction * 100:.1f}% (window: last {s.window_s:.1f} s)")
     lines += ["", f"{'stage':>5} {'tp':>3} {'layers':>9}  {'node_ip':<15} {'pid':>8}  node_id"]
-    for w in s["workers"]:
+    for w in s.workers:
         lines.append(
-            f"{w['stage']:>5} {w['tp_rank']:>3} {w['layer_start']:>4}-{w['layer_end']:<4}  "
-            f"{w['node_ip']:<15} {w['pid']:>8}  {w['node_id'][:16]}"
+            f"{w.stage:>5} {w.tp_rank:>3} {w.layer_start:>4}-{w.layer_end:<4}  "
+            f"{w.node_ip:<15} {w.pid:>8}  {w.node_id[:16]}"
         )
     return "\n".join(lines)
 
@@ -186,5 +184,5 @@ def run_stats(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"ppserve stats: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(json.dumps(s, indent=2) if args.json else format_stats(s))
+    print(json.dumps(s.to_dict(), indent=2) if args.json else format_stats(s))
     return 0

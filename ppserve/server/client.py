@@ -1,19 +1,20 @@
 """Python clients for the ppserve.v1 API: `PPServeClient` (blocking) and `AsyncPPServeClient` (asyncio).
 
-Both hand back plain Python objects (`Chunk`, `Completion`, dicts), so callers never touch protobuf.
+Both hand back plain Python objects (`Chunk`, `Completion`, `EngineStats`), so callers never touch protobuf.
 Errors surface as `grpc.RpcError` (sync) / `grpc.aio.AioRpcError` (async) with the server's status code
 and a message naming the offending field.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ppserve.engine.stats import EngineStats
 from ppserve.request import SamplingParams
 from ppserve.server import convert
 from ppserve.server.gen import ppserve_pb2 as pb
@@ -121,8 +122,12 @@ class ChunkStream:
         self._call.cancel()
 
 
-class PPServeClient:
-    """Blocking client. Use as a context manager, or call close()."""
+class _Client:
+    """What both clients share: the channel, its credentials and bearer token, the stubs, the requests."""
+
+    # The channel constructors (grpc's blocking or grpc.aio's), picked by each client.
+    _secure_channel: Callable[..., Any]
+    _insecure_channel: Callable[..., Any]
 
     def __init__(
         self,
@@ -137,10 +142,33 @@ class PPServeClient:
         self.target = target
         opts = _channel_options(max_message_bytes)
         creds = _credentials(tls, root_certificates)
-        self.channel = grpc.secure_channel(target, creds, opts) if creds else grpc.insecure_channel(target, opts)
+        self.channel = self._secure_channel(target, creds, opts) if creds else self._insecure_channel(target, opts)
         self.metadata = _metadata(token)
         self.stub = pb_grpc.PPServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def _call(self, timeout: float | None) -> dict[str, Any]:
+        """The keyword arguments of every RPC: the deadline and the bearer token."""
+        return {"timeout": timeout, "metadata": self.metadata}
+
+
+def _health_status(resp: Any) -> str:
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+
+
+def _assemble(chunks: Iterable[Chunk]) -> list[Completion]:
+    """Chunks of every choice, assembled per choice, in index order."""
+    out: dict[int, Completion] = {}
+    for c in chunks:
+        out.setdefault(c.index, Completion()).add(c)
+    return [out[i] for i in sorted(out)]
+
+
+class PPServeClient(_Client):
+    """Blocking client. Use as a context manager, or call close()."""
+
+    _secure_channel = staticmethod(grpc.secure_channel)
+    _insecure_channel = staticmethod(grpc.insecure_channel)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
@@ -157,7 +185,7 @@ class PPServeClient:
     ) -> ChunkStream:
         """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...)."""
         req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
-        return ChunkStream(self.stub.Generate(req, timeout=timeout, metadata=self.metadata))
+        return ChunkStream(self.stub.Generate(req, **self._call(timeout)))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
         """One whole completion (n = 1; see generate_choices)."""
@@ -165,24 +193,18 @@ class PPServeClient:
 
     def generate_choices(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> list[Completion]:
         """Every choice of a request (sampling n), assembled, in index order."""
-        out: dict[int, Completion] = {}
-        for c in self.stream(prompt, **kwargs):
-            out.setdefault(c.index, Completion()).add(c)
-        return [out[i] for i in sorted(out)]
+        return _assemble(self.stream(prompt, **kwargs))
 
     def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        resp = self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
-        return bool(resp.cancelled)
+        return bool(self.stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call(timeout)).cancelled)
 
-    def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        return convert.stats_from_proto(self.stub.GetStats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata))
+    def stats(self, timeout: float | None = 30.0) -> EngineStats:
+        return convert.stats_from_proto(self.stub.GetStats(pb.StatsRequest(), **self._call(timeout)))
 
     def health(self, service: str = "", timeout: float | None = 10.0) -> str:
         """SERVING | NOT_SERVING | SERVICE_UNKNOWN | UNKNOWN."""
-        resp = self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+        return _health_status(self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                                     **self._call(timeout)))
 
     def close(self) -> None:
         self.channel.close()
@@ -194,27 +216,11 @@ class PPServeClient:
         self.close()
 
 
-class AsyncPPServeClient:
+class AsyncPPServeClient(_Client):
     """asyncio client; create it inside a running event loop. `async with` closes the channel."""
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        max_message_bytes: int = 4 * 1024 * 1024,
-        tls: bool = False,
-        root_certificates: bytes | str | None = None,
-        token: str | None = None,
-    ) -> None:
-        self.target = target
-        opts = _channel_options(max_message_bytes)
-        creds = _credentials(tls, root_certificates)
-        self.channel = (
-            grpc.aio.secure_channel(target, creds, opts) if creds else grpc.aio.insecure_channel(target, opts)
-        )
-        self.metadata = _metadata(token)
-        self.stub = pb_grpc.PPServeStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+    _secure_channel = staticmethod(grpc.aio.secure_channel)
+    _insecure_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
         import asyncio
@@ -233,7 +239,7 @@ class AsyncPPServeClient:
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they arrive. Leaving the loop early (break, task cancel) cancels the request."""
         req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
-        call = self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
+        call = self.stub.Generate(req, **self._call(timeout))
         try:
             async for msg in call:
                 yield Chunk.from_proto(msg)
@@ -246,24 +252,18 @@ class AsyncPPServeClient:
 
     async def generate_choices(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> list[Completion]:
         """Every choice of a request (sampling n), assembled, in index order."""
-        out: dict[int, Completion] = {}
-        async for c in self.stream(prompt, **kwargs):
-            out.setdefault(c.index, Completion()).add(c)
-        return [out[i] for i in sorted(out)]
+        return _assemble([c async for c in self.stream(prompt, **kwargs)])
 
     async def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        resp = await self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=timeout, metadata=self.metadata)
-        return bool(resp.cancelled)
+        return bool((await self.stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call(timeout))).cancelled)
 
-    async def stats(self, timeout: float | None = 30.0) -> dict[str, Any]:
-        msg = await self.stub.GetStats(pb.StatsRequest(), timeout=timeout, metadata=self.metadata)
-        return convert.stats_from_proto(msg)
+    async def stats(self, timeout: float | None = 30.0) -> EngineStats:
+        return convert.stats_from_proto(await self.stub.GetStats(pb.StatsRequest(), **self._call(timeout)))
 
     async def health(self, service: str = "", timeout: float | None = 10.0) -> str:
-        resp = await self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=self.metadata
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
+        """SERVING | NOT_SERVING | SERVICE_UNKNOWN | UNKNOWN."""
+        return _health_status(await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                                           **self._call(timeout)))
 
     async def close(self) -> None:
         await self.channel.close()

@@ -7,6 +7,7 @@ ValueError names the field); this module only adds the checks that exist because
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ppserve.engine.messages import CHAT_ROLES, PipelineUnavailable, PromptInput, RequestTimes
+from ppserve.engine.stats import EngineStats, ServingConfig, StageBubbles
 from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.gen import ppserve_pb2 as pb
+from ppserve.worker.info import WorkerInfo
 
 __all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
 
@@ -250,60 +253,33 @@ def error_to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 # ---- stats ---------------------------------------------------------------------------------------
-def stats_to_proto(s: dict[str, Any]) -> pb.Stats:
-    """From AsyncEngine.stats()' plain dict to the wire message."""
-    msg = pb.Stats(
-        running=s.get("running", 0),
-        waiting=s.get("waiting", 0),
-        in_flight_microbatches=s.get("in_flight", 0),
-        kv_blocks_used=s.get("kv_blocks_used", 0),
-        kv_blocks_total=s.get("kv_blocks_total", 0),
-        tokens_per_s=s.get("tokens_per_s", 0.0),
-        window_s=s.get("window_s", 0.0),
-        mean_bubble_fraction=s.get("mean_bubble_fraction", 0.0),
-        num_preemptions=s.get("num_preemptions", 0),
-        requests_finished=s.get("requests_finished", 0),
-        tokens_generated=s.get("tokens_generated", 0),
-        uptime_s=s.get("uptime_s", 0.0),
-        num_restarts=s.get("num_restarts", 0),
-        last_recovery_s=s.get("last_recovery_s") or 0.0,  # None before the first rebuild
-        total_recovery_s=s.get("total_recovery_s", 0.0),
-    )
-    for st in s.get("stages", []):
-        msg.stages.add(
-            stage=st["stage"],
-            busy_fraction=st["busy_fraction"],
-            bubble_fraction=st["bubble_fraction"],
-            starvation_fraction=st["starvation_fraction"],
-        )
-    for w in s.get("workers", []):
-        layers = w.get("layers", [0, 0])
-        msg.workers.add(
-            stage=w.get("stage", 0),
-            tp_rank=w.get("tp_rank", 0),
-            layer_start=layers[0],
-            layer_end=layers[1],
-            node_ip=str(w.get("node_ip", "")),
-            node_id=str(w.get("node_id", "")),
-            pid=int(w.get("pid", 0)),
-        )
-    cfg = s.get("config")
-    if cfg:
-        msg.config.CopyFrom(pb.ServingConfig(**cfg))
+# EngineStats and its parts carry the wire messages' field names, so both directions go field for field;
+# a name on one side only fails loudly here (and in tests/unit/test_proto.py), never drifts.
+_NESTED = ("stages", "workers", "config")
+
+
+def _fields(obj: object, cls: type[Any], skip: Sequence[str] = ()) -> dict[str, Any]:
+    """`obj`'s values of the dataclass `cls`'s fields (obj: the dataclass itself or its wire message)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
+
+
+def stats_to_proto(s: EngineStats) -> pb.Stats:
+    """From AsyncEngine.stats() to the wire message."""
+    msg = pb.Stats(**_fields(s, EngineStats, _NESTED))
+    msg.stages.extend(pb.StageBubbles(**_fields(st, StageBubbles)) for st in s.stages)
+    msg.workers.extend(pb.Worker(**_fields(w, WorkerInfo)) for w in s.workers)
+    msg.config.CopyFrom(pb.ServingConfig(**_fields(s.config, ServingConfig)))
     return msg
 
 
-def stats_from_proto(msg: pb.Stats) -> dict[str, Any]:
-    """The wire message back to a plain dict (the client hands dicts, not protobuf, to callers)."""
-    out: dict[str, Any] = {
-        f.name: getattr(msg, f.name)
-        for f in msg.DESCRIPTOR.fields
-        if f.name not in ("stages", "workers", "config")
-    }
-    out["stages"] = [{f.name: getattr(st, f.name) for f in st.DESCRIPTOR.fields} for st in msg.stages]
-    out["workers"] = [{f.name: getattr(w, f.name) for f in w.DESCRIPTOR.fields} for w in msg.workers]
-    out["config"] = {f.name: getattr(msg.config, f.name) for f in msg.config.DESCRIPTOR.fields}
-    return out
+def stats_from_proto(msg: pb.Stats) -> EngineStats:
+    """The wire message back to EngineStats (the client hands typed stats, not protobuf, to callers)."""
+    return EngineStats(
+        **_fields(msg, EngineStats, _NESTED),
+        stages=tuple(StageBubbles(**_fields(st, StageBubbles)) for st in msg.stages),
+        workers=tuple(WorkerInfo(**_fields(w, WorkerInfo)) for w in msg.workers),
+        config=ServingConfig(**_fields(msg.config, ServingConfig)),
+    )
 
 
 def chunk_from_proto(msg: pb.GenerateResponse) -> dict[str, Any]:

@@ -14,9 +14,12 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppserve.config import add_config_arguments
+
+if TYPE_CHECKING:  # `ppserve --help` stays instant
+    from ppserve.engine.stats import EngineStats
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list[Any], dict[str, Any], float]:
+async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list[Any], EngineStats, float]:
     from ppserve.server.client import AsyncPPServeClient, Completion
     from ppserve.server.server import start_server
 
@@ -123,7 +126,7 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
     return list(results), stats, wall
 
 
-def _report(engine: Any, results: list[Any], stats: dict[str, Any], wall: float, out_dir: Path) -> None:
+def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, out_dir: Path) -> None:
     from ppserve.metrics.bubbles import bubble_report
     from ppserve.metrics.control_plane import control_plane_latency
     from ppserve.metrics.latency import RequestTiming, summarize
@@ -168,7 +171,7 @@ def _report(engine: Any, results: list[Any], stats: dict[str, Any], wall: float,
         "latency": lat,
         "bubbles_active": report.to_dict(),
         "control_plane": control,
-        "stats": stats,
+        "stats": stats.to_dict(),
         "outputs": [
             {
                 "request_id": r.request_id,

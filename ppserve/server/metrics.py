@@ -26,11 +26,11 @@ window, restarts) are refreshed from the engine's stats when /metrics is scraped
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ppserve.engine.messages import TokenDelta
+from ppserve.engine.stats import EngineStats
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 PREFIX = "ppserve:"
@@ -114,23 +114,23 @@ class ServerMetrics:
             self.mb_seconds.labels(**self._label, stage=str(stage)).observe(seconds)
 
     # ---- at scrape time ------------------------------------------------------------------------------
-    def refresh(self, stats: dict[str, Any]) -> None:
+    def refresh(self, stats: EngineStats) -> None:
         """Current-state gauges and the counters the engine keeps itself, from AsyncEngine.stats()."""
         lab = self._label
-        self.running.labels(**lab).set(stats["running"])
-        self.waiting.labels(**lab).set(stats["waiting"])
-        total = stats.get("kv_blocks_total") or 0
-        self.kv_usage.labels(**lab).set(stats["kv_blocks_used"] / total if total else 0.0)
-        self._advance(self.preemptions, "_preemptions_seen", stats.get("num_preemptions", 0))
-        self._advance(self.restarts, "_restarts_seen", stats.get("num_restarts", 0))
-        self._advance(self.recovery_total, "_recovery_seen", stats.get("total_recovery_s", 0.0))
-        self.last_recovery.labels(**lab).set(stats.get("last_recovery_s") or 0.0)
-        for st in stats.get("stages", []):
-            stage = str(st["stage"])
-            self.busy.labels(**lab, stage=stage).set(st["busy_fraction"])
-            self.bubble.labels(**lab, stage=stage).set(st["bubble_fraction"])
-            self.starvation.labels(**lab, stage=stage).set(st["starvation_fraction"])
-        self.mean_bubble.labels(**lab).set(stats.get("mean_bubble_fraction", 0.0))
+        self.running.labels(**lab).set(stats.running)
+        self.waiting.labels(**lab).set(stats.waiting)
+        total = stats.kv_blocks_total
+        self.kv_usage.labels(**lab).set(stats.kv_blocks_used / total if total else 0.0)
+        self._advance(self.preemptions, "_preemptions_seen", stats.num_preemptions)
+        self._advance(self.restarts, "_restarts_seen", stats.num_restarts)
+        self._advance(self.recovery_total, "_recovery_seen", stats.total_recovery_s)
+        self.last_recovery.labels(**lab).set(stats.last_recovery_s)
+        for st in stats.stages:
+            stage = str(st.stage)
+            self.busy.labels(**lab, stage=stage).set(st.busy_fraction)
+            self.bubble.labels(**lab, stage=stage).set(st.bubble_fraction)
+            self.starvation.labels(**lab, stage=stage).set(st.starvation_fraction)
+        self.mean_bubble.labels(**lab).set(stats.mean_bubble_fraction)
 
     def _advance(self, counter: Counter, seen_attr: str, value: float) -> None:
         """Counters only go up: add what the engine's own total gained since the last scrape."""

@@ -28,8 +28,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ppserve.engine.async_engine import AsyncEngine, RequestStream, StreamChunk, merge_choices
+from ppserve.engine.async_engine import AsyncEngine
 from ppserve.engine.messages import PipelineUnavailable, PromptInput
+from ppserve.engine.streams import RequestStream, StreamChunk, merge_choices
 from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest

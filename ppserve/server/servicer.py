@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from ppserve.engine.async_engine import AsyncEngine, StreamChunk, merge_choices
+from ppserve.engine.async_engine import AsyncEngine
+from ppserve.engine.streams import StreamChunk, merge_choices
 from ppserve.server import convert
 from ppserve.server.gen import ppserve_pb2 as pb
 from ppserve.server.gen import ppserve_pb2_grpc as pb_grpc

@@ -99,7 +99,7 @@ def test_kv_cache_dtype_of_its_own(default_model_dir, prompts):
     for kv in ("auto", "bfloat16"):
         with LLM(str(default_model_dir), dtype="float32", kv_cache_dtype=kv, token_budget=64,
                  overrides=["cache.kv_cache_memory=67108864"]) as llm:
-            runs[kv] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.stats()["kv_blocks_total"])
+            runs[kv] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.stats().kv_blocks_total)
     (full, blocks_full), (half, blocks_half) = runs["auto"], runs["bfloat16"]
     assert blocks_half == 2 * blocks_full
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)

@@ -24,12 +24,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _child_main(model_dir: str) -> dict[str, Any]:
     import asyncio
+    import dataclasses
 
     import ray
     from ray.cluster_utils import Cluster
 
     from ppserve.config import load_config
     from ppserve.engine.async_engine import AsyncEngine
+    from ppserve.engine.stats import EngineStats
     from ppserve.server.client import AsyncPPServeClient
     from ppserve.server.server import start_server
 
@@ -64,7 +66,7 @@ def _child_main(model_dir: str) -> dict[str, Any]:
         )
         engine = AsyncEngine.build(config)
 
-        async def serve_and_query() -> tuple[list[list[int]], dict[str, Any]]:
+        async def serve_and_query() -> tuple[list[list[int]], EngineStats]:
             running = await start_server(engine, "127.0.0.1", 0)
             try:
                 async with AsyncPPServeClient(running.address) as client:
@@ -79,8 +81,8 @@ def _child_main(model_dir: str) -> dict[str, Any]:
         tokens, stats = asyncio.run(serve_and_query())
         return {
             "tokens": tokens,
-            "describe": engine.engine.executor.describe(),
-            "stats_workers": stats["workers"],
+            "describe": [dataclasses.asdict(w) for w in engine.engine.executor.describe()],
+            "stats_workers": [dataclasses.asdict(w) for w in stats.workers],
             "labelled": labelled,
         }
     finally:

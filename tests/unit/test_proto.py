@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,10 +10,12 @@ import grpc
 import pytest
 
 from ppserve.engine.messages import PipelineUnavailable, PromptInput, RequestTimes
+from ppserve.engine.stats import EngineStats, ServingConfig, StageBubbles
 from ppserve.request import SamplingParams
 from ppserve.server import convert
 from ppserve.server.codegen import GEN_DIR, OUTPUTS, generate
 from ppserve.server.gen import ppserve_pb2 as pb
+from ppserve.worker.info import WorkerInfo
 from tests.fake_engine import FakeEngine
 
 
@@ -99,61 +102,69 @@ def test_finish_reasons_and_metrics() -> None:
 
 
 def test_stats_round_trip() -> None:
-    s = {
-        "running": 2,
-        "waiting": 1,
-        "in_flight": 2,
-        "kv_blocks_used": 7,
-        "kv_blocks_total": 100,
-        "tokens_per_s": 12.5,
-        "window_s": 30.0,
-        "mean_bubble_fraction": 0.25,
-        "num_preemptions": 3,
-        "requests_finished": 9,
-        "tokens_generated": 400,
-        "uptime_s": 60.0,
-        "num_restarts": 2,
-        "last_recovery_s": 1.5,
-        "total_recovery_s": 4.0,
-        "stages": [{"stage": 0, "busy_fraction": 0.7, "bubble_fraction": 0.2, "starvation_fraction": 0.1}],
-        "workers": [
-            {"stage": 0, "tp_rank": 0, "layers": [0, 15], "node_ip": "10.0.0.1", "node_id": "abc", "pid": 42}
-        ],
-        "config": {
-            "model": "m",
-            "pipeline_parallel_size": 2,
-            "tensor_parallel_size": 1,
-            "policy": "sarathi",
-            "token_budget": 512,
-            "max_num_seqs": 256,
-            "max_waiting": 4096,
-            "block_size": 16,
-            "max_model_len": 8192,
-            "config_json": "{}",
-        },
-    }
+    s = EngineStats(
+        running=2,
+        waiting=1,
+        in_flight_microbatches=2,
+        kv_blocks_used=7,
+        kv_blocks_total=100,
+        tokens_per_s=12.5,
+        window_s=30.0,
+        mean_bubble_fraction=0.25,
+        num_preemptions=3,
+        requests_finished=9,
+        tokens_generated=400,
+        uptime_s=60.0,
+        num_restarts=2,
+        last_recovery_s=1.5,
+        total_recovery_s=4.0,
+        stages=(StageBubbles(stage=0, busy_fraction=0.7, bubble_fraction=0.2, starvation_fraction=0.1),),
+        workers=(
+            WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=15, node_ip="10.0.0.1", node_id="abc", pid=42),
+        ),
+        config=ServingConfig(
+            model="m",
+            pipeline_parallel_size=2,
+            tensor_parallel_size=1,
+            policy="sarathi",
+            token_budget=512,
+            max_num_seqs=256,
+            max_waiting=4096,
+            block_size=16,
+            max_model_len=8192,
+            config_json="{}",
+        ),
+    )
     back = convert.stats_from_proto(convert.stats_to_proto(s))
-    assert back["in_flight_microbatches"] == 2 and back["tokens_generated"] == 400
-    assert back["workers"][0] == {
-        "stage": 0,
-        "tp_rank": 0,
-        "layer_start": 0,
-        "layer_end": 15,
-        "node_ip": "10.0.0.1",
-        "node_id": "abc",
-        "pid": 42,
-    }
-    assert back["stages"][0]["bubble_fraction"] == pytest.approx(0.2)
-    assert back["config"]["policy"] == "sarathi"
-    assert (back["num_restarts"], back["last_recovery_s"], back["total_recovery_s"]) == (2, 1.5, 4.0)
+    assert back.in_flight_microbatches == 2 and back.tokens_generated == 400
+    assert back.workers[0] == WorkerInfo(
+        stage=0,
+        tp_rank=0,
+        layer_start=0,
+        layer_end=15,
+        node_ip="10.0.0.1",
+        node_id="abc",
+        pid=42,
+    )
+    assert back.stages[0].bubble_fraction == pytest.approx(0.2)
+    assert back.config.policy == "sarathi"
+    assert (back.num_restarts, back.last_recovery_s, back.total_recovery_s) == (2, 1.5, 4.0)
+    assert back == s  # field for field, nothing lost either way
     from ppserve.server.cli import format_stats
 
     assert "2 pipeline restart(s), last took 1.50 s, 4.00 s in all" in format_stats(back)
-    # Before any rebuild the engine reports last_recovery_s=None: zero on the wire.
-    fresh = convert.stats_from_proto(convert.stats_to_proto(dict(s, num_restarts=0, last_recovery_s=None,
-                                                                 total_recovery_s=0.0)))
-    assert (fresh["num_restarts"], fresh["last_recovery_s"]) == (0, 0.0)
+    # Before any rebuild the engine reports last_recovery_s=0: zero on the wire.
+    fresh = convert.stats_from_proto(convert.stats_to_proto(dataclasses.replace(
+        s, num_restarts=0, last_recovery_s=0.0, total_recovery_s=0.0)))
+    assert (fresh.num_restarts, fresh.last_recovery_s) == (0, 0.0)
     assert "0 pipeline restart(s)\n" in format_stats(fresh)
+
+
+def test_stats_types_name_the_wire_fields() -> None:
+    """EngineStats and its parts are the one definition of the stats: each names exactly its message's fields."""
+    for cls, msg in ((EngineStats, pb.Stats), (StageBubbles, pb.StageBubbles), (WorkerInfo, pb.Worker),
+                     (ServingConfig, pb.ServingConfig)):
+        assert {f.name for f in dataclasses.fields(cls)} == {f.name for f in msg.DESCRIPTOR.fields}, cls
 
 
 def test_server_package_keeps_torch_out() -> None:
@@ -217,6 +228,20 @@ def test_queue_full_is_resource_exhausted() -> None:
     assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "queue is full" in err.details()
     assert not fake.left  # the cancelled streams took their requests with them
+
+
+def test_get_stats_over_the_fake_engine_is_typed() -> None:
+    """AsyncEngine.stats() -> servicer -> wire -> client: the same EngineStats, the workers' node_ip intact."""
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        await client.generate([1, 2], max_tokens=3)
+        return await client.stats()
+
+    s = _with_server(FakeEngine(), body)
+    assert isinstance(s, EngineStats)
+    assert (s.kv_blocks_total, s.tokens_generated, s.requests_finished) == (8, 3, 1)
+    assert s.workers == (WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=2, node_ip="local", pid=1),)
+    assert s.config.block_size == 16 and s.config.max_waiting == 2 and s.window_s > 0
 
 
 def test_slow_reader_gets_merged_chunks() -> None:

@@ -3,13 +3,16 @@ dashboard plotting only series that exist."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from ppserve.engine.messages import RequestTimes, TokenDelta
+from ppserve.engine.stats import EngineStats, StageBubbles
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.server.metrics import ServerMetrics
 
@@ -25,16 +28,11 @@ def _samples(m: ServerMetrics) -> dict[str, float]:
     return out
 
 
-def _stats(**kw: object) -> dict[str, object]:
-    base: dict[str, object] = {"running": 2, "waiting": 1, "kv_blocks_used": 3, "kv_blocks_total": 12,
-                               "num_preemptions": 0, "num_restarts": 0, "total_recovery_s": 0.0,
-                               "last_recovery_s": None, "mean_bubble_fraction": 0.1,
-                               "stages": [{"stage": 0, "busy_fraction": 0.8, "bubble_fraction": 0.1,
-                                           "starvation_fraction": 0.1},
-                                          {"stage": 1, "busy_fraction": 0.7, "bubble_fraction": 0.2,
-                                           "starvation_fraction": 0.1}]}
-    base.update(kw)
-    return base
+def _stats(**kw: Any) -> EngineStats:
+    base = EngineStats(running=2, waiting=1, kv_blocks_used=3, kv_blocks_total=12, mean_bubble_fraction=0.1,
+                       stages=(StageBubbles(stage=0, busy_fraction=0.8, bubble_fraction=0.1, starvation_fraction=0.1),
+                               StageBubbles(stage=1, busy_fraction=0.7, bubble_fraction=0.2, starvation_fraction=0.1)))
+    return dataclasses.replace(base, **kw)
 
 
 def test_hooks_feed_counters_and_latency_histograms() -> None:

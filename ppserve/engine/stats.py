@@ -1,0 +1,195 @@
+"""Engine statistics: the one typed `EngineStats` every reader shares, and the window that computes it.
+
+GetStats (server/servicer.py, converted in server/convert.py), Prometheus `/metrics`
+(server/metrics.py) and `ppserve stats` (server/cli.py, through the client) all read `EngineStats`;
+its field names are those of the ppserve.v1 `Stats` message, so the conversion is field for field.
+`EngineCounts` is the part LLMEngine knows itself (queue, KV blocks, restarts); `StatsWindow`, owned by
+the AsyncEngine and used on the engine thread only, adds the recent window: output tokens per second
+and each stage's bubble figures (ARCHITECTURE.md §5) over the last `window_s` seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ppserve.config import EngineConfig, config_to_dict
+from ppserve.engine.messages import TokenDelta
+from ppserve.metrics.bubbles import bubble_report
+from ppserve.metrics.spans import Span, WorkInterval
+from ppserve.worker.info import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+SPAN_DRAIN_INTERVAL_S = 10.0  # drain stage spans at least this often (a drain waits for in-flight work)
+STATS_WINDOW_S = 30.0  # the "recent window" of GetStats rates and bubble fractions
+
+
+@dataclass(frozen=True)
+class StageBubbles:
+    """One stage over the stats window, as fractions of it (busy + bubble + starvation = 1)."""
+
+    stage: int
+    busy_fraction: float
+    bubble_fraction: float  # idle while the engine had work
+    starvation_fraction: float  # idle with no work at all
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The serving settings a stats reader wants at a glance, and the whole configuration as JSON."""
+
+    model: str = ""
+    pipeline_parallel_size: int = 0
+    tensor_parallel_size: int = 0
+    policy: str = ""
+    token_budget: int = 0
+    max_num_seqs: int = 0
+    max_waiting: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    config_json: str = ""
+
+    @classmethod
+    def of(cls, c: EngineConfig, *, block_size: int, max_model_len: int) -> ServingConfig:
+        """From the engine's config and what the engine resolved at start-up (block size, context)."""
+        return cls(
+            model=c.model.model or "SmolLM2-135M-Instruct (default)",
+            pipeline_parallel_size=c.parallel.pipeline_parallel_size,
+            tensor_parallel_size=c.parallel.tensor_parallel_size,
+            policy=c.scheduler.policy,
+            token_budget=c.scheduler.token_budget,
+            max_num_seqs=c.scheduler.max_num_seqs,
+            max_waiting=c.scheduler.max_waiting,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            config_json=json.dumps(config_to_dict(c), default=str, sort_keys=True),
+        )
+
+
+@dataclass(frozen=True)
+class EngineCounts:
+    """What LLMEngine.stats() knows now: its queue, in-flight microbatches, KV blocks and restarts."""
+
+    running: int = 0
+    waiting: int = 0
+    in_flight_microbatches: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    num_restarts: int = 0
+    last_recovery_s: float = 0.0  # failure detected -> serving again, latest rebuild; 0 before any
+    total_recovery_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats(EngineCounts):
+    """The counts plus the recent window, the workers and the serving config: what GetStats answers."""
+
+    tokens_per_s: float = 0.0  # output tokens per second over the window
+    window_s: float = 0.0  # how long the window the rates and fractions cover is
+    stages: tuple[StageBubbles, ...] = ()
+    mean_bubble_fraction: float = 0.0
+    workers: tuple[WorkerInfo, ...] = ()
+    config: ServingConfig = field(default_factory=ServingConfig)
+    requests_finished: int = 0
+    tokens_generated: int = 0  # since start
+    uptime_s: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain builtins (for JSON): the wire message's field names, nested records as dicts."""
+        return dataclasses.asdict(self)
+
+
+class StatsWindow:
+    """Output tokens, stage spans and the bubble report over the last `window_s` seconds. Engine thread only.
+
+    `collect_spans` drains the stages' new spans (a drain waits for in-flight work, so it runs every
+    SPAN_DRAIN_INTERVAL_S and at each snapshot); spans older than the window are dropped unless
+    `keep_all_spans` (a trace file or the demo's timeline wants them all).
+    """
+
+    def __init__(self, collect_spans: Callable[[], Iterable[Span]], clock: Callable[[], float], *,
+                 window_s: float = STATS_WINDOW_S, keep_all_spans: bool = False) -> None:
+        self.collect_spans = collect_spans
+        self.clock = clock  # the engine's clock (seconds), which stamps tokens
+        self.window_s = window_s
+        self.keep_all_spans = keep_all_spans
+        self.tokens_total = 0
+        self.finished_total = 0
+        self._spans: collections.deque[Span] = collections.deque()
+        self._token_log: collections.deque[tuple[float, int]] = collections.deque()  # (engine time, tokens)
+        self._last_drain = time.monotonic()
+        self._start_time = clock()
+        self._start_ns = time.perf_counter_ns()
+
+    def record(self, deltas: Sequence[TokenDelta]) -> None:
+        """One step's output: its tokens count towards the rate, its finished requests towards the total."""
+        n = sum(len(d.token_ids) for d in deltas)
+        self.finished_total += sum(d.finished for d in deltas)
+        self.tokens_total += n
+        self._token_log.append((self.clock(), n))
+
+    @property
+    def drain_due(self) -> bool:
+        return time.monotonic() - self._last_drain > SPAN_DRAIN_INTERVAL_S
+
+    def drain_spans(self) -> None:
+        self._last_drain = time.monotonic()
+        try:
+            self._spans.extend(self.collect_spans())
+        except Exception as e:  # observability must never take serving down
+            logger.warning("collecting spans failed: %s", e)
+            return
+        if not self.keep_all_spans:
+            horizon = time.perf_counter_ns() - int(self.window_s * 1e9)
+            while self._spans and self._spans[0].end_ns < horizon:
+                self._spans.popleft()
+
+    def all_spans(self) -> list[Span]:
+        """Every span kept so far, freshly drained."""
+        self.drain_spans()
+        return list(self._spans)
+
+    def snapshot(self, counts: EngineCounts, work_intervals: Callable[[int], Iterable[WorkInterval]],
+                 workers: Sequence[WorkerInfo], config: ServingConfig) -> EngineStats:
+        """The stats now: `counts` from the engine, the window's figures, `workers` and `config` as given."""
+        now_ns = time.perf_counter_ns()
+        t0_ns = max(self._start_ns, now_ns - int(self.window_s * 1e9))
+        window_s = max(1e-9, (now_ns - t0_ns) / 1e9)
+        now = self.clock()
+        while self._token_log and self._token_log[0][0] < now - self.window_s:
+            self._token_log.popleft()
+        self.drain_spans()
+        stages, mean_bubble = self._bubbles(t0_ns, now_ns, work_intervals)
+        return EngineStats(
+            **{f.name: getattr(counts, f.name) for f in dataclasses.fields(EngineCounts)},
+            tokens_per_s=sum(n for _, n in self._token_log) / window_s,
+            window_s=window_s,
+            stages=stages,
+            mean_bubble_fraction=mean_bubble,
+            workers=tuple(workers),
+            config=config,
+            requests_finished=self.finished_total,
+            tokens_generated=self.tokens_total,
+            uptime_s=now - self._start_time,
+        )
+
+    def _bubbles(self, t0_ns: int, now_ns: int, work_intervals: Callable[[int], Iterable[WorkInterval]],
+                 ) -> tuple[tuple[StageBubbles, ...], float]:
+        spans = [sp for sp in self._spans if sp.end_ns > t0_ns]
+        if not spans:
+            return (), 0.0
+        try:
+            rep = bubble_report(spans, work_intervals(now_ns), window=(t0_ns, now_ns))
+        except Exception as e:  # e.g. a window with no stage spans at all
+            logger.debug("bubble report: %s", e)
+            return (), 0.0
+        stages = tuple(StageBubbles(st.stage, st.busy_fraction, st.bubble_fraction, st.starvation_fraction)
+                       for st in rep.stages)
+        return stages, rep.mean_bubble_fraction
