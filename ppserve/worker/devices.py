@@ -1,15 +1,54 @@
-"""Which CUDA device a stage actor owns: the GPU Ray assigned to it, never "GPU 0 of the node".
+"""Device facts of a stage worker: which CUDA device it owns, and the dtypes it computes and caches in.
+
+Which device: the GPU Ray assigned to the actor, never "GPU 0 of the node".
 
 Ray (2.60) sets CUDA_VISIBLE_DEVICES for an actor only when the actor requested GPUs; an actor that
 requested none sees every GPU of its node, and `cuda:0` would put every such actor of a node on the
 same GPU. So the device comes from Ray's assignment, and the two inconsistent set-ups (CUDA visible
-without a GPU requested, a GPU requested without CUDA) are refused with what to change. Pure Python:
-the caller passes what Ray and torch report.
+without a GPU requested, a GPU requested without CUDA) are refused with what to change.
+`cuda_device_for_actor` is plain logic: the caller passes what Ray and torch report.
+
+Which dtypes: `resolve_dtype` turns model.dtype (`auto` or a name) into a torch dtype from the checkpoint
+and the device, `resolve_kv_dtype` does the same for cache.dtype.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ppserve.model.arch import ModelArch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def current_device() -> torch.device:
+    """This process's device: its current CUDA device (set from Ray's assignment) when CUDA is there, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on GPU; bf16 on CPUs with native bf16, else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """cache.dtype: `auto` is the model's own dtype."""
+    return dtype if name == "auto" else DTYPES[name]
 
 
 def cuda_device_for_actor(assigned_gpu_ids: Sequence[str | int], cuda_visible_devices: str | None,

@@ -1,4 +1,4 @@
-"""How much accelerator memory the KV cache gets, the way vLLM sizes it. Pure arithmetic.
+"""How much accelerator memory the KV cache gets, the way vLLM sizes it, and the profile it is sized from.
 
 After the weights are loaded, the communicators warmed up (their buffers allocated) and one forward of
 the largest microbatch profiled (logits and sampling included), the cache takes what is left of
@@ -11,11 +11,32 @@ allocator's reserve, and any other process on the GPU. `transient_peak` is how f
 rose above what stays allocated (activations, logits), which every later step may need again. Decode
 CUDA graphs are captured after the cache exists (they point at it) and live in the 1 - utilization
 margin; the start-up log shows what they took.
+
+`kv_budget_bytes` and `split_blocks` are that arithmetic alone (unit-tested without a GPU).
+`StageMemory` is one stage worker's side of it: what a KV block costs the stage, the profiling forward,
+the budget and block count it leads to, and the memory figures of each start-up phase. It lives
+here rather than in the StageWorker so the worker holds the step and nothing else.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ppserve.model.arch import ModelArch
+from ppserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from ppserve.model.stage_model import StageModel
+from ppserve.request import SamplingParams
+from ppserve.worker.sampler import sample
+
+logger = logging.getLogger(__name__)
+
 GiB = float(1 << 30)
+DEFAULT_CPU_KV_BYTES = 1 << 30  # a CPU worker's KV cache when cache.kv_cache_memory is unset
 
 
 def kv_budget_bytes(total: int, free: int, transient_peak: int, utilization: float) -> int:
@@ -41,3 +62,118 @@ def split_blocks(budget: int, bytes_per_block: list[int]) -> int:
     if per_block <= 0:
         raise ValueError("a KV block must cost some bytes")
     return max(1, budget // per_block)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot tell free memory: /proc/meminfo has no MemAvailable")
+
+
+class StageMemory:
+    """One stage worker's memory: what a KV block costs it, the profiled peak of the largest microbatch,
+    the KV budget and block count, and the figures of each start-up phase (`log`, which the GPU check
+    prints). `stage` and `tp_rank` only label the log lines."""
+
+    def __init__(self, model: StageModel, arch: ModelArch, *, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device, profile_tokens: int, profile_seqs: int,
+                 stage: int = 0, tp_rank: int = 0) -> None:
+        self.model, self.arch = model, arch
+        self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
+        self.profile_tokens, self.profile_seqs = profile_tokens, profile_seqs
+        self.stage, self.tp_rank = stage, tp_rank
+        self.log: list[dict[str, Any]] = []  # note()'s figures, one per start-up phase
+
+    def kv_bytes_per_block(self) -> int:
+        per_layer = kv_cache_bytes_per_block(
+            self.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype
+        )
+        return int(per_layer) * self.model.num_local_layers
+
+    def kv_budget_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float,
+                        peak: int | None = None) -> int:
+        """The bytes this worker's KV cache may take: `kv_cache_memory` when set (bytes when > 1, else a
+        fraction of free memory now); unset, on CUDA, what the profiled `peak` (this worker's own when
+        None) leaves of `gpu_memory_utilization` x total (kv_budget_bytes above), and on CPU
+        DEFAULT_CPU_KV_BYTES."""
+        if kv_cache_memory is not None:
+            return int(kv_cache_memory) if kv_cache_memory > 1 else int(kv_cache_memory * free_memory_bytes(self.device))
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        if peak is None:
+            peak = self.profile_peak_bytes()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget_bytes(int(total), int(free), peak, gpu_memory_utilization)
+        logger.info("stage %d tp %d: KV budget %.2f GiB = %.2f x %.1f GiB - %.2f GiB in use - %.2f GiB peak",
+                    self.stage, self.tp_rank, budget / GiB, gpu_memory_utilization, total / GiB,
+                    (total - free) / GiB, peak / GiB)
+        return budget
+
+    def num_blocks(self, kv_cache_memory: float | None, gpu_memory_utilization: float = 0.9) -> int:
+        """Blocks that fit this worker's KV budget (see kv_budget_bytes)."""
+        return max(1, self.kv_budget_bytes(kv_cache_memory, gpu_memory_utilization) // self.kv_bytes_per_block())
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Run the largest microbatch the scheduler may form (scheduler.token_budget tokens over up to
+        max_num_seqs sequences, logits and sampling for each) on a scratch KV cache; return how far
+        allocated memory rose above what stays allocated (0 on CPU, where only the code path is exercised)."""
+        bs, model, device = self.block_size, self.model, self.device
+        tokens = max(1, self.profile_tokens)
+        seqs = max(1, min(self.profile_seqs, tokens))
+        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        tables: list[list[int]] = []
+        nxt = 0
+        for n in lens:
+            need = -(-n // bs)
+            tables.append(list(range(nxt, nxt + need)))
+            nxt += need
+        cuda = device.type == "cuda"
+        base = 0
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        cache = allocate_kv_cache(model.num_local_layers, nxt, bs, model.num_kv_heads_local,
+                                  self.arch.head_dim, self.kv_dtype, device)
+        meta = AttentionMetadata.build(lens, lens, tables, bs, device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        hidden_in = None if model.is_first else torch.zeros(tokens, self.arch.hidden_size, dtype=self.dtype,
+                                                            device=device)
+        hidden = model(ids if model.is_first else None, hidden_in, positions, cache, meta)
+        if model.is_last:
+            last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(seqs)], device=device)
+            logits = model.logits_for_sampling(hidden.index_select(0, last))
+            if logits is not None:  # the sampling rank: its peak is the stage's largest
+                sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
+                del logits
+        del hidden, cache
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(device)
+        peak = int(torch.cuda.max_memory_allocated(device) - base)
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    def note(self, phase: str, **facts: float) -> dict[str, Any]:
+        """Record (and log) the memory figures at a start-up phase, with what else the phase measured
+        (`facts`)."""
+        entry: dict[str, Any]
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            entry = {"phase": phase, "allocated_gib": torch.cuda.memory_allocated(self.device) / GiB,
+                     "reserved_gib": torch.cuda.memory_reserved(self.device) / GiB, "free_gib": free / GiB,
+                     "total_gib": total / GiB}
+        else:
+            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            entry = {"phase": phase, "rss_gib": rss / GiB, "free_gib": free_memory_bytes(self.device) / GiB}
+        entry.update(facts)
+        self.log.append(entry)
+        logger.info("stage %d tp %d memory after %s: %s", self.stage, self.tp_rank, phase,
+                    ", ".join(f"{k} {v:.2f}" for k, v in entry.items() if k != "phase"))
+        return entry

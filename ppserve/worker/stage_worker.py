@@ -2,7 +2,8 @@
 
 Plain Python class: the in-process executor calls it directly, the Ray executor wraps it in an actor.
 It never talks to other stages itself; the caller hands it the incoming hidden states and ships
-the outgoing ones.
+the outgoing ones. Its memory (KV sizing, the profiling forward, the per-phase figures) is
+`worker.memory` (memory.py); its device and dtypes come from devices.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ from torch import Tensor
 
 from ppserve.metrics.spans import SpanRecorder
 from ppserve.model.arch import ModelArch
-from ppserve.model.attention import (
-    AttentionMetadata,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-)
+from ppserve.model.attention import allocate_kv_cache
 from ppserve.model.backend_select import select_backend
 from ppserve.model.loader import iter_weights
 from ppserve.model.ops.settings import KernelSettings
@@ -33,32 +30,12 @@ from ppserve.model.registry import build_stage_model
 from ppserve.request import TokenLogprob
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
+from ppserve.worker.devices import current_device, resolve_dtype, resolve_kv_dtype
 from ppserve.worker.input_batch import InputBatch, ModelInput
-from ppserve.worker.memory import GiB, kv_budget_bytes
+from ppserve.worker.memory import GiB, StageMemory
 from ppserve.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_BYTES = 1 << 30  # a CPU worker's KV cache when cache.kv_cache_memory is unset
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on GPU; bf16 on CPUs with native bf16, else float32."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return _DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
 
 class StageOutput(NamedTuple):
     """One stage's part of one microbatch: hidden states for the next stage (or the last stage's
@@ -101,10 +78,10 @@ class StageWorker:
         self.spec = spec
         configure_kernels(spec.kernels)  # before anything asks for a kernel
         self.init_threads()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = current_device()
         self.arch = spec.arch
-        self.dtype = resolve_dtype(spec.dtype, spec.arch, self.device)
-        self.kv_dtype = self.dtype if spec.kv_cache_dtype == "auto" else _DTYPES[spec.kv_cache_dtype]
+        self.dtype = resolve_dtype(spec.dtype, spec.arch, self.device)  # worker/devices.py
+        self.kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
         self.init_model()
@@ -113,8 +90,12 @@ class StageWorker:
         self.batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[Tensor] = []
         self.graphs: DecodeGraphRunner | None = None
-        self.memory_log: list[dict[str, Any]] = []  # note_memory's figures, one per start-up phase
-        self.note_memory("weights loaded")
+        # KV sizing, the memory profile and the per-phase memory figures (worker/memory.py).
+        self.memory = StageMemory(self.model, self.arch, block_size=self.block_size, dtype=self.dtype,
+                                  kv_dtype=self.kv_dtype, device=self.device, profile_tokens=spec.profile_tokens,
+                                  profile_seqs=spec.profile_seqs, stage=spec.stage, tp_rank=spec.tp_rank)
+        self.memory_log = self.memory.log  # the same list: the GPU check reads it from the worker
+        self.memory.note("weights loaded")
 
     def init_threads(self) -> None:
         """torch intra-op threads = the cores given to this worker: `num_threads` when set (Ray actors get
@@ -146,97 +127,8 @@ class StageWorker:
         )
 
     # ---- KV cache ------------------------------------------------------------------------------
-    def kv_bytes_per_block(self) -> int:
-        per_layer = kv_cache_bytes_per_block(
-            self.block_size, self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype
-        )
-        return int(per_layer) * self.model.num_local_layers
-
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def kv_budget_bytes(self, kv_cache_memory: float | None, gpu_memory_utilization: float,
-                        peak: int | None = None) -> int:
-        """The bytes this worker's KV cache may take: `kv_cache_memory` when set (bytes when > 1, else a
-        fraction of free memory now); unset, on CUDA, what the profiled `peak` (this worker's own when
-        None) leaves of `gpu_memory_utilization` x total (worker/memory.py), and on CPU
-        DEFAULT_CPU_KV_BYTES."""
-        if kv_cache_memory is not None:
-            return int(kv_cache_memory) if kv_cache_memory > 1 else int(kv_cache_memory * free_memory_bytes(self.device))
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_BYTES
-        if peak is None:
-            peak = self.profile_peak_bytes()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = kv_budget_bytes(int(total), int(free), peak, gpu_memory_utilization)
-        logger.info("stage %d tp %d: KV budget %.2f GiB = %.2f x %.1f GiB - %.2f GiB in use - %.2f GiB peak",
-                    self.spec.stage, self.spec.tp_rank, budget / GiB, gpu_memory_utilization, total / GiB,
-                    (total - free) / GiB, peak / GiB)
-        return budget
-
-    def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float = 0.9) -> int:
-        """Blocks that fit this worker's KV budget (see kv_budget_bytes)."""
-        return max(1, self.kv_budget_bytes(kv_cache_memory, gpu_memory_utilization) // self.kv_bytes_per_block())
-
-    @torch.inference_mode()
-    def profile_peak_bytes(self) -> int:
-        """Run the largest microbatch the scheduler may form (scheduler.token_budget tokens over up to
-        max_num_seqs sequences, logits and sampling for each) on a scratch KV cache; return how far
-        allocated memory rose above what stays allocated (0 on CPU, where only the code path is exercised)."""
-        spec, bs = self.spec, self.block_size
-        tokens = max(1, spec.profile_tokens)
-        seqs = max(1, min(spec.profile_seqs, tokens))
-        lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
-        tables, nxt = [], 0
-        for n in lens:
-            need = -(-n // bs)
-            tables.append(list(range(nxt, nxt + need)))
-            nxt += need
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-        cache = allocate_kv_cache(self.model.num_local_layers, nxt, bs, self.model.num_kv_heads_local,
-                                  self.arch.head_dim, self.kv_dtype, self.device)
-        meta = AttentionMetadata.build(lens, lens, tables, bs, self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        hidden_in = None if self.model.is_first else torch.zeros(tokens, self.arch.hidden_size, dtype=self.dtype,
-                                                                 device=self.device)
-        hidden = self.model(ids if self.model.is_first else None, hidden_in, positions, cache, meta)
-        if self.model.is_last:
-            last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(seqs)], device=self.device)
-            logits = self.model.logits_for_sampling(hidden.index_select(0, last))
-            if logits is not None:  # the sampling rank: its peak is the stage's largest
-                from ppserve.request import SamplingParams
-
-                sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
-                del logits
-        del hidden, cache
-        if not cuda:
-            return 0
-        torch.cuda.synchronize(self.device)
-        peak = int(torch.cuda.max_memory_allocated(self.device) - base)
-        torch.cuda.empty_cache()
-        return max(0, peak)
-
-    def note_memory(self, phase: str, **facts: float) -> dict[str, Any]:
-        """Record (and log) the memory figures at a start-up phase, with what else the phase measured
-        (`facts`): the GPU check prints these."""
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            entry = {"phase": phase, "allocated_gib": torch.cuda.memory_allocated(self.device) / GiB,
-                     "reserved_gib": torch.cuda.memory_reserved(self.device) / GiB, "free_gib": free / GiB,
-                     "total_gib": total / GiB}
-        else:
-            rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            entry = {"phase": phase, "rss_gib": rss / GiB, "free_gib": free_memory_bytes(self.device) / GiB}
-        entry.update(facts)
-        self.memory_log.append(entry)
-        logger.info("stage %d tp %d memory after %s: %s", self.spec.stage, self.spec.tp_rank, phase,
-                    ", ".join(f"{k} {v:.2f}" for k, v in entry.items() if k != "phase"))
-        return entry
 
     def graphs_mode(self) -> str:
         """'capture', 'eager' or 'off' for decode-only microbatches (see decode_graphs.py)."""
@@ -266,12 +158,12 @@ class StageWorker:
             )
         logger.info("stage %d tp %d: KV cache of %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.spec.stage,
                     self.spec.tp_rank, num_blocks, self.block_size, num_blocks * self.block_size,
-                    num_blocks * self.kv_bytes_per_block() / GiB, self.kv_dtype)
-        self.note_memory("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
-                         kv_gib=num_blocks * self.kv_bytes_per_block() / GiB)
+                    num_blocks * self.memory.kv_bytes_per_block() / GiB, self.kv_dtype)
+        self.memory.note("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
+                         kv_gib=num_blocks * self.memory.kv_bytes_per_block() / GiB)
         if self.graphs is not None and mode == "capture":
             seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
-            self.note_memory("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
+            self.memory.note("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -350,12 +242,3 @@ class StageWorker:
     def drain_spans(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self.recorder.drain()]
 
-
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot tell free memory: /proc/meminfo has no MemAvailable")

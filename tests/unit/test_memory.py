@@ -1,10 +1,15 @@
-"""KV cache sizing from a fake memory profile (the GPU arithmetic, no GPU)."""
+"""KV cache sizing from a fake memory profile (the GPU arithmetic, no GPU), a stage's memory on CPU,
+and the dtype a worker resolves."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from ppserve.worker.memory import GiB, kv_budget_bytes, split_blocks
+import pytest
+import torch
+
+from ppserve.worker.devices import resolve_dtype, resolve_kv_dtype
+from ppserve.worker.memory import DEFAULT_CPU_KV_BYTES, GiB, StageMemory, kv_budget_bytes, split_blocks
 
 
 def test_kv_budget_is_utilization_minus_in_use_minus_peak() -> None:
@@ -30,3 +35,40 @@ def test_stages_sharing_a_device_split_by_their_block_costs() -> None:
     # Two stages in one process on one GPU, the second with the LM head and fewer layers.
     assert split_blocks(1000, [6, 4]) == 100
     assert split_blocks(5, [6, 4]) == 1
+
+
+def _stage_memory(device: str = "cpu") -> StageMemory:
+    # What StageMemory reads of a stage: its local layers and KV heads (model), the head size (arch).
+    model = SimpleNamespace(num_local_layers=3, num_kv_heads_local=2)
+    arch = SimpleNamespace(head_dim=8)
+    return StageMemory(model, arch, block_size=16, dtype=torch.float32,
+                       kv_dtype=torch.bfloat16, device=torch.device(device), profile_tokens=64, profile_seqs=4)
+
+
+def test_a_block_costs_k_and_v_of_every_local_layer() -> None:
+    assert _stage_memory().kv_bytes_per_block() == 2 * 16 * 2 * 8 * 2 * 3  # K+V, tokens, heads, dim, bf16, layers
+
+
+def test_cpu_budget_is_the_setting_or_the_default() -> None:
+    mem = _stage_memory()
+    assert mem.kv_budget_bytes(None, 0.9) == DEFAULT_CPU_KV_BYTES
+    assert mem.kv_budget_bytes(float(1 << 20), 0.9) == 1 << 20  # > 1: bytes
+    assert mem.num_blocks(float(1 << 20)) == (1 << 20) // mem.kv_bytes_per_block()
+    assert mem.num_blocks(1000.0) == 1  # never fewer than one block
+
+
+def test_memory_phases_are_logged_in_order() -> None:
+    mem = _stage_memory()
+    mem.note("weights loaded")
+    mem.note("KV cache allocated", kv_blocks=7)
+    assert [e["phase"] for e in mem.log] == ["weights loaded", "KV cache allocated"]
+    assert mem.log[1]["kv_blocks"] == 7 and mem.log[0]["rss_gib"] > 0
+
+
+def test_dtypes_by_name_and_auto() -> None:
+    arch = SimpleNamespace(torch_dtype="float16")
+    assert resolve_dtype("bfloat16", arch, torch.device("cpu")) is torch.bfloat16
+    assert resolve_dtype("auto", arch, torch.device("cuda", 0)) is torch.float16
+    assert resolve_dtype("auto", arch, torch.device("cpu")) in (torch.bfloat16, torch.float32)
+    assert resolve_kv_dtype("auto", torch.float32) is torch.float32
+    assert resolve_kv_dtype("bfloat16", torch.float32) is torch.bfloat16
