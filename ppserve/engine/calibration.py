@@ -15,19 +15,51 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from ppserve.request import SamplingParams
 from ppserve.sched.partition import MeasuredStageCosts, fit_stage_costs, partition_layers
 
+if TYPE_CHECKING:
+    from ppserve.config import EngineConfig
+    from ppserve.engine.core import EngineCore
+    from ppserve.engine.executor import Executor
+    from ppserve.engine.messages import TokenDelta
+    from ppserve.model.arch import ModelArch
+
 logger = logging.getLogger(__name__)
+
+
+class CalibratedEngine(Protocol):
+    """What calibration uses of the engine (LLMEngine is one). A protocol rather than the class: the
+    engine imports this module."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def arch(self) -> ModelArch: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def core(self) -> EngineCore: ...
+    @property
+    def executor(self) -> Executor: ...
+    @property
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(self, prompt: list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def step(self) -> list[TokenDelta]: ...
+
+    def reset_observations(self) -> None: ...
 
 CALIBRATION_REQUESTS = 16  # at most; fewer when scheduler.max_num_seqs is lower
 CALIBRATION_PROMPT = 128  # tokens, at most the token budget
 CALIBRATION_OUTPUT = 32  # tokens per request: a decode phase as long as the prefill phase, roughly
 
 
-def calibrated_ranges(engine: Any) -> list[tuple[int, int]]:
+def calibrated_ranges(engine: CalibratedEngine) -> list[tuple[int, int]]:
     """The layer ranges for `engine`'s pipeline from a saved profile or a calibration run."""
     par = engine.config.parallel
     path = Path(par.partition_profile) if par.partition_profile else None
@@ -47,7 +79,7 @@ def calibrated_ranges(engine: Any) -> list[tuple[int, int]]:
     return ranges
 
 
-def measure_stage_costs(engine: Any) -> MeasuredStageCosts:
+def measure_stage_costs(engine: CalibratedEngine) -> MeasuredStageCosts:
     """Run the calibration workload through `engine` and fit per-layer and head costs from its stage times."""
     sc = engine.config.scheduler
     n = max(2 * engine.config.parallel.pipeline_parallel_size, min(sc.max_num_seqs, CALIBRATION_REQUESTS))

@@ -15,7 +15,8 @@ only the last stage answers: it carries every stage's compute seconds, chained a
 - `ClassicDispatch`: a Ray actor call per actor per microbatch (about 1 ms each, measured).
 
 `parallel.dispatch: auto` chooses connections on CPU workers and the compiled graph on GPU workers
-(measured: benchmarks/README.md, "Control plane").
+(measured: benchmarks/README.md, "Control plane"). All three are a `ControlPlane`, which is all the Ray
+executor knows of them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
-from typing import Any
+from typing import Any, Protocol, cast
 
 from ppserve.sched.output import SchedulerOutput, StepResult
 
@@ -37,9 +38,30 @@ RAY_GET_TIMEOUT_S = 600.0  # no ray.get waits forever: a dead stage must surface
 FAILURE_POLL_S = 0.5  # while waiting for a microbatch, look this often for a stage that already failed
 CONNECT_TIMEOUT_S = 120.0  # every actor must have connected back within this
 
+# A Ray actor handle of worker/stage_actor.StageActor. Ray types an actor's methods only where they are
+# declared with @ray.method; the stage actor's are plain methods, so `handle.execute.remote(...)` is
+# untyped whatever the handle is annotated as.
+StageActorHandle = Any
+
 
 class StageFailure(RuntimeError):
     """A stage actor died, failed or stopped answering: the pipeline must be rebuilt."""
+
+
+class ControlPlane(Protocol):
+    """How microbatches reach the stage actors and their results come back (one of the three below)."""
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Hand a microbatch to every stage actor; returns without waiting for it."""
+
+    def collect(self, timeout_s: float) -> StepResult:
+        """The oldest submitted microbatch's result; StageFailure when a stage died, failed or hung."""
+
+    def clear(self) -> None:
+        """Forget the microbatches in flight (their results will never be collected)."""
+
+    def teardown(self) -> None:
+        """Stop: in-flight results are lost, the actors stop listening on this control plane."""
 
 
 def _check(result: Any, step_id: int) -> StepResult:
@@ -49,7 +71,7 @@ def _check(result: Any, step_id: int) -> StepResult:
 
 
 class ConnectionDispatch:
-    def __init__(self, actors: list[Any], num_stages: int, tp: int, host: str) -> None:
+    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int, host: str) -> None:
         import ray
 
         self.last = (num_stages - 1) * tp  # the actor whose connection carries the results
@@ -86,7 +108,8 @@ class ConnectionDispatch:
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            ready = wait(self.conns, timeout=max(0.0, left))
+            # wait() hands back some of the objects it was given: here, Connections.
+            ready = cast("list[Connection]", wait(self.conns, timeout=max(0.0, left)))
             if not ready:
                 raise StageFailure(f"step {step_id}: no answer from the stages in {timeout_s:g} s "
                                    "(parallel.stage_timeout_s): hung")
@@ -111,7 +134,7 @@ class ConnectionDispatch:
 
 
 class CompiledGraphDispatch:
-    def __init__(self, actors: list[Any], num_stages: int, tp: int) -> None:
+    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:
@@ -154,7 +177,7 @@ class CompiledGraphDispatch:
 
 
 class ClassicDispatch:
-    def __init__(self, actors: list[Any], num_stages: int, tp: int) -> None:
+    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int) -> None:
         self.actors = actors
         self.last = (num_stages - 1) * tp
         self.in_flight: deque[tuple[int, list[Any]]] = deque()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from ppserve.config import EngineConfig, load_config
 from ppserve.engine.llm_engine import LLMEngine
@@ -14,7 +14,13 @@ from ppserve.metrics.spans import Span
 from ppserve.metrics.trace import save_chrome_trace
 from ppserve.request import RequestOutput, SamplingParams, TokenLogprob
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
+
+Prompt: TypeAlias = "str | list[int] | PromptInput"  # one prompt: text, token ids, or chat messages
+Conversation: TypeAlias = "list[dict[str, str]]"  # chat messages, each {"role", "content"}
 
 # Keyword arguments of LLM(...) and the config field each sets.
 _SHORTCUTS = {
@@ -71,7 +77,7 @@ class LLM:
         self._spans: list[Span] = []
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.engine.tokenizer
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -80,16 +86,20 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | PromptInput | list[str] | list[list[int]] | list[PromptInput],
+        prompts: Prompt | list[str] | list[list[int]] | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order, a prompt's n choices
         (SamplingParams.n) one after another with their `index`. Without sampling_params, the model's
         generation_config.json defaults apply (default_sampling_params())."""
+        # One prompt or a list of them. A list of prompts is told from one prompt of token ids by its first
+        # item, which narrows `prompts` in the first branch but not in the second: hence the cast there.
+        plist: list[Prompt]
         if isinstance(prompts, (str, PromptInput)) or (isinstance(prompts, list) and prompts
                                                         and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist: list[str | list[int] | PromptInput] = list(prompts)  # type: ignore[arg-type]
+            plist = [prompts]
+        else:
+            plist = list(cast("list[Prompt]", prompts))
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(plist):
                 raise ValueError(f"{len(sampling_params)} SamplingParams for {len(plist)} prompts")
@@ -146,15 +156,16 @@ class LLM:
 
     def chat(
         self,
-        conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+        conversations: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Complete chat conversations (lists of {"role", "content"}), rendered by the model's chat template."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [PromptInput(messages=tuple((m["role"], m["content"]) for m in conv))  # type: ignore[index]
-                   for conv in conversations]
-        return self.generate(prompts, sampling_params)  # type: ignore[arg-type]
+        # One conversation or a list of them, told apart by the first item (which narrows only the first
+        # branch: hence the cast in the second).
+        convs = ([conversations] if conversations and isinstance(conversations[0], dict)
+                 else cast("list[Conversation]", conversations))
+        prompts = [PromptInput(messages=tuple((m["role"], m["content"]) for m in conv)) for conv in convs]
+        return self.generate(prompts, sampling_params)
 
     # ---- bubbles and traces ------------------------------------------------------------------
     def spans(self) -> list[Span]:

@@ -37,11 +37,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = args.prompts or DEFAULT_PROMPTS
     with LLM(config=args.config, overrides=args.overrides) as llm:
         if args.chat or not args.prompts:
-            prompts = [
-                llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                  add_generation_prompt=True)
-                for p in prompts
-            ]
+            # The engine's own rendering (the model's chat template): a model without one is told so.
+            prompts = [llm.engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
         wall = time.perf_counter() - t0

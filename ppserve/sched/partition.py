@@ -129,22 +129,32 @@ def partition_layers(
 
 
 class ModelShape(Protocol):
-    """What the partitioner reads of a model description (ModelArch has it)."""
+    """What the partitioner reads of a model description (ModelArch has it). Read-only members, so a
+    frozen dataclass satisfies the protocol."""
 
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class PartitionSettings(Protocol):
-    """What the partitioner reads of the parallel config."""
+    """What the partitioner reads of the parallel config (ParallelConfig, frozen: read-only members)."""
 
-    pipeline_parallel_size: int
-    layer_partition: tuple[int, ...] | None
-    partition_mode: str
+    @property
+    def pipeline_parallel_size(self) -> int: ...
+    @property
+    def layer_partition(self) -> tuple[int, ...] | None: ...
+    @property
+    def partition_mode(self) -> str: ...
 
 
 def initial_ranges(par: PartitionSettings, model: ModelShape) -> list[tuple[int, int]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -78,21 +77,22 @@ class DecodeGraphRunner:
         # A backend that reads the paged cache in place costs the same at any table width: one width
         # (the widest) serves every batch. Others gather the whole width, so narrower tables pay off.
         self.widths = [max_blocks] if paged_in_place else table_widths(max_blocks)
-        i64 = dict(dtype=torch.int64, device=device)
+        i64 = torch.int64
         # Static inputs. Graphs read these addresses on every replay: never reallocate them.
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
+        self.input_ids = torch.zeros(max_batch, dtype=i64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=i64, device=device)
         self.hidden = torch.zeros(max_batch, model.arch.hidden_size, dtype=dtype, device=device)
-        self.slot_mapping = torch.full((max_batch,), pad_block * block_size, **i64)
-        self.context_lens = torch.ones(max_batch, **i64)
-        self.block_tables = torch.full((max_batch, max_blocks), pad_block, **i64)
+        self.slot_mapping = torch.full((max_batch,), pad_block * block_size, dtype=i64, device=device)
+        self.context_lens = torch.ones(max_batch, dtype=i64, device=device)
+        self.block_tables = torch.full((max_batch, max_blocks), pad_block, dtype=i64, device=device)
         # The metadata's derived tensors, fixed by the shape alone: built here once, sliced per graph, so
         # nothing in the captured region copies host data (see capture_guard.py).
         self.cu_query_lens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.token_idx = torch.arange(max_batch, **i64)
+        self.token_idx = torch.arange(max_batch, dtype=i64, device=device)
         self.cu_context_lens = {w: torch.arange(0, (max_batch + 1) * w * block_size, w * block_size,
                                                 dtype=torch.int32, device=device) for w in self.widths}
-        self.graphs: dict[tuple[int, int], tuple[Any, Tensor]] = {}  # (batch, width) -> (graph, its output)
+        # (batch, width) -> (graph, its output)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_runs = 0  # microbatches run through the static buffers (replays, when capturing)
 
@@ -161,10 +161,12 @@ class DecodeGraphRunner:
             self.slot_mapping[:batch], self.context_lens[:batch], self.block_tables[:batch, :width], self.block_size,
             self.cu_query_lens[:batch + 1], self.token_idx[:batch], self.cu_context_lens[width][:batch + 1])
         first = self.model.is_first
-        return self.model(self.input_ids[:batch] if first else None, None if first else self.hidden[:batch],
-                          self.positions[:batch], self.kv_caches, meta)
+        hidden: Tensor = self.model(self.input_ids[:batch] if first else None,
+                                    None if first else self.hidden[:batch], self.positions[:batch],
+                                    self.kv_caches, meta)
+        return hidden
 
-    def _capture(self, batch: int, width: int) -> tuple[Any, Tensor]:
+    def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         """Warm up on a side stream (lazy inits, allocator), then capture into the shared memory pool.
         The warm-up writes this step's real K/V into their real slots: the replay writes the same values."""
         stream = torch.cuda.Stream()
