@@ -1,10 +1,15 @@
-"""Bad input never hurts anyone else: through a real server (tiny model, pp=2), every malformed request
-gets INVALID_ARGUMENT naming the field and the limit, while a long greedy generation runs alongside and
-still returns exactly the transformers output.
+"""Bad input and overload never hurt anyone else, through one real server (tiny model, pp=2):
+
+- every malformed request gets INVALID_ARGUMENT naming the field and the limit, while a long greedy
+  generation runs alongside and still returns exactly the transformers output;
+- a burst at 4x the server's capacity: the excess fails with RESOURCE_EXHAUSTED, the rest completes, KV
+  memory is never over-committed, and health and GetStats keep answering throughout (how fast they answer
+  is a figure of benchmarks/bench_overload.py, whose load this test runs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Iterator
@@ -18,8 +23,9 @@ from hypothesis import strategies as st
 from ppserve.request import MAX_STOP_STRINGS, SamplingParams
 from ppserve.server.client import PPServeClient
 from ppserve.server.gen import ppserve_pb2 as pb
-from tests.integration.test_server import STARTUP_TIMEOUT_S, ServerProcess
+from tests.bench_scripts import load_benchmark
 from tests.oracle import reference_greedy
+from tests.server_helpers import ServerProcess, ready_client, running_server, set_args, wait_idle
 
 CONTEXT = 256  # the tiny model's max_position_embeddings
 VOCAB = 256
@@ -27,29 +33,24 @@ MAX_TOKENS_LIMIT = 200
 MAX_MESSAGE_BYTES = 64 * 1024
 LONG_PROMPT = [(7 * i + 3) % 250 + 3 for i in range(20)]
 LONG_NEW = 200
+overload = load_benchmark("bench_overload")
+MAX_RUNNING, MAX_WAITING = overload.MAX_RUNNING, overload.MAX_WAITING
+BURST = 4 * (MAX_RUNNING + MAX_WAITING)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir) -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        tmp_path_factory.mktemp("bad_input") / "server.log",
-        "--set", f"model.model={tiny_llama_dir}",
-        "--set", "cache.block_size=4",
-        "--set", "scheduler.token_budget=32",
-        "--set", f"scheduler.max_tokens_limit={MAX_TOKENS_LIMIT}",
-        "--set", f"server.max_message_bytes={MAX_MESSAGE_BYTES}",
-    )
-    try:
-        proc.wait_ready(STARTUP_TIMEOUT_S)
+    # The overload benchmark's settings (block size 4, budget 32, 4 running and 4 waiting at most) and
+    # the limits the bad-input cases probe; one start-up serves both halves of the module.
+    extra = [f"model.model={tiny_llama_dir}", *overload.SERVER_OVERRIDES,
+             f"scheduler.max_tokens_limit={MAX_TOKENS_LIMIT}", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
+    with running_server(tmp_path_factory.mktemp("bad_input"), *set_args(*extra)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[PPServeClient]:
-    with PPServeClient(server.address or "") as c:
-        c.wait_ready(30)
+    with ready_client(server) as c:
         yield c
 
 
@@ -122,7 +123,7 @@ def test_bad_inputs_refused_while_long_generation_is_unharmed(client: PPServeCli
     dup = pb.GenerateRequest(prompt_token_ids=[5], request_id="long-run")
     _expect_invalid(lambda: list(client.stub.Generate(dup, timeout=30)), ["request_id 'long-run'", "already in use"])
     s = client.stats()
-    assert s["running"] + s["waiting"] == 1  # only the long generation: nothing bad was queued
+    assert s.running + s.waiting == 1  # only the long generation: nothing bad was queued
 
     reader.join(120)
     for c in rest:
@@ -173,11 +174,29 @@ def test_property_any_request_is_served_or_invalid_argument(client: PPServeClien
 
 
 def test_server_idle_after_bad_inputs(client: PPServeClient) -> None:
-    import time
-
-    deadline = time.monotonic() + 30
-    while (s := client.stats())["running"] + s["waiting"] or s["kv_blocks_used"]:
-        assert time.monotonic() < deadline, s
-        time.sleep(0.2)
+    wait_idle(client)
     out = client.generate([5, 6, 7], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4
+
+
+def test_burst_above_queue_bound(server: ServerProcess, client: PPServeClient) -> None:
+    wait_idle(client)
+    fig = asyncio.run(overload.run_overload(server.address or "", BURST, overload.MAX_TOKENS))
+    print("\n" + overload.report(fig))
+    codes = [c.code for c in fig.calls]
+    ok = [c for c in fig.calls if c.code == "OK"]
+    refused = [c for c in fig.calls if c.code == "RESOURCE_EXHAUSTED"]
+    assert len(ok) + len(refused) == BURST, codes
+    # Requests that arrive together are queued between two engine steps: at least the waiting bound fits.
+    assert refused and len(ok) >= MAX_WAITING
+    assert all(c.tokens == overload.MAX_TOKENS for c in ok)  # the admitted ones complete in full
+    # Sustained 4x load: every client is refused only with RESOURCE_EXHAUSTED until it is served in full.
+    for calls in fig.sustained:
+        assert {c.code for c in calls[:-1]} <= {"RESOURCE_EXHAUSTED"}, calls
+        assert calls[-1].code == "OK" and calls[-1].tokens == overload.MAX_TOKENS, calls[-1]
+    assert len(fig.probes) >= 3, "health and GetStats were not answered during the load"
+    for p in fig.probes:
+        assert p.health == "SERVING"
+        assert p.stats["kv_blocks_used"] <= p.stats["kv_blocks_total"]  # never over-committed
+        assert p.stats["running"] <= MAX_RUNNING and p.stats["waiting"] <= MAX_WAITING
+    assert fig.final["kv_blocks_used"] == 0 and fig.final["running"] == fig.final["waiting"] == 0

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.test_server import STARTUP_TIMEOUT_S, ServerProcess
+from tests.server_helpers import ServerProcess, running_server, set_args
 
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -28,15 +28,10 @@ HAIKU = "Write a haiku about pipelines."
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("openai") / "server.log",
-                         "--set", "parallel.pipeline_parallel_size=1", "--set", "parallel.executor=inproc",
-                         "--set", f"server.auth_token={TOKEN}")
-    try:
-        proc.wait_ready(STARTUP_TIMEOUT_S)
+    with running_server(tmp_path_factory.mktemp("openai"), *set_args(
+            "parallel.pipeline_parallel_size=1", "parallel.executor=inproc", f"server.auth_token={TOKEN}")) as proc:
         assert proc.http_url is not None, "".join(proc.lines)
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

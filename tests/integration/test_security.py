@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from ppserve.server.client import PPServeClient
-from tests.integration.test_server import STARTUP_TIMEOUT_S, ServerProcess
+from tests.server_helpers import ServerProcess, running_server, set_args
 
 TOKEN = "test-token-7f3a"
 
@@ -73,19 +73,10 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir, tls_files) -> Iterator[ServerProcess]:
     cert, key, token_file = tls_files
-    proc = ServerProcess(
-        tmp_path_factory.mktemp("security") / "server.log",
-        "--set", f"model.model={tiny_llama_dir}",
-        "--set", f"server.tls_cert={cert}",
-        "--set", f"server.tls_key={key}",
-        "--set", f"server.auth_token_file={token_file}",
-        "--set", "server.max_concurrent_streams=16",
-    )
-    try:
-        proc.wait_ready(STARTUP_TIMEOUT_S)
+    with running_server(tmp_path_factory.mktemp("security"), *set_args(
+            f"model.model={tiny_llama_dir}", f"server.tls_cert={cert}", f"server.tls_key={key}",
+            f"server.auth_token_file={token_file}", "server.max_concurrent_streams=16")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_binds_loopback_by_default(server: ServerProcess) -> None:
@@ -134,7 +125,7 @@ def test_every_server_process_listens_on_loopback_only(server: ServerProcess, tl
     and pairs: no listening socket of the server's process tree is reachable from another machine."""
     with PPServeClient(server.address or "", root_certificates=str(tls_files[0]), token=TOKEN) as c:
         c.generate([5, 6, 7], max_tokens=2, ignore_eos=True, timeout=60)  # the pipeline has been used
-        stage_pids = {w["pid"] for w in c.stats()["workers"]}
+        stage_pids = {w.pid for w in c.stats().workers}
     listening = _listening_tcp()
     found: dict[int, list[str]] = {}
     for pid in _process_tree(server.proc.pid):
@@ -170,7 +161,7 @@ def test_tls_and_token_work(server: ServerProcess, tls_files) -> None:
         assert c.health() == "SERVING"
         out = c.generate([5, 6, 7], max_tokens=4, ignore_eos=True, timeout=60)
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
-        assert c.stats()["kv_blocks_total"] > 0
+        assert c.stats().kv_blocks_total > 0
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x"])

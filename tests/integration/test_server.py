@@ -7,15 +7,12 @@ stops it with SIGTERM and checks that it exits within the grace period.
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,9 +20,8 @@ import pytest
 
 from ppserve.request import SamplingParams
 from ppserve.server.client import AsyncPPServeClient, PPServeClient
+from tests.server_helpers import GRACE_S, ServerProcess, ready_client, running_server, wait_idle
 
-GRACE_S = 3.0
-STARTUP_TIMEOUT_S = 240.0
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "List three prime numbers.",
@@ -33,84 +29,15 @@ CHAT_PROMPTS = [
 ]
 
 
-class ServerProcess:
-    """A `ppserve serve` subprocess; stdout is drained by a thread so the pipe can never fill up."""
-
-    def __init__(self, log_path: Path, *extra: str) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "ppserve.cli",
-            "serve",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--set",
-            "parallel.pipeline_parallel_size=2",
-            "--set",
-            f"server.grace_seconds={GRACE_S}",
-            "--set",
-            "model.dtype=float32",  # exactness against transformers is checked in float32
-            *extra,
-        ]
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, start_new_session=True
-        )
-        self.lines: list[str] = []
-        self.address: str | None = None
-        self.http_url: str | None = None  # the OpenAI-compatible API's base URL (ends in /v1)
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            h = re.search(r"ppserve OpenAI API on (\S+)", line)
-            if h:
-                self.http_url = h.group(1)
-            m = re.search(r"ppserve serving on (\S+:\d+)", line)
-            if m:
-                self.address = m.group(1)
-                self._ready.set()
-        self._ready.set()  # EOF: the process died
-
-    def wait_ready(self, timeout: float) -> str:
-        self._ready.wait(timeout)
-        if self.address is None:
-            self.stop()
-            log = Path(self.log.name).read_text()[-4000:]
-            raise RuntimeError(
-                f"server did not come up; stdout={''.join(self.lines)[-2000:]}\nstderr tail:\n{log}"
-            )
-        return self.address
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            # The whole session: the server and anything it spawned (its embedded Ray).
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        proc.wait_ready(STARTUP_TIMEOUT_S)
+    with running_server(tmp_path_factory.mktemp("server")) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> Iterator[PPServeClient]:
-    assert server.address is not None
-    with PPServeClient(server.address) as c:
-        c.wait_ready(30)
+    with ready_client(server) as c:
         yield c
 
 
@@ -122,17 +49,6 @@ def reference() -> Iterator[Any]:
     llm = LLM(pipeline_parallel_size=1, dtype="float32")
     yield llm
     llm.shutdown()
-
-
-def wait_idle(client: PPServeClient, timeout: float = 30.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if s["kv_blocks_used"] == 0 and s["running"] + s["waiting"] == 0:
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server did not go idle: {s}")
-        time.sleep(0.2)
 
 
 def test_health_and_reflection(client: PPServeClient) -> None:
@@ -254,7 +170,7 @@ def test_cancel_rpc_frees_blocks(client: PPServeClient) -> None:
     first = next(it)
     assert first.request_id == "to-cancel"
     s = client.stats()
-    assert s["kv_blocks_used"] > 0 and s["running"] + s["waiting"] == 1
+    assert s.kv_blocks_used > 0 and s.running + s.waiting == 1
     assert client.cancel("to-cancel") is True
     rest = list(it)
     assert rest and rest[-1].finish_reason == "cancelled"
@@ -266,7 +182,7 @@ def test_client_cancellation_and_deadline_free_blocks(client: PPServeClient) -> 
     stream = client.stream("Tell me a long story.", max_tokens=500, ignore_eos=True)
     it = iter(stream)
     next(it)
-    assert client.stats()["kv_blocks_used"] > 0
+    assert client.stats().kv_blocks_used > 0
     stream.cancel()  # the client goes away mid-stream
     with pytest.raises(grpc.RpcError) as e:
         list(it)
@@ -305,22 +221,22 @@ def test_bad_input_is_invalid_argument(client: PPServeClient, kwargs: dict[str, 
             client.generate(prompt, timeout=30, **req_kwargs)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
-    assert client.stats()["waiting"] == 0  # nothing was queued
+    assert client.stats().waiting == 0  # nothing was queued
 
 
 def test_stats_report_stages_and_config(client: PPServeClient) -> None:
     client.generate("Hello", max_tokens=4, ignore_eos=True)
     s = client.stats()
-    assert s["config"]["pipeline_parallel_size"] == 2 and s["config"]["policy"] == "sarathi"
-    assert s["kv_blocks_total"] > 0 and s["tokens_generated"] > 0
-    assert (s["num_restarts"], s["last_recovery_s"], s["total_recovery_s"]) == (0, 0.0, 0.0)  # healthy
-    workers = sorted(s["workers"], key=lambda w: w["stage"])
-    assert [w["stage"] for w in workers] == [0, 1]
-    assert workers[0]["layer_end"] == workers[1]["layer_start"]
-    assert all(w["node_ip"] and w["node_id"] and w["pid"] > 0 for w in workers)
-    assert [st["stage"] for st in s["stages"]] == [0, 1]
-    for st in s["stages"]:
-        assert st["busy_fraction"] + st["bubble_fraction"] + st["starvation_fraction"] == pytest.approx(
+    assert s.config.pipeline_parallel_size == 2 and s.config.policy == "sarathi"
+    assert s.kv_blocks_total > 0 and s.tokens_generated > 0
+    assert (s.num_restarts, s.last_recovery_s, s.total_recovery_s) == (0, 0.0, 0.0)  # healthy
+    workers = sorted(s.workers, key=lambda w: w.stage)
+    assert [w.stage for w in workers] == [0, 1]
+    assert workers[0].layer_end == workers[1].layer_start
+    assert all(w.node_ip and w.node_id and w.pid > 0 for w in workers)
+    assert [st.stage for st in s.stages] == [0, 1]
+    for st in s.stages:
+        assert st.busy_fraction + st.bubble_fraction + st.starvation_fraction == pytest.approx(
             1.0, abs=1e-6
         )
 

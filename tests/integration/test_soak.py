@@ -6,25 +6,14 @@ waiting or running, and the server's memory stays bounded. The code is benchmark
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
+
+from tests.bench_scripts import load_benchmark
 
 REQUESTS = 2000
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("ppserve_bench_soak", ROOT / "benchmarks" / "soak.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_soak_2000_requests_with_cancels(tiny_llama_dir, tmp_path) -> None:
-    soak = _soak_module()
+    soak = load_benchmark("soak")
     # A small KV cache (400 blocks of 4 tokens for 64 concurrent requests) adds preemption to the mix.
     overrides = [*soak.SERVER_OVERRIDES, "cache.num_blocks=400"]
     proc, address = soak.launch_server(str(tiny_llama_dir), 2, overrides, tmp_path / "server.log")
