@@ -12,14 +12,24 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ppserve.config import EngineConfig
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.info import WorkerInfo
+
+if TYPE_CHECKING:  # the worker layer imports torch: this module imports it only where it builds stages
+    from ppserve.model.arch import ModelArch
+    from ppserve.worker.stage_actor import StageActor
+    from ppserve.worker.stage_worker import StageSpec, StageWorker
 
 
 class Executor(Protocol):
+    """What the engine (LLMEngine) needs of an executor: InProcExecutor and RayExecutor both are one. An
+    executor that can replace a dead pipeline also has `rebuild()`, which the engine looks for."""
+
     num_kv_blocks: int
+    block_size: int  # the KV block size every stage agreed on (agreed_block_size)
     ranges: list[tuple[int, int]]  # decoder layers [start, end) per stage
 
     def submit(self, out: SchedulerOutput) -> None:
@@ -31,8 +41,8 @@ class Executor(Protocol):
     def drain_spans(self) -> list[dict[str, Any]]:
         """Spans recorded by every stage since the last drain, on the engine's clock."""
 
-    def describe(self) -> list[dict[str, Any]]:
-        """One dict per (stage, tp rank): layers, node, pid."""
+    def describe(self) -> list[WorkerInfo]:
+        """One per (stage, tp rank): its layers and where it runs."""
 
     def repartition(self, ranges: list[tuple[int, int]]) -> None:
         """Rebuild the stages with other layer ranges (empty KV caches, same block count)."""
@@ -40,9 +50,9 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-def stage_spec(config: EngineConfig, model_dir: str, arch: Any, stage: int,
+def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int,
                ranges: list[tuple[int, int]], tp_rank: int = 0, num_threads: int | None = None,
-               gpus: float = 0.0) -> Any:
+               gpus: float = 0.0) -> StageSpec:
     """What one (stage, tp rank) needs to build its shard, from the engine config."""
     from ppserve.model.ops.settings import KernelSettings
     from ppserve.worker.stage_worker import StageSpec
@@ -75,7 +85,8 @@ def agreed_block_size(sizes: list[int]) -> int:
 class InProcExecutor:
     """Every stage in this process, one after another per microbatch (tp = 1)."""
 
-    def __init__(self, config: EngineConfig, model_dir: str, arch: Any, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch,
+                 ranges: list[tuple[int, int]]) -> None:
         if config.parallel.tensor_parallel_size != 1:
             raise ValueError("parallel.executor=inproc runs tp = 1; use ray for tensor parallelism")
         self.config, self.model_dir, self.arch = config, model_dir, arch
@@ -98,13 +109,13 @@ class InProcExecutor:
         if cache.kv_cache_memory is None and workers[0].device.type == "cuda":
             from ppserve.worker.memory import split_blocks
 
-            peak = max(w.profile_peak_bytes() for w in workers)
-            budget = workers[0].kv_budget_bytes(None, cache.gpu_memory_utilization, peak=peak)
-            return split_blocks(budget, [w.kv_bytes_per_block() for w in workers])
+            peak = max(w.memory.profile_peak_bytes() for w in workers)
+            budget = workers[0].memory.kv_budget_bytes(None, cache.gpu_memory_utilization, peak=peak)
+            return split_blocks(budget, [w.memory.kv_bytes_per_block() for w in workers])
         mem = cache.kv_cache_memory
         if mem is not None and mem <= 1:
             mem = mem / len(workers)  # a fraction of this process's free memory, shared
-        return min(w.num_blocks_for_memory(mem, cache.gpu_memory_utilization) for w in workers)
+        return min(w.memory.num_blocks(mem, cache.gpu_memory_utilization) for w in workers)
 
     def _build(self, ranges: list[tuple[int, int]]) -> None:
         from ppserve.comm.channel import InProcChannel
@@ -113,7 +124,7 @@ class InProcExecutor:
 
         self.ranges = list(ranges)
         links = [InProcChannel() for _ in range(len(ranges) - 1)]
-        self.actors = []
+        self.actors: list[StageActor] = []
         for s in range(len(ranges)):
             worker = StageWorker(stage_spec(self.config, self.model_dir, self.arch, s, self.ranges))
             inbound = links[s - 1] if s > 0 else None
@@ -121,7 +132,7 @@ class InProcExecutor:
             self.actors.append(StageActor.local(worker, inbound, outbound))
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[StageWorker]:
         """The stages' StageWorkers, in stage order."""
         return [a.worker for a in self.actors]
 
@@ -138,9 +149,9 @@ class InProcExecutor:
     def drain_spans(self) -> list[dict[str, Any]]:
         return [d for a in self.actors for d in a.drain_spans()]
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [{"stage": s, "tp_rank": 0, "layers": list(r), "node": "local", "pid": os.getpid()}
-                for s, r in enumerate(self.ranges)]
+    def describe(self) -> list[WorkerInfo]:
+        return [WorkerInfo(stage=s, tp_rank=0, layer_start=start, layer_end=end, node_ip="local", pid=os.getpid())
+                for s, (start, end) in enumerate(self.ranges)]
 
     def repartition(self, ranges: list[tuple[int, int]]) -> None:
         self._done.clear()

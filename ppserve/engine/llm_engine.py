@@ -18,7 +18,8 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.core import EngineCore
@@ -26,10 +27,16 @@ from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
 from ppserve.engine.messages import PromptInput, TokenDelta
 from ppserve.engine.output import OutputState
+from ppserve.engine.stats import EngineCounts
 from ppserve.metrics.spans import Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams, choice_params
 from ppserve.sched.output import RequestUpdate
 from ppserve.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:  # the executors and transformers are imported when the engine builds them
+    from transformers import PreTrainedTokenizerBase
+
+    from ppserve.engine.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +64,7 @@ def context_limit(asked: int | None, max_positions: int, sliding_window: int | N
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Any = time.perf_counter) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.clock = clock
         self.init_model_source()
@@ -85,7 +92,7 @@ class LLMEngine:
                                            self.arch.sliding_window)
 
     def init_tokenizer(self) -> None:
-        self.tokenizer = None
+        self.tokenizer: PreTrainedTokenizerBase | None = None
         if any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
 
@@ -100,6 +107,7 @@ class LLMEngine:
         if kind == "auto":
             kind = "inproc" if par.world_size == 1 else "ray"
         ranges = initial_ranges(par, self.arch)
+        self.executor: Executor
         if kind == "inproc":
             from ppserve.engine.executor import InProcExecutor
 
@@ -170,7 +178,9 @@ class LLMEngine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
         msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
-        text: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str):  # tokenize=False renders text: anything else is the tokenizer's bug
+            raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return text
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -348,19 +358,19 @@ class LLMEngine:
         spans.extend(self.core.drain_engine_spans())
         return spans
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineCounts:
         s = self.scheduler
-        return {
-            "waiting": len(s.waiting),
-            "running": len(s.running),
-            "in_flight": len(s.in_flight),
-            "kv_blocks_used": s.blocks.num_used,
-            "kv_blocks_total": s.blocks.num_blocks,
-            "num_preemptions": s.num_preemptions,
-            "num_restarts": self.num_restarts,
-            "last_recovery_s": self.last_recovery_s,
-            "total_recovery_s": sum(self.recovery_times_s),
-        }
+        return EngineCounts(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            in_flight_microbatches=len(s.in_flight),
+            kv_blocks_used=s.blocks.num_used,
+            kv_blocks_total=s.blocks.num_blocks,
+            num_preemptions=s.num_preemptions,
+            num_restarts=self.num_restarts,
+            last_recovery_s=self.last_recovery_s or 0.0,  # None before the first rebuild
+            total_recovery_s=sum(self.recovery_times_s),
+        )
 
     def shutdown(self) -> None:
         ex = getattr(self, "executor", None)

@@ -14,19 +14,26 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.dispatch import (
     ClassicDispatch,
     CompiledGraphDispatch,
     ConnectionDispatch,
+    ControlPlane,
+    StageActorHandle,
     resolve_dispatch,
 )
 from ppserve.engine.executor import agreed_block_size, stage_spec
 from ppserve.engine.placement import order_stages_by_node, resolve_gpus_per_worker
 from ppserve.metrics.spans import estimate_offset
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.info import WorkerInfo
+
+if TYPE_CHECKING:
+    from ppserve.model.arch import ModelArch
+
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +70,7 @@ def ray_single_machine_mode() -> Iterator[None]:
 
 
 class RayExecutor:
-    def __init__(self, config: EngineConfig, model_dir: str, arch: Any, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch, ranges: list[tuple[int, int]]) -> None:
         import ray
 
         self.config = config
@@ -72,7 +79,7 @@ class RayExecutor:
         self.model_dir, self.arch = model_dir, arch
         self.ranges = list(ranges)
         self.startup_timeout_s = par.startup_timeout_s
-        self.dispatch: ConnectionDispatch | CompiledGraphDispatch | ClassicDispatch | None = None
+        self.dispatch: ControlPlane | None = None
         self.init_ray()
         self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker, ray.cluster_resources().get("GPU", 0))
         self.dispatch_kind = resolve_dispatch(par.dispatch, self.gpus_per_worker)
@@ -145,7 +152,7 @@ class RayExecutor:
             self.placement_groups = [self.placement_groups[i] for i in order_stages_by_node(nodes)]
         actor_cls = ray.remote(StageActor)
         threads = par.num_threads or max(1, int(par.cpus_per_worker))
-        self.actors: list[Any] = []
+        self.actors: list[StageActorHandle] = []
         self.layout: list[dict[str, Any]] = []
         for s, (start, end) in enumerate(self.ranges):
             for r in range(self.tp):
@@ -223,8 +230,11 @@ class RayExecutor:
                 out.append(d)
         return out
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [dict(lay) for lay in self.layout]
+    def describe(self) -> list[WorkerInfo]:
+        # The layout's node fields are the actors' NodeInfo (StageActor.node_info), under the same names.
+        return [WorkerInfo(stage=lay["stage"], tp_rank=lay["tp_rank"], layer_start=lay["layers"][0],
+                           layer_end=lay["layers"][1], node_ip=lay["node_ip"], node_id=lay["node_id"],
+                           pid=lay["pid"]) for lay in self.layout]
 
     # ---- failure recovery and repartitioning ------------------------------------------------------
     def rebuild(self) -> None:

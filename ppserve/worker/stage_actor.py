@@ -26,39 +26,54 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 from ppserve.comm.channel import StageChannel
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.info import NodeInfo
+
+if TYPE_CHECKING:  # torch and the worker are imported where the actor builds them (init_distributed)
+    from torch import Tensor
+
+    from ppserve.worker.stage_worker import StageSpec, StageWorker
 
 
 class StageActor:
-    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1, prev_rank: int | None = None,
+    def __init__(self, spec: StageSpec, rank: int = 0, world_size: int = 1, prev_rank: int | None = None,
                  next_rank: int | None = None) -> None:
         self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.prev_rank = prev_rank
         self.next_rank = next_rank
-        self.worker: Any = None
+        self._worker: StageWorker | None = None
         self.inbound: StageChannel | None = None
         self.outbound: StageChannel | None = None
         self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
-        self._conn: Any = None  # the engine's connection (connection control plane)
+        self._conn: Connection | None = None  # the engine's connection (connection control plane)
 
     @classmethod
-    def local(cls, worker: Any, inbound: StageChannel | None, outbound: StageChannel | None) -> StageActor:
+    def local(cls, worker: StageWorker, inbound: StageChannel | None, outbound: StageChannel | None) -> StageActor:
         """An actor body around a worker built in this process, linked by in-memory channels."""
         actor = cls(worker.spec)
-        actor.worker, actor.inbound, actor.outbound = worker, inbound, outbound
+        actor._worker, actor.inbound, actor.outbound = worker, inbound, outbound
         return actor
 
+    @property
+    def worker(self) -> StageWorker:
+        """This actor's StageWorker: built by init_distributed, or handed to `local`."""
+        if self._worker is None:
+            raise RuntimeError(f"stage {self.spec.stage} tp {self.spec.tp_rank}: the actor has no worker yet "
+                               "(init_distributed builds it)")
+        return self._worker
+
     # ---- start-up (Ray) ----------------------------------------------------------------------------
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self) -> NodeInfo:
         import ray
 
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}
+        return NodeInfo(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(),
+                        pid=os.getpid())
 
     def listen_for_store(self, host: str) -> int:
         """Rank 0: bind the TCPStore's socket now, on `host` only, and return its port.
@@ -104,7 +119,8 @@ class StageActor:
             if lo:
                 os.environ["GLOO_SOCKET_IFNAME"] = lo
         # Same store as init_method="tcp://..." (multi-tenant, default timeout), on rank 0's bound socket.
-        store = dist.TCPStore(master, port, self.world_size, is_master=self.rank == 0, multi_tenant=True,
+        # (torch.distributed imports TCPStore from its C extension without re-exporting it in its stubs.)
+        store = dist.TCPStore(master, port, self.world_size, is_master=self.rank == 0, multi_tenant=True,  # type: ignore[attr-defined]
                               timeout=default_pg_timeout,
                               master_listen_fd=self._store_sock.fileno() if self._store_sock else None)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
@@ -114,8 +130,8 @@ class StageActor:
             if self.rank in ranks:
                 my_group = g
         tp = TPContext(rank=self.spec.tp_rank, size=self.spec.tp_size, group=my_group)
-        self.worker = StageWorker(self.spec, tp)
-        device = self.worker.device
+        self._worker = StageWorker(self.spec, tp)
+        device = self._worker.device
         self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
         self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
         self.warm_up_links()
@@ -135,14 +151,13 @@ class StageActor:
                                (0.0,) * (self.spec.stage + 1))
         if self.spec.stage > 0:
             self._receive(1)  # and the TP broadcast that passes it on
-        worker.note_memory("communication warmed up")
+        worker.memory.note("communication warmed up")
 
     def block_size(self) -> int:
         return int(self.worker.block_size)
 
     def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
-        n: int = self.worker.num_blocks_for_memory(kv_cache_memory, gpu_memory_utilization)
-        return n
+        return self.worker.memory.num_blocks(kv_cache_memory, gpu_memory_utilization)
 
     def init_cache(self, num_blocks: int) -> None:
         self.worker.init_cache(num_blocks)
@@ -171,7 +186,7 @@ class StageActor:
         assert result is not None
         return dataclasses.replace(result, stage_seconds=seconds)
 
-    def _receive(self, num_tokens: int) -> tuple[Any, tuple[float, ...]]:
+    def _receive(self, num_tokens: int) -> tuple[Tensor, tuple[float, ...]]:
         """The previous stage's hidden states and stage times. Only TP rank 0 of each stage holds a link
         (one copy per stage pair crosses the network, not one per TP rank); it hands both on to the
         other ranks of its stage with a broadcast over the TP group (NVLink within a node)."""
@@ -195,7 +210,7 @@ class StageActor:
         result = self.execute(out)
         return out.step_id if not self.worker.model.is_last else result
 
-    def serve_connection(self, address: Any, authkey: bytes, index: int) -> None:
+    def serve_connection(self, address: str | tuple[str, int], authkey: bytes, index: int) -> None:
         """Connect to the engine (HMAC-authenticated) and run every SchedulerOutput it sends, in order,
         on a thread of this actor; Ray calls (spans, shutdown) stay served meanwhile."""
         from multiprocessing.connection import Client
@@ -206,7 +221,7 @@ class StageActor:
         self._loop = threading.Thread(target=self._serve, args=(conn,), name="ppserve-stage", daemon=True)
         self._loop.start()
 
-    def _serve(self, conn: Any) -> None:
+    def _serve(self, conn: Connection) -> None:
         while True:
             try:
                 data = conn.recv_bytes()
@@ -214,7 +229,7 @@ class StageActor:
                 return
             out = pickle.loads(data)
             try:
-                reply: tuple[str, Any] | None = None
+                reply: tuple[str, StepResult | str] | None = None
                 result = self.execute(out)
                 if result is not None:
                     reply = ("result", result)
@@ -231,8 +246,7 @@ class StageActor:
 
     # ---- observability and teardown ---------------------------------------------------------------------
     def drain_spans(self) -> list[dict[str, Any]]:
-        spans: list[dict[str, Any]] = self.worker.drain_spans()
-        return spans
+        return self.worker.drain_spans()
 
     def shutdown(self) -> None:
         if self._conn is not None:
