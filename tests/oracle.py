@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 
@@ -71,3 +73,20 @@ def greedy_continuations(model, prompts: list[list[int]], max_new_tokens: int) -
                                max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             outs.append(g[0, len(p):].tolist())
     return outs
+
+
+def random_prompts(seed: int, lengths: Iterable[int], vocab: int = 256) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths (ids from 3 up: clear of the special ones)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def ppserve_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
+                   **llm_kwargs) -> tuple[list[list[int]], int]:
+    """ppserve's greedy output in float32 (exactness is a float32 property), eos ignored, with an engine
+    built from `llm_kwargs` for this call; returns the new tokens of each prompt and the preemptions seen."""
+    from ppserve import LLM, SamplingParams
+
+    with LLM(str(model_dir), dtype="float32", **llm_kwargs) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_new_tokens, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions

@@ -14,8 +14,7 @@ import torch
 from ppserve.engine.llm import LLM
 from ppserve.request import SamplingParams
 from ppserve.worker.decode_graphs import graph_batch_sizes, round_up_to, table_widths
-from tests.model_helpers import hf_model
-from tests.oracle import greedy_continuations
+from tests.oracle import reference_greedy
 
 MAX_NEW = 12
 
@@ -48,7 +47,7 @@ def _generate(model_dir, prompts, **kwargs):
 @pytest.mark.parametrize("max_batch", [3, 64])  # 3: batches above the cap run eagerly, below are padded
 def test_padded_decodes_match_transformers(tiny_llama_dir, max_batch: int) -> None:
     prompts = _prompts(0, 11)
-    expected = greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+    expected = reference_greedy(tiny_llama_dir, prompts, MAX_NEW)
     # block_size 4 and a small cache: tables of many widths, and preemption (recompute) on the way
     got, worker, preemptions = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", cuda_graph_max_batch=max_batch,
                                          block_size=4, num_kv_blocks=60, token_budget=24)
@@ -64,7 +63,7 @@ def test_padded_decodes_on_a_pipeline(ray_session, tiny_llama_dir) -> None:
     with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, cuda_graphs="eager",
              cuda_graph_max_batch=4, block_size=4, token_budget=16) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+    assert [o.token_ids for o in outs] == reference_greedy(tiny_llama_dir, prompts, MAX_NEW)
 
 
 def test_padding_writes_only_the_pad_block(tiny_llama_dir) -> None:
@@ -113,7 +112,7 @@ def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size
     assert worker.graphs is not None and worker.graphs.graphs and worker.graphs.num_runs > 0
     assert graphed == padded
     if dtype == "float32":
-        assert graphed == greedy_continuations(hf_model(tiny_llama_dir), prompts, MAX_NEW)
+        assert graphed == reference_greedy(tiny_llama_dir, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu_paged"])

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppserve import LLM, SamplingParams
-from tests.oracle import default_prompts, reference_greedy
+from tests.oracle import default_prompts, ppserve_greedy, reference_greedy
 
 MAX_NEW = 32
 
@@ -26,9 +25,7 @@ def expected(default_model_dir, prompts):
 
 
 def run(model_dir, prompts, **kwargs):
-    with LLM(str(model_dir), dtype="float32", **kwargs) as llm:  # exactness is a float32 property
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
+    return ppserve_greedy(model_dir, prompts, MAX_NEW, **kwargs)
 
 
 def assert_same(got, expected):

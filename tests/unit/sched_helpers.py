@@ -1,8 +1,10 @@
-"""Small builders for torch-free scheduler tests: make_scheduler, make_request, fake_result, drive."""
+"""Small builders for torch-free scheduler tests: make_scheduler, make_request, fake_result, drive,
+random_scheduler."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import Request, SamplingParams
@@ -49,8 +51,15 @@ def step(s: Scheduler, token: int = 7) -> SchedulerOutput | None:
     return out
 
 
-def drive(s: Scheduler, rng: random.Random, max_steps: int = 100_000, eos_prob: float = 0.0) -> list[SchedulerOutput]:
-    """Run a pipeline of depth s.num_stages to completion, completing microbatches oldest first."""
+def drive(s: Scheduler, rng: random.Random, max_steps: int = 100_000, eos_prob: float = 0.0,
+          cancel_prob: float = 0.0,
+          complete: Callable[[SchedulerOutput, StepResult], object] | None = None) -> list[SchedulerOutput]:
+    """Run a pipeline of depth s.num_stages to completion, completing microbatches oldest first.
+
+    Each sampled token is EOS with probability `eos_prob`; with probability `cancel_prob` a newly formed
+    microbatch has one of its requests cancelled. `complete(done, result)` hands a finished microbatch
+    back (default: s.update_from_output). Invariants are checked after every change.
+    """
     outs: list[SchedulerOutput] = []
     for _ in range(max_steps):
         if not s.has_unfinished:
@@ -58,9 +67,28 @@ def drive(s: Scheduler, rng: random.Random, max_steps: int = 100_000, eos_prob: 
         while (out := s.schedule()) is not None:
             outs.append(out)
             s.check_invariants()
+            if cancel_prob and rng.random() < cancel_prob and out.order:
+                s.cancel(rng.choice(out.order))
+                s.check_invariants()
         assert s.in_flight, "work is left but nothing could be scheduled and nothing is in flight"
         done = s.in_flight[0]
         tokens = {rid: (EOS if rng.random() < eos_prob else 7) for rid in done.sample_request_ids}
-        s.update_from_output(done, StepResult(done.step_id, tokens))
+        (complete or s.update_from_output)(done, StepResult(done.step_id, tokens))
         s.check_invariants()
     raise AssertionError("did not finish")
+
+
+def random_scheduler(rng: random.Random, policy: str = "sarathi", pp: int = 1, **cfg: object) -> Scheduler:
+    """A scheduler of random budget, cache size, block size and sequence cap, with 5-40 random requests
+    (prompts of 1-120 tokens, 1-40 new tokens, eos honoured) added."""
+    s = make_scheduler(policy, token_budget=rng.choice([1, 7, 32, 128]), num_blocks=rng.randint(170, 300),
+                       block_size=rng.choice([1, 4, 16]), pp=pp, max_num_seqs=rng.randint(2, 16), **cfg)
+    for i in range(rng.randint(5, 40)):
+        s.add_request(make_request(f"r{i}", rng.randint(1, 120), max_tokens=rng.randint(1, 40), ignore_eos=False))
+    return s
+
+
+def assert_drained(s: Scheduler) -> None:
+    """Nothing left: no request known, every KV block free."""
+    assert not s.has_unfinished and not s.requests
+    assert s.blocks.num_free == s.blocks.num_blocks

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from itertools import pairwise
 
 import pytest
@@ -31,6 +29,7 @@ from ppserve.metrics.spans import (
     shift,
     write_jsonl,
 )
+from tests.unit.imports import assert_imports_without
 
 
 def compute(stage: int, start: int, end: int, step: int = 0, rank: int = 0, **tags) -> Span:
@@ -341,10 +340,5 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def test_import_pulls_in_no_heavy_dependencies():
-    code = (
-        "import sys, ppserve.metrics, ppserve.metrics.trace, ppserve.metrics.latency; "
-        "bad = [m for m in ('torch', 'ray', 'grpc', 'matplotlib') if m in sys.modules]; "
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_imports_without("ppserve.metrics, ppserve.metrics.trace, ppserve.metrics.latency",
+                           ("torch", "ray", "grpc", "matplotlib"))

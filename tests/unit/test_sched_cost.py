@@ -19,7 +19,7 @@ from ppserve.sched.budget import (
 )
 from ppserve.sched.cost import BatchShape, LinearStepCost, attention_keys
 from ppserve.sim import SimConfig, WorkloadRequest, simulate
-from tests.unit.sched_helpers import EOS, make_request, make_scheduler
+from tests.unit.sched_helpers import assert_drained, drive, make_request, make_scheduler, random_scheduler
 
 TRUE = (2e-3, 40e-6, 3e-9, 20e-9)  # a, b per token, c per prefill key, d per decode key
 
@@ -155,28 +155,18 @@ def test_random_traces_hold_invariants_with_new_modes(mode, pp):
         rng = random.Random(seed * 17 + pp)
         kw = dict(budget_mode="time") if mode == "time" else dict(tbt_slo_ms=rng.choice([0.5, 5.0, 50.0]),
                                                                       max_token_budget=256)
-        s = make_scheduler("sarathi", token_budget=rng.choice([1, 7, 32, 128]), num_blocks=rng.randint(170, 300),
-                           block_size=rng.choice([1, 4, 16]), pp=pp, max_num_seqs=rng.randint(2, 16), **kw)
+        s = random_scheduler(rng, "sarathi", pp, **kw)
         clock = [0.0]
         s.clock = lambda clock=clock: clock[0]
-        for i in range(rng.randint(5, 40)):
-            s.add_request(make_request(f"r{i}", rng.randint(1, 120), max_tokens=rng.randint(1, 40), ignore_eos=False))
-        for _ in range(100_000):
-            if not s.has_unfinished:
-                break
-            while (out := s.schedule()) is not None:
-                s.check_invariants()
-                if rng.random() < 0.02 and out.order:
-                    s.cancel(rng.choice(out.order))
-            done = s.in_flight[0]
-            secs = true_time(done.chunks())
+
+        def complete(done, result, s=s, clock=clock):
+            secs = true_time(done.chunks())  # on a clock that advances by the stages' true time
             clock[0] += secs
-            toks = {rid: (EOS if rng.random() < 0.05 else 7) for rid in done.sample_request_ids}
-            s.update_from_output(done, StepResult(done.step_id, toks))
+            s.update_from_output(done, result)
             s.observe_step(done, [secs * 0.9, secs])
-            s.check_invariants()
-        assert not s.has_unfinished and not s.requests
-        assert s.blocks.num_free == s.blocks.num_blocks
+
+        drive(s, rng, eos_prob=0.05, cancel_prob=0.02, complete=complete)
+        assert_drained(s)
 
 
 # --- the TBT controller on a synthetic latency model, through the simulator ---------------------

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 
 import pytest
 
 from ppserve.request import FinishReason, RequestStatus, SamplingParams
 from ppserve.sched import StepResult
-from tests.unit.sched_helpers import EOS, drive, fake_result, make_request, make_scheduler, step
+from tests.unit.imports import assert_imports_without
+from tests.unit.sched_helpers import (
+    EOS,
+    assert_drained,
+    drive,
+    fake_result,
+    make_request,
+    make_scheduler,
+    random_scheduler,
+    step,
+)
 
 
 def composition(out):
@@ -260,38 +268,13 @@ def test_add_request_rejections():
 def test_random_traces_hold_invariants(policy, pp):
     for seed in range(5):
         rng = random.Random(seed * 31 + pp)
-        s = make_scheduler(policy, token_budget=rng.choice([1, 7, 32, 128]), num_blocks=rng.randint(170, 300),
-                           block_size=rng.choice([1, 4, 16]), pp=pp, max_num_seqs=rng.randint(2, 16))
-        n = rng.randint(5, 40)
-        for i in range(n):
-            s.add_request(make_request(f"r{i}", rng.randint(1, 120), max_tokens=rng.randint(1, 40), ignore_eos=False))
-        finished = {}
-        for _ in range(100_000):
-            if not s.has_unfinished:
-                break
-            while (out := s.schedule()) is not None:
-                s.check_invariants()
-                if rng.random() < 0.02 and out.order:
-                    s.cancel(rng.choice(out.order))
-                    s.check_invariants()
-            done = s.in_flight[0]
-            toks = {rid: (EOS if rng.random() < 0.05 else 7) for rid in done.sample_request_ids}
-            for u in s.update_from_output(done, StepResult(done.step_id, toks)):
-                if u.finished:
-                    finished[u.request_id] = u.finish_reason
-            s.check_invariants()
-        assert not s.has_unfinished
-        assert s.blocks.num_free == s.blocks.num_blocks
-        assert not s.requests
+        s = random_scheduler(rng, policy, pp)
+        drive(s, rng, eos_prob=0.05, cancel_prob=0.02)
+        assert_drained(s)
 
 
 def test_sched_imports_no_torch_ray_grpc():
-    code = (
-        "import sys, ppserve.sched, ppserve.config, ppserve.request\n"
-        "bad = [m for m in ('torch', 'ray', 'grpc') if m in sys.modules]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_without("ppserve.sched, ppserve.config, ppserve.request", ("torch", "ray", "grpc"))
 
 
 def test_request_status_after_finish():

@@ -15,6 +15,18 @@ def _fill_pipeline(s):
     return outs
 
 
+def _run_then_fill(s, rounds: int, check: bool = False) -> None:
+    """`rounds` times: fill the pipeline, complete its oldest microbatch; then fill it once more, so that
+    requests hold output tokens and microbatches are left in flight."""
+    for _ in range(rounds):
+        _fill_pipeline(s)
+        done = s.in_flight[0]
+        s.update_from_output(done, fake_result(done, 7))
+        if check:
+            s.check_invariants()
+    _fill_pipeline(s)
+
+
 def test_requeue_clears_in_flight_frees_blocks_and_keeps_outputs():
     s = make_scheduler(token_budget=16, pp=2, block_size=4)
     reqs = [make_request(f"r{i}", 10 + i, max_tokens=20) for i in range(4)]
@@ -22,12 +34,7 @@ def test_requeue_clears_in_flight_frees_blocks_and_keeps_outputs():
         r.arrival_time = float(i)
         s.add_request(r)
     # Run a while so some requests decode and hold output tokens, then leave microbatches in flight.
-    for _ in range(6):
-        _fill_pipeline(s)
-        done = s.in_flight[0]
-        s.update_from_output(done, fake_result(done, 7))
-        s.check_invariants()
-    _fill_pipeline(s)
+    _run_then_fill(s, 6, check=True)
     assert s.in_flight and s.blocks.num_used > 0
     outputs_before = {r.request_id: list(r.output_token_ids) for r in reqs}
     assert any(outputs_before.values())
@@ -52,11 +59,7 @@ def test_requeued_requests_are_resent_in_full_and_finish():
         r = make_request(f"r{i}", 5 + 3 * i, max_tokens=6)
         r.arrival_time = float(i)
         s.add_request(r)
-    for _ in range(4):
-        _fill_pipeline(s)
-        done = s.in_flight[0]
-        s.update_from_output(done, fake_result(done, 7))
-    _fill_pipeline(s)
+    _run_then_fill(s, 4)
     s.requeue_all_for_recompute()
     out = s.schedule()
     assert out is not None

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -31,6 +29,7 @@ from ppserve.sim import (
 )
 from ppserve.sim.cost_model import StageFit
 from ppserve.sim.workload import clip_to_context, fixed_ratio, uniform_lengths, zipf_lengths
+from tests.unit.imports import assert_imports_without
 
 MS = 1_000_000
 
@@ -290,12 +289,8 @@ def test_synthetic_lengths():
 
 
 def test_sim_imports_no_torch():
-    code = (
-        "import sys, ppserve.sim, ppserve.sim.cli, ppserve.sim.reproduce_sarathi\n"
-        "bad = [m for m in ('torch', 'ray', 'grpc', 'matplotlib') if m in sys.modules]\n"
-        "assert not bad, bad\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_without("ppserve.sim, ppserve.sim.cli, ppserve.sim.reproduce_sarathi",
+                           ("torch", "ray", "grpc", "matplotlib"))
 
 
 def test_simulate_cli_and_profile_round_trip(tmp_path, capsys):
