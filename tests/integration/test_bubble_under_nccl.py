@@ -7,11 +7,13 @@ that behaviour under `TorchP2PChannel` on CPU: a fake `irecv` whose work handle 
 "stream" whose data lands `DELAY_S` after the receive is posted, and a stage whose compute first
 touches the data (and so waits for it, as a kernel would). The channel's `_data_ready` (a stream
 synchronize on CUDA) is what moves the wait back into `recv_wait`.
+
+Time here is a fake clock that only the model advances (the transfer, the stage's own work), so every
+span length is exact and the figures do not depend on how loaded the machine is.
 """
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,14 +33,32 @@ PREPARE_S = 0.005  # building the step's inputs, before the receive is posted
 STEPS = 4
 
 
-class FakeStream:
-    """When the data lands; `synchronize` blocks until then (a kernel reading it would too)."""
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+class FakeClock:
+    """Nanoseconds that pass only when the model spends them (`spend`); the stage's spans read it."""
 
     def __init__(self) -> None:
-        self.lands_at = 0.0
+        self.now_ns = 0
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def spend(self, ns: int) -> None:
+        self.now_ns += max(0, ns)
+
+
+class FakeStream:
+    """When the data lands; `synchronize` waits until then (a kernel reading it would too)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.lands_at_ns = 0
 
     def synchronize(self) -> None:
-        time.sleep(max(0.0, self.lands_at - time.perf_counter()))
+        self.clock.spend(self.lands_at_ns - self.clock.now_ns)
 
 
 class FakeWork:
@@ -52,7 +72,7 @@ class TouchingWorker:
 
     def __init__(self, stream: FakeStream) -> None:
         self.stream = stream
-        self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True)
+        self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True, clock=stream.clock)
         self.arch = SimpleNamespace(hidden_size=8)
         self.dtype = torch.float32
         self.device = torch.device("cpu")
@@ -65,20 +85,20 @@ class TouchingWorker:
 
     def prepare(self, out: Any) -> None:
         with self.recorder.span("prepare", out.step_id):
-            time.sleep(PREPARE_S)  # host work on the step's inputs
+            self.stream.clock.spend(_ns(PREPARE_S))  # host work on the step's inputs
 
     def execute(self, out: Any, hidden_in: torch.Tensor, inp: None = None) -> tuple[torch.Tensor, None, float]:
         with self.recorder.span("compute", out.step_id):
             self.stream.synchronize()  # the first read of the received tensor
-            time.sleep(COMPUTE_S)
+            self.stream.clock.spend(_ns(COMPUTE_S))
         return hidden_in, None, COMPUTE_S
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, data_ready: bool) -> list[Span]:
-    stream = FakeStream()
+    stream = FakeStream(FakeClock())
 
     def fake_irecv(tensor: torch.Tensor, src: int) -> FakeWork:
-        stream.lands_at = time.perf_counter() + DELAY_S
+        stream.lands_at_ns = stream.clock.now_ns + _ns(DELAY_S)
         return FakeWork()
 
     monkeypatch.setattr(p2p.dist, "irecv", fake_irecv)
@@ -101,13 +121,14 @@ def _busy_and_wait(spans: list[Span]) -> tuple[float, float]:
 
 
 def test_the_wait_for_the_data_is_booked_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    compute, wait = _busy_and_wait(_run(monkeypatch, data_ready=True))
-    assert compute == pytest.approx(COMPUTE_S, abs=0.015)
-    assert wait >= DELAY_S * 0.9
     spans = _run(monkeypatch, data_ready=True)
+    compute, wait = _busy_and_wait(spans)
+    assert compute == pytest.approx(COMPUTE_S, abs=1e-9)
+    assert wait == pytest.approx(DELAY_S, abs=1e-9)
     work = [(spans[0].start_ns, spans[-1].end_ns)]  # the engine had work throughout
     stage = bubble_report(spans, work).stages[0]
-    assert stage.bubble_fraction > 0.6  # 80 ms of every 100 ms is waiting for the previous stage
+    # 80 ms of every 105 ms is waiting for the previous stage
+    assert stage.bubble_fraction == pytest.approx(DELAY_S / (PREPARE_S + DELAY_S + COMPUTE_S), abs=1e-6)
 
 
 def test_inputs_are_prepared_before_the_wait_and_count_as_busy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,10 +142,11 @@ def test_inputs_are_prepared_before_the_wait_and_count_as_busy(monkeypatch: pyte
     stage = bubble_report(spans, work).stages[0]
     prepare = sum(s.end_ns - s.start_ns for s in spans if s.kind == "prepare")
     compute = sum(s.end_ns - s.start_ns for s in spans if s.kind == "compute")
-    assert stage.busy_fraction == pytest.approx((prepare + compute) / (work[0][1] - work[0][0]), abs=0.02)
+    assert prepare == STEPS * _ns(PREPARE_S) and compute == STEPS * _ns(COMPUTE_S)
+    assert stage.busy_fraction == pytest.approx((prepare + compute) / (work[0][1] - work[0][0]), abs=1e-6)
 
 
 def test_trusting_the_work_handle_would_book_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     """The failure the channel prevents, shown by the same model: the transfer lands in compute."""
     compute, wait = _busy_and_wait(_run(monkeypatch, data_ready=False))
-    assert wait < 0.01 and compute >= DELAY_S * 0.9
+    assert wait == 0 and compute == pytest.approx(DELAY_S + COMPUTE_S, abs=1e-9)

@@ -4,7 +4,7 @@ counts the prepacked primitive run padded to 64 rows)."""
 
 from __future__ import annotations
 
-import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,15 +19,17 @@ def fresh_choices(monkeypatch):
     monkeypatch.delenv("PPSERVE_LINEAR_PATH", raising=False)
 
 
-def _sleeper(seconds: float):
-    def fn() -> torch.Tensor:
-        time.sleep(seconds)
-        return torch.zeros(1)
-    return fn
+def test_the_fastest_path_wins_and_is_remembered_per_shape(monkeypatch) -> None:
+    now = [0.0]  # the timer fastest_path reads: it moves only when a candidate "runs"
+    monkeypatch.setattr(gemm, "time", SimpleNamespace(perf_counter=lambda: now[0]))
 
+    def candidate(seconds: float):
+        def fn() -> torch.Tensor:
+            now[0] += seconds
+            return torch.zeros(1)
+        return fn
 
-def test_the_fastest_path_wins_and_is_remembered_per_shape() -> None:
-    slow, fast = _sleeper(0.004), _sleeper(0.0)
+    slow, fast = candidate(0.004), candidate(0.0)
     small, big = (8, 4, 32), (8, 4, 64)
     assert fastest_path(small, lambda: {("packed", 32): slow, ("plain", 32): slow, ("packed", 64): fast}) == ("packed", 64)
     assert fastest_path(big, lambda: {("packed", 64): fast, ("plain", 64): slow}) == ("packed", 64)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +41,7 @@ def chat_ids(model_dir: Path) -> list[int]:
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def test_default_model_converts_once(model_dir: Path, cache_dir: Path) -> None:
+def test_default_model_converts_once(model_dir: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert model_dir.parent == cache_dir
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file(), name
@@ -51,9 +50,11 @@ def test_default_model_converts_once(model_dir: Path, cache_dir: Path) -> None:
     arch = describe_model(cfg)
     assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert arch.tie_word_embeddings and arch.rope_theta == 100000.0 and arch.eos_token_ids == (2,)
-    start = time.monotonic()
+    def no_second_conversion(*args: object) -> None:
+        raise AssertionError("the cached conversion was written again")
+
+    monkeypatch.setattr(loader, "_write_hf_dir", no_second_conversion)
     assert resolve_model(None, cache_dir) == model_dir  # cached: no second conversion
-    assert time.monotonic() - start < 1.0
     assert resolve_model(str(model_dir)) == model_dir  # a directory is used as is
     assert not list(cache_dir.glob(".converting-*"))
 

@@ -10,15 +10,15 @@ import pytest
 from ppserve import LLM, SamplingParams
 from ppserve.metrics.bubbles import bubble_report
 from ppserve.metrics.trace import load_chrome_trace, validate_chrome_trace
-from tests.oracle import reference_greedy
+from tests.bench_scripts import load_benchmark
+from tests.oracle import ppserve_greedy, random_prompts, reference_greedy
 
 MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 5, 17, 33, 64, 90)]
+    return random_prompts(0, (1, 5, 17, 33, 64, 90))
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +27,7 @@ def expected(tiny_llama_dir, prompts):
 
 
 def generate(model_dir, prompts, **kwargs):
-    with LLM(str(model_dir), dtype="float32", **kwargs) as llm:  # exactness is a float32 property
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
+    return ppserve_greedy(model_dir, prompts, MAX_NEW, **kwargs)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 3])
@@ -70,19 +68,18 @@ def test_stage_times_reach_the_scheduler_under_ray(ray_session, tiny_llama_dir, 
 
 
 def test_tbt_target_learns_under_ray(ray_session, tiny_llama_dir):
-    """scheduler.tbt_slo_ms on a Ray pipeline: the controller's cost model calibrates from the stages'
-    own times and the p99 time between tokens stays under the target."""
-    target_ms = 250.0
-    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, token_budget=64, block_size=4,
-             max_num_seqs=16, overrides=[f"scheduler.tbt_slo_ms={target_ms}", "scheduler.max_token_budget=256"]) as llm:
-        ids = [[(7 * i + 3 * j) % 250 + 3 for j in range(40 + 9 * i)] for i in range(16)]
-        outs = llm.generate(ids, SamplingParams(max_tokens=40, ignore_eos=True))
-        mode = llm.engine.scheduler.budget_mode
-    gaps = sorted(b - a for o in outs for a, b in zip(o.token_times, o.token_times[1:], strict=False))
-    p99 = gaps[int(0.99 * (len(gaps) - 1))]
-    assert mode.cost.calibrated and mode.cost.num_samples > 20
-    assert mode.cost.coefficients != mode.cost.prior
-    assert p99 <= target_ms * 1e-3, p99
+    """scheduler.tbt_slo_ms on a Ray pipeline: the controller's cost model calibrates from the stages' own
+    times, and the adaptive budget changes nothing in the tokens. This runs the workload of
+    benchmarks/bench_tbt_target.py, whose figure is whether the p99 time between tokens meets the target
+    (a property of the machine); the controller's steering on a deterministic clock is tested in
+    tests/unit/test_sched_cost.py."""
+    bench = load_benchmark("bench_tbt_target")
+    fig = bench.run_tbt(str(tiny_llama_dir), pp=2, target_ms=250.0, num_requests=16, max_tokens=40)
+    print("\n" + bench.report(fig))
+    assert fig["cost_calibrated"] and fig["cost_num_samples"] > 20
+    assert fig["cost_coefficients"] != fig["cost_prior"]
+    assert fig["num_gaps"] == 16 * 39  # every token came with its time
+    assert fig["tokens"] == reference_greedy(tiny_llama_dir, bench.workload(16), 40)
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ def test_a_slow_start_up_step_names_the_setting(ray_session):
         return 1
 
     ref = slow.remote()
-    t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match=r"loading weights took longer than parallel\.startup_timeout_s=0\.2 s"):
         executor._startup_get([ref], "loading weights")
-    assert time.perf_counter() - t0 < 10
+    ready, _ = ray.wait([ref], timeout=0)
+    assert not ready  # the bound gave up on the step: it did not wait for the step to end
     ray.cancel(ref, force=True)
