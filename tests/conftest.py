@@ -58,8 +58,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    """SmolLM2-135M-Instruct converted once into the user cache (tests share it)."""
-    from ppserve.model.loader import resolve_model
+def default_model_conversion() -> tuple[Path, bool]:
+    """SmolLM2-135M-Instruct converted once into the user cache (tests share it), and whether this session
+    made that conversion (a cold cache, as on a fresh install): then it is this checkout's code's own
+    output, which tests/integration/test_loader.py checks instead of converting a second time."""
+    from ppserve.model.loader import default_cache_dir, resolve_model
 
-    return resolve_model(None)
+    cache = default_cache_dir()
+    before = set(cache.iterdir()) if cache.is_dir() else set()
+    path = resolve_model(None)
+    return path, path not in before
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(default_model_conversion: tuple[Path, bool]) -> Path:
+    """SmolLM2-135M-Instruct converted once into the user cache (tests share it)."""
+    return default_model_conversion[0]

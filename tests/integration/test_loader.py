@@ -23,13 +23,26 @@ from tests.model_helpers import PagedRunner, hf_logits, hf_model
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ppserve-cache")
+def conversion(default_model_conversion: tuple[Path, bool], tmp_path_factory: pytest.TempPathFactory,
+               ) -> tuple[Path, Path]:
+    """(cache dir, model dir) of a one-time GGUF conversion made by this checkout's code in this session:
+    the session's own when it just converted into a cold user cache (a fresh install), else a conversion
+    into a new directory (~35 s on 2 cores). An older conversion in the user cache is never what is checked."""
+    model_dir, converted_now = default_model_conversion
+    if converted_now:
+        return model_dir.parent, model_dir
+    cache = tmp_path_factory.mktemp("ppserve-cache")
+    return cache, resolve_model(None, cache)
 
 
 @pytest.fixture(scope="module")
-def model_dir(cache_dir: Path) -> Path:
-    return resolve_model(None, cache_dir)  # the one-time GGUF conversion (~35 s on 2 cores)
+def cache_dir(conversion: tuple[Path, Path]) -> Path:
+    return conversion[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(conversion: tuple[Path, Path]) -> Path:
+    return conversion[1]
 
 
 @pytest.fixture(scope="module")
