@@ -12,9 +12,14 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   slots and 9 decodes give 3, 2, 2, 2 rather than 3, 3, 3 and an idle stage.
 - **Fair share.** The microbatch is filled to an equal part of the work in reach: (work in flight +
   work schedulable now) / p, never more than the budget (tokens, or predicted seconds where a cost
-  model prices the step). Under load the share is the budget itself (plain Sarathi-Serve); with little
-  work, a lone prompt is cut into p chunks that follow each other down the pipeline instead of one
-  chunk that visits the stages one at a time. `scheduler.balance_rounds` = k shares the work among
+  model prices the step). Saturated, the share is the budget itself (plain Sarathi-Serve): the work in
+  reach fills every share, or requests wait beyond the free seats (then `max_num_seqs`, not demand,
+  bounds what is in reach, and a smaller budget would only cut throughput). With little work, a lone
+  prompt is cut into p chunks that follow each other down the pipeline instead of one chunk that
+  visits the stages one at a time. A chunk that follows its prompt's in-flight chunk takes only the
+  budget the other work leaves: ranked with the other prefills, one prompt's chunks took the prefill
+  part of consecutive microbatches, and its short last chunk (next to a sequence cap full of decodes)
+  left every few microbatches short of the budget, which a saturated pipeline pays as bubbles. `scheduler.balance_rounds` = k shares the work among
   k rounds (k * p microbatches): consecutive microbatches then differ less when prompts arrive in
   bursts (a pipeline idles about (p - 1) * |T_k - T_k+1| at each change of microbatch time), at the
   price of cutting a prompt into more chunks, which lengthens its TTFT.

@@ -48,13 +48,20 @@ class BatchBuilder:
         self.decode_quota: int | None = None
         # One pass over the running requests. A request whose every known token is scheduled waits for
         # its next token. One with known tokens left may take them now if it is in no in-flight
-        # microbatch, or, with `pipeline_chunks`, behind its own in-flight prefill chunk: stages run
-        # microbatches in order, so the earlier chunk's KV is written before the next one reads it.
+        # microbatch. With `pipeline_chunks`, a prompt whose previous chunk is still in flight may also
+        # send its next chunk behind it (stages run microbatches in order, so the earlier chunk's KV is
+        # written before the next one reads it); such a *following* chunk is kept apart, because a
+        # policy gives it only what is left once everything else has been served (see SarathiPolicy).
         self.decodes: list[Request] = []  # one known token left: a decode (or a prompt's last token)
         self.prefills: list[Request] = []  # more than one: a prefill (or a recompute) under way
+        self.following: list[Request] = []  # a prompt's next chunk behind its own in-flight chunk
         for req in running.values():
             left = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
-            if left == 0 or (req.num_in_flight and not pipeline_chunks):
+            if left == 0:
+                continue
+            if req.num_in_flight:
+                if pipeline_chunks:
+                    self.following.append(req)
                 continue
             (self.decodes if left == 1 else self.prefills).append(req)
 
@@ -64,8 +71,16 @@ class BatchBuilder:
         return len(self._running)
 
     def schedulable_running(self, decodes: bool) -> Iterator[Request]:
-        """Running requests that may take tokens now and are not in this batch yet: decodes, or prefills."""
-        for req in self.decodes if decodes else self.prefills:
+        """Running requests that may take tokens now and are not in this batch yet: decodes, or prefills
+        (not in flight)."""
+        yield from self._schedulable(self.decodes if decodes else self.prefills)
+
+    def schedulable_following(self) -> Iterator[Request]:
+        """Prompts whose next chunk may follow their in-flight chunk down the pipeline (`pipeline_chunks`)."""
+        yield from self._schedulable(self.following)
+
+    def _schedulable(self, reqs: list[Request]) -> Iterator[Request]:
+        for req in reqs:
             if req.status is _RUNNING and req.request_id not in self.chosen:
                 yield req
 

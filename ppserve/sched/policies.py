@@ -34,10 +34,12 @@ class SarathiPolicy:
     """Stall-free batching: decodes first, then unfinished prefill chunks, then new requests (FCFS),
     chunking prefills so the microbatch holds exactly its budget of tokens when work allows.
 
-    Balanced (the default with a pipeline): the decodes are spread over the in-flight microbatches and
-    the budget is a fair share of the work in reach (`ppserve.sched.balance`), so consecutive
-    microbatches cost the same on every stage; a decode left out by its quota goes first in the next
-    microbatch, and no decode ever waits behind a prefill."""
+    Balanced (the default with a pipeline): while the pipeline has slack, the decodes are spread over
+    the in-flight microbatches and the budget is a fair share of the work in reach
+    (`ppserve.sched.balance`), so consecutive microbatches cost the same on every stage; a decode left
+    out by its quota goes first in the next microbatch, and no decode ever waits behind a prefill. A
+    prompt's next chunk may follow its in-flight chunk, with whatever budget is left last. Saturated,
+    it is plain Sarathi-Serve (the scheduler sets no quota and no share)."""
 
     name = "sarathi"
     token_budgeted = True
@@ -59,6 +61,15 @@ class SarathiPolicy:
             n = b.budget.chunk(head.num_uncomputed_tokens, head.num_computed_tokens)
             if n == 0 or not b.admit(head, n):
                 break
+        # Phase 3 (balanced only): what is left goes to prompts whose previous chunk is still in flight.
+        # Last, not with the other prefills: given the same rank, one prompt's chunks would take the
+        # prefill part of consecutive microbatches, and its short last chunk (with the per-microbatch
+        # sequence cap full of decodes) would leave every few microbatches short of the budget.
+        for req in b.schedulable_following():
+            n = b.budget.chunk(req.num_uncomputed_tokens, req.num_computed_tokens)
+            if n == 0:
+                break
+            b.add(req, n, may_preempt=True)
 
 
 class VllmPolicy:

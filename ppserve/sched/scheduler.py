@@ -10,10 +10,11 @@ tokens each computes; for `sarathi` that is: every schedulable decode first (one
 stalled by a prefill), then the prefill chunks already under way, then new requests in arrival
 order, chunked so the microbatch holds exactly its budget. With a pipeline (p = num_stages > 1) the
 formation is *balanced* (`ppserve.sched.balance`): the decodes are spread over the in-flight
-microbatches, about 1/p of all decoding requests each, those in flight counted; the budget shrinks to
-a fair share of the work in reach, (in flight + schedulable) / p, in tokens or, where a cost model
-prices steps, in predicted seconds; and a prompt's next chunk may join the next microbatch while its
-previous chunk is still in flight. So the pipeline holds p microbatches whenever there are p units of
+microbatches, about 1/p of all decoding requests each, those in flight counted; while the pipeline
+has slack, the budget shrinks to a fair share of the work in reach, (in flight + schedulable) / p, in
+tokens or, where a cost model prices steps, in predicted seconds (saturated, it stays whole: plain
+Sarathi-Serve); and a prompt's next chunk may join the next microbatch while its previous chunk is
+still in flight, with the budget the other work leaves. So the pipeline holds p microbatches whenever there are p units of
 work, and consecutive microbatches cost the same on every stage. The other policies keep their own
 rules (the baselines are measured as they are).
 
@@ -205,11 +206,21 @@ class Scheduler:
         return self._emit(b)
 
     def _balance(self, b: BatchBuilder) -> None:
-        """Give the builder its decode quota and shrink its budget to a fair share (sched/balance.py)."""
+        """Give the builder its decode quota, and shrink its budget to a fair share (sched/balance.py)
+        unless the pipeline is saturated: then the budget stays whole, as in plain Sarathi-Serve.
+
+        Saturated means the work in reach fills every share to the budget, or requests wait beyond the
+        free seats (`max_num_seqs` bounds the work then, not demand: new work joins as seats free, so a
+        budget shrunk to what the seats hold would only cut throughput). The quota applies either way:
+        it only moves a decode to the next microbatch when its group is over ~1/p of the decodes,
+        which keeps the decode groups even where plain Sarathi-Serve would leave them as they fell."""
         stages = self.num_stages
         num_ready = len(b.decodes)
         awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight)  # decode next once back
         b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, stages - len(self.in_flight))
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) > seats:
+            return
         budget = b.budget
         cap = budget.token_budget
         assert cap is not None, "a balanced policy has a token budget"
@@ -235,9 +246,10 @@ class Scheduler:
         budget.limit(math.ceil(fair_share(tokens, shares, cap)))
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
-        """Prefills under way, then the waiting requests that could take the free seats (arrival order)."""
+        """Prefills under way (in flight or not), then the waiting requests that could take the free
+        seats (arrival order)."""
         seats = max(0, self.config.max_num_seqs - len(self.running))
-        return b.prefills + list(itertools.islice(self.waiting, seats))
+        return b.prefills + b.following + list(itertools.islice(self.waiting, seats))
 
     def _emit(self, b: BatchBuilder) -> SchedulerOutput:
         new: list[NewRequestData] = []

@@ -182,3 +182,17 @@ def test_baselines_keep_one_microbatch_per_request(policy):
         s.add_request(make_request(f"r{i}", 16, max_tokens=50))
     depths, _ = run(s, 60)
     assert all(d == 1 for d, _ in depths[5:])  # all eight ride in one microbatch: the unbalanced pipeline
+
+
+@pytest.mark.parametrize("waiting_beyond_seats", [False, True])
+def test_requests_waiting_for_seats_keep_the_budget_whole(waiting_beyond_seats):
+    """The fair share shrinks a microbatch only while the pipeline has slack. Requests waiting beyond
+    the free seats mean it has none (max_num_seqs bounds the work in reach, not demand): the budget
+    stays whole, as in plain Sarathi-Serve."""
+    s = make_scheduler("sarathi", token_budget=64, pp=4, max_num_seqs=1)
+    s.add_request(make_request("a", 70, max_tokens=4))
+    if waiting_beyond_seats:
+        s.add_request(make_request("b", 70, max_tokens=4))
+    first = s.schedule()
+    assert first is not None and first.chunks() == [(64 if waiting_beyond_seats else math.ceil(70 / 4), 0)]
+    s.check_invariants()

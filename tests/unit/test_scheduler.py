@@ -160,25 +160,38 @@ def test_pipeline_in_flight_bound_and_membership_unbalanced():
 def test_prompt_chunks_follow_each_other_down_the_pipeline():
     s = make_scheduler("sarathi", token_budget=6, pp=3)
     s.add_request(make_request("a", 20, max_tokens=3))
-    s.add_request(make_request("b", 4, max_tokens=3))
     outs = [s.schedule() for _ in range(3)]
-    # a's chunks ride in consecutive in-flight microbatches (stages run them in order); FCFS keeps b waiting.
+    # A lone prompt's chunks ride in consecutive in-flight microbatches (stages run them in order).
     assert [composition(o) for o in outs] == [{"a": 6}, {"a": 6}, {"a": 6}]
     assert [o.num_computed_tokens for o in outs] == [(0,), (6,), (12,)]
     assert all(not o.sample_request_ids for o in outs)  # only the last chunk samples
     assert s.requests["a"].num_in_flight == 3
     s.check_invariants()
     assert s.schedule() is None  # three in flight: the pipeline is full
+    s.add_request(make_request("b", 4, max_tokens=3))
     s.update_from_output(outs[0], fake_result(outs[0]))
     o4 = s.schedule()
     assert composition(o4) == {"a": 2, "b": 4}  # a's last chunk samples; b fills the budget
-    assert o4.sample_request_ids == ("a", "b")
+    assert set(o4.sample_request_ids) == {"a", "b"}
     for o in (outs[1], outs[2]):
         s.update_from_output(o, fake_result(o))
     assert s.schedule() is None  # a and b wait for their first token
     s.check_invariants()
     with pytest.raises(AssertionError):
         s.update_from_output(o4, StepResult(o4.step_id, {}))  # no token came back for a and b
+
+
+def test_a_following_chunk_takes_only_what_the_others_leave():
+    """A prompt's next chunk behind its in-flight one comes last: a waiting request is admitted first,
+    so under load one prompt's chunks do not take the prefill part of consecutive microbatches."""
+    s = make_scheduler("sarathi", token_budget=6, pp=3)
+    s.add_request(make_request("a", 20, max_tokens=3))
+    s.add_request(make_request("b", 4, max_tokens=3))
+    outs = [s.schedule() for _ in range(3)]
+    assert [composition(o) for o in outs] == [{"a": 6}, {"b": 4, "a": 2}, {"a": 6}]
+    assert [o.num_computed_tokens for o in outs] == [(0,), (0, 6), (8,)]
+    assert [o.sample_request_ids for o in outs] == [(), ("b",), ()]
+    s.check_invariants()
 
 
 def test_preemption_by_recompute_keeps_tokens():
