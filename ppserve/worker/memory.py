@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ class StageMemory:
         self.profile_tokens, self.profile_seqs = profile_tokens, profile_seqs
         self.stage, self.tp_rank = stage, tp_rank
         self.log: list[dict[str, Any]] = []  # note()'s figures, one per start-up phase
+        self.warm = False  # the largest microbatch has run once (profiled or warmed up)
 
     def kv_bytes_per_block(self) -> int:
         per_layer = kv_cache_bytes_per_block(
@@ -153,12 +155,24 @@ class StageMemory:
                 sample(logits, [SamplingParams(temperature=1.0, top_p=0.9, logprobs=5)] * seqs, [0] * seqs)
                 del logits
         del hidden, cache
+        self.warm = True
         if not cuda:
             return 0
         torch.cuda.synchronize(device)
         peak = int(torch.cuda.max_memory_allocated(device) - base)
         torch.cuda.empty_cache()
         return max(0, peak)
+
+    def warm_up(self) -> float:
+        """Run the largest microbatch once, unless KV sizing already did (the GPU profile), and return its
+        seconds. A stage's first forward pays for kernel builds, primitive creation and allocator growth
+        (~0.3 s per stage on CPU for the default model); paid at start-up, it does not stall the
+        pipeline behind the first real microbatch."""
+        if self.warm:
+            return 0.0
+        t0 = time.perf_counter()
+        self.profile_peak_bytes()
+        return time.perf_counter() - t0
 
     def note(self, phase: str, **facts: float) -> dict[str, Any]:
         """Record (and log) the memory figures at a start-up phase, with what else the phase measured

@@ -161,6 +161,8 @@ class StageWorker:
                     num_blocks * self.memory.kv_bytes_per_block() / GiB, self.kv_dtype)
         self.memory.note("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
                          kv_gib=num_blocks * self.memory.kv_bytes_per_block() / GiB)
+        if not self.memory.warm:
+            self.memory.note("warmed up", warm_up_s=self.memory.warm_up())
         if self.graphs is not None and mode == "capture":
             seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
             self.memory.note("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
