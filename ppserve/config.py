@@ -63,10 +63,11 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1  # stages; one Ray actor per (stage, tp rank)
     tensor_parallel_size: int = 1  # ranks per stage
     layer_partition: tuple[int, ...] | None = None  # explicit layers per stage, e.g. [14, 16]
-    # even | cost (prices the LM head as if every token got logits) | calibrated (per-layer and LM-head
-    # costs measured from the stages' own compute times: read from partition_profile, else a short
-    # calibration run at start-up on the configured budget, saved there when a path is given)
-    partition_mode: str = "even"
+    # cost (the default: prices the LM head as if every token got logits, as decode-heavy serving does,
+    # so the head's stage holds fewer layers) | even | calibrated (per-layer and LM-head costs measured
+    # from the stages' own compute times: read from partition_profile, else a short calibration run at
+    # start-up on the configured budget, saved there when a path is given)
+    partition_mode: str = "cost"
     partition_profile: str | None = None  # JSON of measured stage costs (partition_mode: calibrated)
     executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc (every stage in this process, tp 1) | ray
     ray_address: str | None = None  # None starts an embedded local Ray; "auto" or host:port attaches

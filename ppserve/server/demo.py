@@ -38,7 +38,7 @@ def add_parser(sub: Any) -> None:
         "demo", help="run a PP=2 pipeline, serve it over gRPC, stream concurrent requests, report"
     )
     add_config_arguments(
-        p, set_help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests, cost-aware partition)"
+        p, set_help="override a config value (demo defaults: pp=2, max_num_seqs=--num-requests)"
     )
     p.add_argument("--num-requests", type=int, default=8, help="concurrent chat requests (prompts repeat)")
     p.add_argument("--max-tokens", type=int, default=48)
@@ -53,12 +53,10 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The scheduler spreads the decodes over the two in-flight microbatches itself (balanced
-    # formation). Chat traffic is decode-heavy: nearly every token gets logits, so the cost-aware split
-    # prices the LM head that way and gives the head's stage fewer layers.
+    # formation), and the default cost-aware split gives the LM head's stage fewer layers.
     defaults = [
         "parallel.pipeline_parallel_size=2",
         f"scheduler.max_num_seqs={max(2, args.num_requests)}",
-        "parallel.partition_mode=cost",
     ]
     config = load_config(args.config, [*defaults, *args.overrides])
     print(

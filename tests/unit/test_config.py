@@ -16,6 +16,15 @@ def test_defaults_and_yaml(tmp_path):
     assert cfg.parallel.layer_partition == (14, 16) and cfg.cache.block_size == 8
 
 
+def test_the_shipped_default_yaml_says_what_the_code_does():
+    """configs/default.yaml documents the defaults; ppserve/config.py is their one source: equal."""
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "ppserve" / "configs" / "default.yaml"
+    assert load_config(path) == EngineConfig()
+    assert EngineConfig().parallel.partition_mode == "cost"  # balanced out of the box: the head's stage is lighter
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 
