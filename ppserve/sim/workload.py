@@ -1,8 +1,9 @@
 """Workloads: lists of `WorkloadRequest(arrival_s, prompt_len, output_len)` for the simulator and benchmarks.
 
 Sources: request-length traces (CSV with arrived_at, num_prefill_tokens, num_decode_tokens, e.g. the
-Splitwise traces in ../shared/traces), synthetic lengths (uniform, zipf, fixed P:D ratio). Arrivals:
-the trace's own, Poisson at a given rate (seeded), or all at once. Pure Python, seeded, deterministic.
+Splitwise traces in ../shared/traces), synthetic lengths (uniform, zipf, log-uniform prompts, fixed
+P:D ratio). Arrivals: the trace's own, Poisson at a given rate (seeded), all at once, evenly spaced, or
+in bursts. Pure Python, seeded, deterministic.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ __all__ = [
     "zipf_lengths",
     "fixed_ratio",
     "clip_to_context",
+    "log_uniform_prompts",
+    "evenly_spaced",
+    "bursty_arrivals",
 ]
 
 DEFAULT_TRACE = "splitwise_conv.csv"
@@ -157,3 +161,36 @@ def clip_to_context(reqs: Sequence[WorkloadRequest], max_model_len: int) -> list
         prompt = min(r.prompt_len, max_model_len - 1)
         out.append(replace(r, prompt_len=prompt, output_len=max(1, min(r.output_len, max_model_len - prompt))))
     return out
+
+
+def log_uniform_prompts(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0
+) -> list[WorkloadRequest]:
+    """Prompt lengths log-uniform over the inclusive range (as many between 2k and 4k as between 8k
+    and 16k), output lengths uniform over theirs; all arrive at 0."""
+    lo, hi = prompt
+    if not 1 <= lo <= hi:
+        raise ValueError(f"need 1 <= prompt min <= prompt max, got {prompt}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+        out.append(WorkloadRequest(0.0, p, rng.randint(*output)))
+    return out
+
+
+def evenly_spaced(reqs: Sequence[WorkloadRequest], gap_s: float) -> list[WorkloadRequest]:
+    """Keep the lengths; request i arrives at i * gap_s."""
+    if not (gap_s >= 0 and math.isfinite(gap_s)):
+        raise ValueError(f"gap_s must be finite and >= 0, got {gap_s!r}")
+    return [replace(r, arrival_s=i * gap_s) for i, r in enumerate(reqs)]
+
+
+def bursty_arrivals(reqs: Sequence[WorkloadRequest], burst_size: int, period_s: float) -> list[WorkloadRequest]:
+    """On/off arrivals: keep the lengths; requests come in bursts of `burst_size`, all of a burst at
+    once, one burst every `period_s` seconds (request i at (i // burst_size) * period_s)."""
+    if burst_size < 1:
+        raise ValueError(f"burst_size must be >= 1, got {burst_size!r}")
+    if not (period_s >= 0 and math.isfinite(period_s)):
+        raise ValueError(f"period_s must be finite and >= 0, got {period_s!r}")
+    return [replace(r, arrival_s=(i // burst_size) * period_s) for i, r in enumerate(reqs)]
