@@ -1,4 +1,4 @@
-"""`ppserve bench compare | capacity | sweep | validate`: the benchmark suites from the command line.
+"""`ppserve bench compare | capacity | sweep | validate | regimes`: the benchmark suites from the command line.
 
 Heavy packages are imported inside `run`, so `ppserve --help` stays instant. The scripts in
 benchmarks/ call `main()` here with their suite name.
@@ -14,7 +14,7 @@ from typing import Any
 
 from ppserve.config import add_config_arguments
 
-SUITE_NAMES = ("compare", "capacity", "sweep", "validate")
+SUITE_NAMES = ("compare", "capacity", "sweep", "validate", "regimes")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -85,6 +85,14 @@ def add_parser(sub: Any) -> None:
     for sp in (c, k, s, v):
         _common(sp)
         sp.set_defaults(func=run)
+    r = bsub.add_parser("regimes", help="four microbatch formations on nine load regimes, in the simulator")
+    r.add_argument("--reduced", action="store_true", help="fewer requests per regime, same regimes (CI)")
+    r.add_argument("--only", help="comma-separated regime names (default: all nine)")
+    r.add_argument("--results", default="results", help="results root (a dated folder is made inside)")
+    r.add_argument("--out", help="exact output folder (instead of a dated one under --results)")
+    r.add_argument("--no-plot", action="store_true", help="do not draw regimes.png")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=run_regimes)
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -136,6 +144,24 @@ def run(args: argparse.Namespace) -> int:
                        else workload.start + workload.num_requests, seed=workload.seed + 1,
                        rate=args.held_out_rate or workload.rate)
         suites.validate(ctx, held, policy=args.policy, tolerance=args.tolerance, command=command)
+    return 0
+
+
+def run_regimes(args: argparse.Namespace) -> int:
+    """`ppserve bench regimes`: run the suite, print its tables, write regimes.json / .md / .png."""
+    from ppserve.bench import regimes, report
+
+    outdir = Path(args.out) if args.out else report.results_dir(args.results, "regimes",
+                                                                "reduced" if args.reduced else "full")
+    prog = "ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py") else f"python {sys.argv[0]}"
+    command = " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
+    progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    suite = regimes.run_suite(args.reduced, _names(args.only) if args.only else None, progress=progress)
+    paths = regimes.write_suite(suite, outdir, command=command, plot=not args.no_plot)
+    print(regimes.cells_table(suite))
+    print()
+    print(regimes.criteria_table(suite))
+    print(f"\nsuite: {suite['suite_wall_s']:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 

@@ -1,0 +1,397 @@
+"""The regime suite (issue 21): every microbatch formation on every load regime, in the simulator.
+
+One table answers "are the microbatches uniform in every regime?": the simulator (ppserve/sim, the
+engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs four
+formations on nine regimes, deterministic (every workload seeded, no wall clock in any figure).
+
+Formations (SchedulerConfig, otherwise each regime's settings):
+- `sarathi`: the default, balanced formation (balance=True; ARCHITECTURE.md §3);
+- `sarathi-unbal`: sarathi with balance=False (one request per in-flight microbatch, filled to the budget);
+- `vllm`, `orca`: the baselines.
+
+Regimes (request counts full / `--reduced`):
+1. `sarathi-gpt3`: Sarathi's saturated pipeline case, exactly `ppserve.sim.reproduce_sarathi`'s default
+   "paper" workload: GPT-3 175B, A100, TP8 x PP8, 512 requests (128 reduced) of 1024 tokens at P:D 10
+   (prompt 931, output 93), all at t=0, budget 256, max_num_seqs 128, seq cap on, schedule
+   overhead 0.2 ms, no dispatch latency.
+2-4. `conv-2`, `conv-4`, `conv-8`: Llama-2-70B, A100, PP4 x TP4, the Splitwise/Azure conversation
+   trace (`default_trace_path()`), first 400 rows (100 reduced) clipped to the 4096 context, Poisson
+   at 2 / 4 / 8 req/s (seed 0), as benchmarks/bench_balance_sim.py: budget 512, 128 running, seq cap
+   on, dispatch 0.5 ms, turnaround 0.5 ms.
+5. `long-prompts`: arxiv-summarization-like: prompts log-uniform over 2,048-16,384 tokens (median
+   ~5.8k), outputs uniform over 100-400 (seed 0), 64 requests (16 reduced), Poisson 0.5 req/s (seed 0).
+   Llama-2-70B's shape with the context limit raised to 16,896 tokens (the roofline prices attention
+   by the real context; Llama-2-70B is kept so the regimes compare on one model).
+6. `sparse`: 8 requests (both modes) with the trace's first 8 rows' lengths, arriving 60 s apart
+   (each finishes long before the next arrives: the pipeline never holds more than one request).
+7. `one-long-prompt`: one 4096-token prompt, 1 output token (both modes), PP4, budget 512, context 8192,
+   as bench_balance_sim.py's lone-prompt case.
+8. `bursty`: on/off arrivals: bursts of 16 requests at once every 10 s, 10 bursts (4 reduced), the
+   trace's lengths (rows 0..).
+9. `decode-heavy`: prompts uniform over 64-256 tokens, 1,000 output tokens each (seed 0), 160
+   requests (40 reduced), Poisson 2 req/s (seed 0).
+Regimes 5-9 use regime 2-4's model, hardware and settings unless stated.
+
+Per cell: mean bubble fraction and each stage's (active window: only while the engine holds work),
+throughput (req/s, output tok/s, first arrival to last token), TTFT p50/p99, TBT p99, per-request
+bubble p50 (SimResult.summary(), ppserve.metrics.latency). Per regime, `criteria` checks what the
+simulator can promise deterministically: balanced sarathi's mean bubble <= the unbalanced one's, its
+throughput >= 0.97x the best formation's and its TTFT p50 <= 1.1x the best (lowest) formation's.
+
+    ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppserve.config import SchedulerConfig
+from ppserve.sim.cost_model import RooflineCostModel, kv_cache_blocks, load_hardware, load_model_spec
+from ppserve.sim.simulator import SimConfig, simulate
+from ppserve.sim.workload import (
+    WorkloadRequest,
+    bursty_arrivals,
+    clip_to_context,
+    default_trace_path,
+    evenly_spaced,
+    fixed_ratio,
+    log_uniform_prompts,
+    read_trace,
+    uniform_lengths,
+    with_poisson_arrivals,
+)
+
+__all__ = [
+    "FORMATIONS",
+    "BALANCED",
+    "UNBALANCED",
+    "THROUGHPUT_FLOOR",
+    "TTFT_CEILING",
+    "Formation",
+    "Regime",
+    "regimes",
+    "run_cell",
+    "run_suite",
+    "criteria",
+    "cells_table",
+    "criteria_table",
+    "markdown",
+    "plot_regimes",
+    "write_suite",
+]
+
+THROUGHPUT_FLOOR = 0.97  # balanced sarathi's throughput >= this x the best formation's
+TTFT_CEILING = 1.1  # balanced sarathi's TTFT p50 <= this x the best (lowest) formation's
+
+
+@dataclass(frozen=True)
+class Formation:
+    name: str
+    policy: str
+    balance: bool = True
+
+
+BALANCED = "sarathi"
+UNBALANCED = "sarathi-unbal"
+FORMATIONS: tuple[Formation, ...] = (
+    Formation(BALANCED, "sarathi", True),
+    Formation(UNBALANCED, "sarathi", False),
+    Formation("vllm", "vllm"),
+    Formation("orca", "orca"),
+)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One load regime: a workload on one model, pipeline and scheduler setting."""
+
+    name: str
+    description: str
+    workload: Callable[[], list[WorkloadRequest]]  # built on demand (seeded: the same list every call)
+    model: str = "llama2-70b"
+    hardware: str = "a100"
+    pp: int = 4
+    tp: int = 4
+    token_budget: int = 512
+    max_num_seqs: int = 128
+    seq_cap: bool = True
+    overhead_ms: float = 0.5  # engine turnaround (SimConfig.schedule_overhead_s)
+    dispatch_ms: float = 0.5  # control plane (SimConfig.dispatch_latency_s)
+    max_model_len: int | None = None  # None: the model's own context
+    block_size: int = 16
+
+    def settings(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "workload"}
+
+
+# Request counts: (full, reduced).
+_COUNTS: dict[str, tuple[int, int]] = {
+    "sarathi-gpt3": (512, 128),
+    "conv": (400, 100),
+    "long-prompts": (64, 16),
+    "sparse": (8, 8),
+    "one-long-prompt": (1, 1),
+    "bursty": (160, 64),
+    "decode-heavy": (160, 40),
+}
+LONG_PROMPT = (2048, 16384)
+LONG_OUTPUT = (100, 400)
+LONG_CONTEXT = LONG_PROMPT[1] + 512
+
+
+def _conv(n: int, start: int = 0) -> list[WorkloadRequest]:
+    # The Llama-2-70B context (4096) is what every regime on the trace clips to.
+    return clip_to_context(read_trace(default_trace_path(), n, start=start), 4096)
+
+
+def _poisson_conv(n: int, rate: float) -> list[WorkloadRequest]:
+    return with_poisson_arrivals(_conv(n), rate, seed=0)
+
+
+def regimes(reduced: bool = False) -> list[Regime]:
+    """The nine regimes (see the module doc); `reduced`: fewer requests per regime, same regimes."""
+    k = 1 if reduced else 0
+
+    def n(key: str) -> int:
+        return _COUNTS[key][k]
+
+    out = [
+        Regime("sarathi-gpt3",
+               f"GPT-3 175B A100 TP8xPP8, {n('sarathi-gpt3')} x 1024 tokens at P:D 10 at t=0 (reproduce_sarathi)",
+               lambda: fixed_ratio(n("sarathi-gpt3"), 1024, 10.0),
+               model="gpt3-175b", pp=8, tp=8, token_budget=256, max_num_seqs=128, overhead_ms=0.2, dispatch_ms=0.0),
+    ]
+    for rate in (2.0, 4.0, 8.0):
+        out.append(Regime(f"conv-{rate:g}",
+                          f"Llama-2-70B A100 PP4xTP4, conversation trace {n('conv')} rows, Poisson {rate:g} req/s",
+                          functools.partial(_poisson_conv, n("conv"), rate)))
+    out += [
+        Regime("long-prompts",
+               f"{n('long-prompts')} prompts log-uniform {LONG_PROMPT[0]}-{LONG_PROMPT[1]}, outputs "
+               f"{LONG_OUTPUT[0]}-{LONG_OUTPUT[1]}, Poisson 0.5 req/s, context {LONG_CONTEXT}",
+               lambda: with_poisson_arrivals(log_uniform_prompts(n("long-prompts"), LONG_PROMPT, LONG_OUTPUT, seed=0),
+                                             0.5, seed=0),
+               max_model_len=LONG_CONTEXT),
+        Regime("sparse", f"{n('sparse')} requests (conversation lengths) 60 s apart",
+               lambda: evenly_spaced(_conv(n("sparse")), 60.0)),
+        Regime("one-long-prompt", "one 4096-token prompt, 1 output token, context 8192",
+               lambda: [WorkloadRequest(0.0, 4096, 1)], max_model_len=8192),
+        Regime("bursty", f"bursts of 16 requests every 10 s, {n('bursty') // 16} bursts, conversation lengths",
+               lambda: bursty_arrivals(_conv(n("bursty")), 16, 10.0)),
+        Regime("decode-heavy", f"{n('decode-heavy')} requests, prompts 64-256, 1000 output tokens, Poisson 2 req/s",
+               lambda: with_poisson_arrivals(uniform_lengths(n("decode-heavy"), (64, 256), (1000, 1000), seed=0),
+                                             2.0, seed=0)),
+    ]
+    return out
+
+
+def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None) -> dict[str, Any]:
+    """Simulate one regime under one formation; the cell's figures (seconds, fractions)."""
+    model, hw = load_model_spec(regime.model), load_hardware(regime.hardware)
+    cost = RooflineCostModel(model, hw, regime.pp, regime.tp)
+    blocks = kv_cache_blocks(model, hw, regime.pp, regime.tp, regime.block_size)
+    wl = list(regime.workload() if workload is None else workload)
+    sched = SchedulerConfig(policy=formation.policy, token_budget=regime.token_budget,
+                            max_num_seqs=regime.max_num_seqs, per_microbatch_seq_cap=regime.seq_cap,
+                            max_waiting=max(4096, len(wl)), balance=formation.balance)
+    cfg = SimConfig(sched, blocks, regime.block_size, regime.max_model_len or model.max_model_len,
+                    regime.overhead_ms * 1e-3, regime.dispatch_ms * 1e-3)
+    t0 = time.perf_counter()
+    res = simulate(wl, cost, cfg)
+    s = res.summary("active")
+    rep = res.bubble_report("active")
+    lat, thr, bub = s["latency"], s["throughput"], s["bubbles"]
+    return {
+        "regime": regime.name,
+        "formation": formation.name,
+        "num_requests": s["num_requests"],
+        "num_rejected": s["num_rejected"],
+        "num_microbatches": s["num_microbatches"],
+        "num_preemptions": s["num_preemptions"],
+        "mean_bubble": bub["mean_bubble_fraction"],
+        "stage_bubble": [st.bubble_fraction for st in rep.stages],
+        "requests_per_s": thr["requests_per_s"],
+        "output_tokens_per_s": thr["output_tokens_per_s"],
+        "duration_s": thr["duration_s"],
+        "ttft_p50_s": lat["ttft_s"]["p50"],
+        "ttft_p99_s": lat["ttft_s"]["p99"],
+        "tbt_p99_s": lat["tbt_s"]["p99"],
+        "per_request_bubble_p50_s": bub["per_request_bubble_p50_s"],
+        "microbatch_token_cv": bub["microbatch_token_cv"],
+        "sim_wall_s": time.perf_counter() - t0,  # how long the simulation took here (not a figure)
+    }
+
+
+def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One regime's criteria from its four cells: each figure, the reference it is held to, the ratio, pass."""
+    by = {c["formation"]: c for c in cells}
+    bal, unbal = by[BALANCED], by[UNBALANCED]
+    best_thr = max(c["requests_per_s"] for c in cells)
+    ttfts = [c["ttft_p50_s"] for c in cells if c["ttft_p50_s"] is not None]
+    best_ttft = min(ttfts) if ttfts else None
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return None if x is None or not y else x / y
+
+    bubble_ok = bal["mean_bubble"] <= unbal["mean_bubble"] + 1e-12
+    thr_ratio = ratio(bal["requests_per_s"], best_thr)
+    ttft_ratio = ratio(bal["ttft_p50_s"], best_ttft)
+    out: dict[str, Any] = {
+        "bubble": {"balanced": bal["mean_bubble"], "unbalanced": unbal["mean_bubble"],
+                   "ratio": ratio(bal["mean_bubble"], unbal["mean_bubble"]), "ok": bubble_ok},
+        "throughput": {"balanced": bal["requests_per_s"], "best": best_thr,
+                       "best_formation": max(cells, key=lambda c: c["requests_per_s"])["formation"],
+                       "ratio": thr_ratio, "floor": THROUGHPUT_FLOOR,
+                       "ok": thr_ratio is not None and thr_ratio >= THROUGHPUT_FLOOR},
+        "ttft_p50": {"balanced": bal["ttft_p50_s"], "best": best_ttft,
+                     "best_formation": next((c["formation"] for c in cells if c["ttft_p50_s"] == best_ttft), None),
+                     "ratio": ttft_ratio, "ceiling": TTFT_CEILING,
+                     "ok": ttft_ratio is not None and ttft_ratio <= TTFT_CEILING},
+    }
+    out["ok"] = all(v["ok"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria."""
+    chosen = regimes(reduced)
+    if only:
+        unknown = set(only) - {r.name for r in chosen}
+        if unknown:
+            raise ValueError(f"unknown regime(s) {sorted(unknown)}; known: {[r.name for r in chosen]}")
+        chosen = [r for r in chosen if r.name in only]
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"reduced": reduced, "formations": [dataclasses.asdict(f) for f in FORMATIONS],
+                           "regimes": {}}
+    for regime in chosen:
+        wl = regime.workload()
+        cells = []
+        for f in FORMATIONS:
+            cells.append(run_cell(regime, f, wl))
+            if progress:
+                c = cells[-1]
+                progress(f"{regime.name:>16} {f.name:>13}: bubble {100 * c['mean_bubble']:5.1f}% "
+                         f"({c['sim_wall_s']:.1f} s)")
+        out["regimes"][regime.name] = {
+            "description": regime.description, "settings": regime.settings(), "num_requests": len(wl),
+            "cells": cells, "criteria": criteria(cells),
+        }
+    out["suite_wall_s"] = time.perf_counter() - t0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _ms(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{1e3 * x:.{digits}f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def cells_table(suite: Mapping[str, Any]) -> str:
+    """One row per (regime, formation)."""
+    head = ("| regime | formation | reqs | bubble mean | bubble per stage | req/s | out tok/s | TTFT p50 (ms) "
+            "| TTFT p99 (ms) | TBT p99 (ms) | per-req bubble p50 (ms) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in suite["regimes"].items():
+        for c in r["cells"]:
+            stages = " / ".join(f"{100 * b:.0f}" for b in c["stage_bubble"])
+            lines.append(
+                f"| {name} | {c['formation']} | {c['num_requests']} | {_pct(c['mean_bubble'])} | {stages} "
+                f"| {c['requests_per_s']:.3f} | {c['output_tokens_per_s']:.0f} | {_ms(c['ttft_p50_s'])} "
+                f"| {_ms(c['ttft_p99_s'])} | {_ms(c['tbt_p99_s'])} | {_ms(c['per_request_bubble_p50_s'])} |"
+            )
+    return "\n".join(lines)
+
+
+def criteria_table(suite: Mapping[str, Any]) -> str:
+    """One row per regime: balanced sarathi against the unbalanced formation and the best one."""
+    head = (f"| regime | bubble: balanced / unbalanced (<= 1) | throughput: balanced / best (>= {THROUGHPUT_FLOOR}) "
+            f"| TTFT p50: balanced / best (<= {TTFT_CEILING}) | all |")
+    lines = [head, "|---|---|---|---|---|"]
+    for name, r in suite["regimes"].items():
+        k = r["criteria"]
+        b, t, f = k["bubble"], k["throughput"], k["ttft_p50"]
+
+        def mark(ok: bool) -> str:
+            return "" if ok else " **FAIL**"
+
+        lines.append(
+            f"| {name} | {_pct(b['balanced'])} / {_pct(b['unbalanced'])}{mark(b['ok'])} "
+            f"| {_x(t['ratio'])} (best {t['best_formation']}){mark(t['ok'])} "
+            f"| {_x(f['ratio'])} (best {f['best_formation']}){mark(f['ok'])} | {'pass' if k['ok'] else 'FAIL'} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_regimes(suite: Mapping[str, Any], path: str | Path) -> Path:
+    """Mean bubble per regime per formation (grouped bars) and throughput relative to each regime's best."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(suite["regimes"])
+    forms = [f.name for f in FORMATIONS]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(names)), 7), sharex=True)
+    width = 0.8 / len(forms)
+    for j, form in enumerate(forms):
+        cells = [next(c for c in suite["regimes"][n]["cells"] if c["formation"] == form) for n in names]
+        xs = [i + (j - (len(forms) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(xs, [100 * c["mean_bubble"] for c in cells], width, label=form)
+        best = [suite["regimes"][n]["criteria"]["throughput"]["best"] for n in names]
+        ax2.bar(xs, [c["requests_per_s"] / b if b else 0.0 for c, b in zip(cells, best, strict=True)], width,
+                label=form)
+    ax.set_ylabel("mean bubble fraction (%), active window")
+    ax.set_ylim(0, 112)  # room for the legend above the tallest bars
+    ax.legend(ncol=len(forms), fontsize=8, loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    ax2.axhline(THROUGHPUT_FLOOR, color="k", ls="--", lw=0.8)
+    ax2.set_ylabel("throughput / best formation's")
+    ax2.set_ylim(0, 1.05)
+    ax2.grid(axis="y", alpha=0.3)
+    ax2.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    fig.suptitle(f"ppserve bench regimes{' --reduced' if suite.get('reduced') else ''} (simulator)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def markdown(suite: Mapping[str, Any], command: str = "") -> str:
+    parts = ["# Regime suite (simulator)", ""]
+    if command:
+        parts += [f"`{command}`", ""]
+    parts += ["Bubbles: active window. Per-stage bubble in %, stage 0 first.", "", cells_table(suite), "",
+              criteria_table(suite), ""]
+    return "\n".join(parts)
+
+
+def write_suite(suite: Mapping[str, Any], outdir: str | Path, command: str = "", plot: bool = True) -> dict[str, Path]:
+    """regimes.json, regimes.md and (with `plot`) regimes.png in `outdir`."""
+    from ppserve.bench.report import write_json
+
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_json(outdir / "regimes.json", {"command": command, **suite})}
+    md = outdir / "regimes.md"
+    md.write_text(markdown(suite, command))
+    paths["md"] = md
+    if plot:
+        paths["png"] = plot_regimes(suite, outdir / "regimes.png")
+    return paths
