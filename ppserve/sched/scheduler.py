@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import FinishReason, Request, RequestStatus
-from ppserve.sched.balance import decode_quota, fair_share
+from ppserve.sched.balance import MIN_SHARE_OF_BUDGET, decode_quota, fair_share
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
@@ -243,7 +243,7 @@ class Scheduler:
             if tokens >= limit:
                 break
             tokens += req.num_uncomputed_tokens
-        budget.limit(math.ceil(fair_share(tokens, shares, cap)))
+        budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=cap * MIN_SHARE_OF_BUDGET)))
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way (in flight or not), then the waiting requests that could take the free

@@ -19,16 +19,7 @@ NAMES = [r.name for r in rg.regimes(reduced=True)]
 
 # (regime, criterion) -> why it fails today. Remove an entry when the formation rule is fixed (strict:
 # an unexpected pass fails the test, so a stale entry cannot linger).
-KNOWN_FAILURES = {
-    ("decode-heavy", "ttft_p50"): (
-        "balanced sarathi's fair share ((in flight + schedulable) / p tokens) cuts each 64-256-token prompt "
-        "into ~p chunks (mean 3.98 at p = 4) that follow each other down the pipeline; beside ~10 decodes the "
-        "microbatches are memory-bound (roofline stage time 5.7 ms for 10 decodes, 6.0 ms with a 50-token "
-        "chunk, 10.3 ms with 200), so the split saves little per stage and the last chunk ends ~p - 1 "
-        "microbatches after the first: TTFT p50 45.3 ms = 1.11x vllm's 40.8 ms in the reduced suite "
-        "(45.9 / 37.9 ms = 1.21x in the full one)"
-    ),
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def _params(criterion: str) -> list[object]:
