@@ -160,28 +160,58 @@ class ModelSpec:
     max_model_len: int = 4096
     dtype_bytes: int = 2
     tied_embeddings: bool = False
+    # 0: hidden_size // num_heads. Set it where heads are not a split of the hidden size (Qwen3-32B:
+    # hidden 5120, 64 heads of 128, so the query projection is 8192 wide).
+    head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: heads do not divide hidden_size / num_heads")
+        if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name}: num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        if self.head_dim < 0:
+            raise ValueError(f"model {self.name}: head_dim must be >= 0 (0 = hidden_size / num_heads), got {self.head_dim}")
+        if not self.head_dim:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"model {self.name}: num_heads {self.num_heads} does not divide hidden_size "
+                                 f"{self.hidden_size}; give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def q_dim(self) -> int:
+        """Width of the query projection (all heads); equals hidden_size unless head_dim says otherwise."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def check_tp(self, tp: int) -> None:
+        """Raise unless `tp` ranks can split this model: query heads evenly, KV heads evenly or replicated."""
+        if tp < 1 or self.num_heads % tp:
+            raise ValueError(f"tp={tp} does not divide {self.name}'s {self.num_heads} heads")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"tp={tp} neither divides nor is a multiple of {self.name}'s {self.num_kv_heads} KV heads")
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """KV heads one tp rank holds: a share of them, or one replicated head when tp exceeds them
+        (each rank needs the KV head its query heads read; vLLM and Megatron replicate it the same way)."""
+        return max(1, self.num_kv_heads // tp)
+
+    def kv_dim_per_rank(self, tp: int) -> int:
+        return self.kv_heads_per_rank(tp) * self.head_dim
+
     @property
     def layer_params(self) -> int:
         """Weights of one decoder layer's matmuls (norms and biases are negligible)."""
+        return self.layer_params_per_rank(1)
+
+    def layer_params_per_rank(self, tp: int) -> int:
+        """One decoder layer's matmul weights on one of `tp` ranks: the query, output and MLP matrices
+        split, the K and V projections split or, past the KV head count, replicated."""
         h = self.hidden_size
-        attn = h * (h + 2 * self.kv_dim) + h * h  # fused qkv, then the output projection
-        mlp = (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
-        return attn + mlp
+        split = 2 * h * self.q_dim + (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
+        return split // tp + 2 * h * self.kv_dim_per_rank(tp)
 
     @property
     def num_params(self) -> int:
@@ -202,21 +232,33 @@ def load_model_spec(name_or_path: str | os.PathLike[str]) -> ModelSpec:
     return spec
 
 
-def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int, block_size: int) -> int:
-    """KV blocks that fit on the tightest GPU: memory after this GPU's weight shard, times the KV fraction.
+def stage_weight_bytes(model: ModelSpec, layers: int, first: bool, last: bool, tp: int) -> float:
+    """Weight bytes on one tp rank of a stage holding `layers` decoder layers: the embedding on the
+    first stage, the LM head on the last (a tied head is one matrix when one stage holds both ends)."""
+    table = model.vocab_size * model.hidden_size / tp
+    ends = (table if first else 0.0) + (table if last and not (first and model.tied_embeddings) else 0.0)
+    return (layers * model.layer_params_per_rank(tp) + ends) * model.dtype_bytes
+
+
+def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int, block_size: int,
+                    layer_counts: Sequence[int] | None = None) -> int:
+    """KV blocks that fit on the tightest GPU: memory after its weight shard, times the KV fraction.
 
     Every stage holds KV for every token of a request, so the scheduler's block count is what the
-    most loaded stage (the one with the most layers) can hold.
+    tightest stage can hold (the one with the most layers, or an end with a big vocabulary).
     """
-    layers = max(b - a for a, b in even_partition(model.num_layers, num_stages))
-    weights = model.num_params * model.dtype_bytes / (num_stages * tp)
-    kv_per_token = 2 * layers * model.kv_dim * model.dtype_bytes / tp
-    free = (hw.mem_bytes - weights) * hw.kv_mem_fraction
-    if free <= 0:
-        raise ValueError(
-            f"{model.name} does not fit on {num_stages * tp} x {hw.name}: {weights / 1e9:.1f} GB of weights per GPU"
-        )
-    return max(1, int(free // (kv_per_token * block_size)))
+    model.check_tp(tp)
+    counts = list(layer_counts or [b - a for a, b in even_partition(model.num_layers, num_stages)])
+    kv_token_layer = 2 * model.kv_dim_per_rank(tp) * model.dtype_bytes
+    blocks: list[float] = []
+    for s, layers in enumerate(counts):
+        weights = stage_weight_bytes(model, layers, s == 0, s == num_stages - 1, tp)
+        free = (hw.mem_bytes - weights) * hw.kv_mem_fraction
+        if free <= 0:
+            raise ValueError(f"{model.name} does not fit on {num_stages * tp} x {hw.name}: stage {s} holds "
+                             f"{weights / 1e9:.1f} GB of weights per GPU, the GPU {hw.mem_bytes / 1e9:.1f} GB")
+        blocks.append(free // (kv_token_layer * layers * block_size) if layers else math.inf)
+    return max(1, int(min(blocks)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,8 +281,7 @@ class RooflineCostModel:
     layer_counts: tuple[int, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.model.num_heads % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide {self.model.name}'s {self.model.num_heads} heads")
+        self.model.check_tp(self.tp)
         if not self.layer_counts:
             counts = tuple(b - a for a, b in even_partition(self.model.num_layers, self.num_stages))
             object.__setattr__(self, "layer_counts", counts)
@@ -252,16 +293,17 @@ class RooflineCostModel:
         m, hw = self.model, self.hw
         if num_tokens == 0:
             return 0.0
-        flops = 2.0 * num_tokens * m.layer_params / self.tp
+        params = m.layer_params_per_rank(self.tp)
+        flops = 2.0 * num_tokens * params
         # Weights dominate the bytes; activations in and out of each matmul matter only for huge chunks.
         act = 4.0 * num_tokens * (m.hidden_size + m.intermediate_size / self.tp) * m.dtype_bytes
-        nbytes = m.layer_params * m.dtype_bytes / self.tp + act
+        nbytes = params * m.dtype_bytes + act
         return _roofline(flops, nbytes, hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
 
     def attention_time(self, chunks: Sequence[tuple[int, int]]) -> float:
         m, hw = self.model, self.hw
-        heads_dim = m.hidden_size / self.tp  # query heads x head_dim on this rank
-        kv_dim = m.kv_dim / self.tp
+        heads_dim = m.q_dim / self.tp  # query heads x head_dim on this rank
+        kv_dim = m.kv_dim_per_rank(self.tp)  # a replicated KV head is read in full on every rank
         flops_s, bytes_s = hw.peak_flops * hw.attn_eff, hw.mem_bw * hw.bw_eff
         t = 0.0
         dec_flops = dec_bytes = 0.0

@@ -1,0 +1,85 @@
+"""The simulator's model and hardware tables: explicit head_dim, KV heads split or replicated over tp,
+weights per stage, and the shipped configs (hand-computed figures, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ppserve.sim.cost_model import (
+    ModelSpec,
+    RooflineCostModel,
+    kv_cache_blocks,
+    load_hardware,
+    load_model_spec,
+    stage_weight_bytes,
+)
+
+
+def spec(**kw: object) -> ModelSpec:
+    base = dict(name="m", num_layers=4, hidden_size=64, num_heads=8, num_kv_heads=2, intermediate_size=128,
+                vocab_size=100)
+    base.update(kw)
+    return ModelSpec(**base)  # type: ignore[arg-type]
+
+
+def test_head_dim_defaults_to_a_split_of_the_hidden_size_and_can_be_given():
+    assert spec().head_dim == 8 and spec().q_dim == 64
+    wide = spec(head_dim=16)  # Qwen3-like: 8 heads of 16 on a 64-wide residual stream
+    assert wide.q_dim == 128 and wide.kv_dim == 32
+    # q (64x128) + o (128x64) + k, v (64x32 each) + 3 MLP matrices (64x128)
+    assert wide.layer_params == 64 * 128 * 2 + 2 * 64 * 32 + 3 * 64 * 128
+    with pytest.raises(ValueError, match="give head_dim"):
+        spec(hidden_size=60)
+    with pytest.raises(ValueError, match="num_kv_heads 3 must divide"):
+        spec(num_kv_heads=3)
+
+
+def test_kv_heads_are_split_then_replicated_past_their_count():
+    m = spec()  # 2 KV heads
+    assert [m.kv_heads_per_rank(tp) for tp in (1, 2, 4, 8)] == [2, 1, 1, 1]
+    # Past 2 ranks K and V are replicated: their weights stop shrinking, the rest keeps splitting.
+    split = 2 * 64 * 64 + 3 * 64 * 128
+    assert m.layer_params_per_rank(4) == split // 4 + 2 * 64 * 8
+    assert m.layer_params_per_rank(8) == split // 8 + 2 * 64 * 8
+    m.check_tp(8)
+    with pytest.raises(ValueError, match="does not divide"):
+        m.check_tp(3)
+    with pytest.raises(ValueError, match="neither divides"):
+        spec(num_heads=12, num_kv_heads=4, hidden_size=96).check_tp(6)
+
+
+def test_replicated_kv_heads_cost_memory_and_attention_bandwidth():
+    m, hw = spec(num_layers=2), load_hardware("a100")
+    # 2 KV heads: tp 2 and tp 4 hold the same KV per token per rank, so the same blocks fit (bar weights).
+    kv2 = kv_cache_blocks(m, hw, 1, 2, 16)
+    kv4 = kv_cache_blocks(m, hw, 1, 4, 16)
+    assert kv4 >= kv2 and kv4 < kv2 * 1.001
+    decode = [(1, 4096)] * 8
+    t2 = RooflineCostModel(m, hw, 1, 2).attention_time(decode)
+    t4 = RooflineCostModel(m, hw, 1, 4).attention_time(decode)
+    assert t4 == pytest.approx(t2, rel=0.05)  # bound by reading one KV head either way
+
+
+def test_stage_weights_put_the_embedding_first_and_the_head_last():
+    m = spec(tied_embeddings=True)
+    layer = m.layer_params * 2
+    table = 100 * 64 * 2
+    assert stage_weight_bytes(m, 2, True, True, 1) == 2 * layer + table  # tied: one matrix
+    assert stage_weight_bytes(m, 2, True, False, 1) == 2 * layer + table
+    assert stage_weight_bytes(m, 2, False, True, 1) == 2 * layer + table  # the last stage needs the head too
+    assert stage_weight_bytes(m, 2, False, False, 1) == 2 * layer
+    untied = spec()
+    assert stage_weight_bytes(untied, 4, True, True, 2) == (4 * untied.layer_params_per_rank(2) + 2 * 50 * 64) * 2
+
+
+@pytest.mark.parametrize("name,params_b", [("mistral-7b", 7.24), ("yi-34b", 34.4), ("llama3-70b", 70.6),
+                                           ("falcon-180b", 179.5), ("qwen3-32b", 32.8)])
+def test_shipped_model_tables_give_their_published_sizes(name: str, params_b: float):
+    assert load_model_spec(name).num_params / 1e9 == pytest.approx(params_b, rel=0.01)
+
+
+def test_qwen3_32b_needs_its_explicit_head_dim():
+    q = load_model_spec("qwen3-32b")
+    assert q.head_dim == 128 and q.q_dim == 8192 and q.hidden_size == 5120
+    q.check_tp(16)  # 8 KV heads replicated twice
+    assert q.kv_heads_per_rank(16) == 1
