@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
@@ -66,6 +66,15 @@ class CostModel(Protocol):
 
     def transfer_time(self, shape: BatchShape) -> float:
         """Seconds to move this microbatch's hidden states from one stage to the next."""
+        ...
+
+
+@runtime_checkable
+class PlacedCostModel(CostModel, Protocol):
+    """A cost model that knows where its stages sit, so each stage boundary has its own link."""
+
+    def boundary_transfer_time(self, stage: int, shape: BatchShape) -> float:
+        """Seconds to move this microbatch's hidden states from stage `stage` to stage `stage + 1`."""
         ...
 
 
@@ -134,8 +143,11 @@ class HardwareSpec:
     bw_eff: float = 0.8
     link_eff: float = 0.7
     kv_mem_fraction: float = 0.9
+    gpus_per_node: int = 8  # GPUs sharing one node's NVLink; beyond them, links go over inter_node_bw
 
     def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"hardware {self.name}: gpus_per_node must be >= 1, got {self.gpus_per_node!r}")
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, float) and not (v >= 0 and math.isfinite(v)):
@@ -279,6 +291,10 @@ class RooflineCostModel:
     num_stages: int
     tp: int
     layer_counts: tuple[int, ...] = field(default=())
+    # Placement: the stages' tp groups packed in order on nodes of this many GPUs, so a stage boundary
+    # inside a node goes over NVLink and one between nodes over the NIC. 0: every boundary crosses nodes
+    # (one stage per node, the layout of Sarathi-Serve's and Megatron's multi-node pipelines).
+    gpus_per_node: int = 0
 
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
@@ -349,13 +365,25 @@ class RooflineCostModel:
             t += self.lm_head_time(shape.num_sampled)
         return t
 
+    def crosses_nodes(self, stage: int) -> bool:
+        """Whether the boundary from `stage` to `stage + 1` leaves the node."""
+        if not self.gpus_per_node:
+            return True
+        return (stage * self.tp) // self.gpus_per_node != ((stage + 1) * self.tp) // self.gpus_per_node
+
+    def boundary_transfer_time(self, stage: int, shape: BatchShape) -> float:
+        hw = self.hw
+        # Every tp rank holds the full (all-reduced) hidden state and sends it over its own link in parallel.
+        nbytes = shape.num_tokens * self.model.hidden_size * self.model.dtype_bytes
+        if self.crosses_nodes(stage):
+            return hw.inter_node_latency_s + nbytes / (hw.inter_node_bw * hw.link_eff)
+        return hw.nvlink_latency_s + nbytes / (hw.nvlink_bw * hw.link_eff)
+
     def transfer_time(self, shape: BatchShape) -> float:
+        """The slowest boundary's transfer (what a placement-blind caller should assume)."""
         if self.num_stages == 1:
             return 0.0
-        hw = self.hw
-        # Every tp rank holds the full (all-reduced) hidden state and sends it over its own NIC in parallel.
-        nbytes = shape.num_tokens * self.model.hidden_size * self.model.dtype_bytes
-        return hw.inter_node_latency_s + nbytes / (hw.inter_node_bw * hw.link_eff)
+        return max(self.boundary_transfer_time(s, shape) for s in range(self.num_stages - 1))
 
 
 # ---------------------------------------------------------------------------------------------

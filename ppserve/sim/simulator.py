@@ -33,7 +33,7 @@ from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, SchedulerOutput, StepResult
 from ppserve.sched.budget import BudgetMode
 from ppserve.sched.cost import BatchShape
-from ppserve.sim.cost_model import CostModel
+from ppserve.sim.cost_model import CostModel, PlacedCostModel
 from ppserve.sim.workload import WorkloadRequest
 
 __all__ = ["SimConfig", "SimResult", "simulate"]
@@ -149,13 +149,15 @@ class _Pipeline:
         self.record_send = record_send
         self.dispatch_ns = dispatch_ns
         self.spans: list[Span] = []
+        # Checked once: a runtime Protocol check costs microseconds, a run has many microbatches.
+        self.placed = cost if isinstance(cost, PlacedCostModel) else None
 
     def run(self, out: SchedulerOutput, scheduled_ns: int) -> tuple[int, list[float]]:
         """Push one microbatch through every stage; returns when the last stage finishes it and its
         compute seconds per stage (what `Scheduler.observe_step` learns from)."""
         shape = BatchShape.of(out)
         pf, dc, rids = out.num_prefill_tokens, out.num_decode_tokens, tuple(out.order)
-        transfer = _ns(self.cost.transfer_time(shape))
+        transfers = self._transfers(shape)
         submit_ns = scheduled_ns + self.dispatch_ns  # when the stages hold the scheduler output
         ready = submit_ns  # stage 0's input is the scheduler output itself
         end = submit_ns
@@ -174,8 +176,15 @@ class _Pipeline:
                 # Sends are asynchronous (isend): the stage is free at once, the link carries the data.
                 self.spans.append(Span("send", end, end, s, 0, out.step_id))
             self.free_ns[s] = end
-            ready = end + transfer
+            ready = end + (transfers[s] if s < last else 0)
         return end, stage_s
+
+    def _transfers(self, shape: BatchShape) -> list[int]:
+        """Nanoseconds over each stage boundary: its own link where the cost model knows the placement."""
+        n = self.cost.num_stages - 1
+        if self.placed is not None:
+            return [_ns(self.placed.boundary_transfer_time(s, shape)) for s in range(n)]
+        return [_ns(self.cost.transfer_time(shape))] * n
 
 
 class SimClock:

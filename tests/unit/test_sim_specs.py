@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import (
     ModelSpec,
     RooflineCostModel,
@@ -13,6 +14,8 @@ from ppserve.sim.cost_model import (
     load_model_spec,
     stage_weight_bytes,
 )
+from ppserve.sim.simulator import SimConfig, simulate
+from ppserve.sim.workload import WorkloadRequest
 
 
 def spec(**kw: object) -> ModelSpec:
@@ -83,3 +86,34 @@ def test_qwen3_32b_needs_its_explicit_head_dim():
     assert q.head_dim == 128 and q.q_dim == 8192 and q.hidden_size == 5120
     q.check_tp(16)  # 8 KV heads replicated twice
     assert q.kv_heads_per_rank(16) == 1
+
+
+def test_stage_boundaries_inside_a_node_use_nvlink_and_between_nodes_the_nic():
+    m, hw = load_model_spec("llama2-70b"), load_hardware("a100")
+    placed = RooflineCostModel(m, hw, 8, 2, gpus_per_node=8)  # stages 0-3 on node 0, 4-7 on node 1
+    assert [placed.crosses_nodes(s) for s in range(7)] == [False, False, False, True, False, False, False]
+    shape = BatchShape.uniform(512)
+    nbytes = 512 * m.hidden_size * 2
+    assert placed.boundary_transfer_time(0, shape) == pytest.approx(
+        hw.nvlink_latency_s + nbytes / (hw.nvlink_bw * hw.link_eff))
+    assert placed.boundary_transfer_time(3, shape) == pytest.approx(
+        hw.inter_node_latency_s + nbytes / (hw.inter_node_bw * hw.link_eff))
+    blind = RooflineCostModel(m, hw, 8, 2)  # no placement: every boundary crosses nodes, as before
+    assert all(blind.crosses_nodes(s) for s in range(7))
+    assert placed.transfer_time(shape) == blind.transfer_time(shape)  # the slowest boundary
+
+
+def test_the_simulator_charges_each_boundary_its_own_link():
+    m, hw = load_model_spec("llama2-70b"), load_hardware("a100")
+    wl = [WorkloadRequest(0.0, 256, 1)]
+    gaps, first = {}, {}
+    for gpn in (0, 8):
+        res = simulate(wl, RooflineCostModel(m, hw, 4, 2, gpus_per_node=gpn), SimConfig(num_blocks=1000))
+        compute = [s for s in res.spans if s.kind == "compute"]
+        step = min(s.step_id for s in compute)  # the first microbatch finds every stage idle
+        first[gpn] = sorted((s for s in compute if s.step_id == step), key=lambda s: s.stage)
+        gaps[gpn] = [b.start_ns - a.end_ns for a, b in zip(first[gpn], first[gpn][1:], strict=False)]
+    shape = BatchShape.uniform(first[8][0].num_prefill_tokens)
+    placed = RooflineCostModel(m, hw, 4, 2, gpus_per_node=8)
+    assert gaps[8] == [round(placed.boundary_transfer_time(s, shape) * 1e9) for s in range(3)]
+    assert gaps[0][0] > gaps[8][0]  # the inter-node link is the slower one
