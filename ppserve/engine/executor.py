@@ -10,6 +10,7 @@ each stage), which the engine hands to the scheduler's cost model.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol
@@ -74,6 +75,15 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int
     )
 
 
+def pool_cap(config: EngineConfig, arch: ModelArch, block_size: int, fitted: int) -> int:
+    """The block count memory allows (`fitted`), capped at what max_num_seqs sequences of max_model_len
+    tokens can hold (worker/memory.py usable_blocks)."""
+    from ppserve.worker.memory import capped_blocks
+
+    max_len = config.model.max_model_len or arch.max_position_embeddings
+    return capped_blocks(fitted, config.scheduler.max_num_seqs, max_len, block_size)
+
+
 def agreed_block_size(sizes: list[int]) -> int:
     """The one KV block size of a pipeline (the scheduler's allocator is shared by every stage)."""
     if len(set(sizes)) != 1:
@@ -99,9 +109,10 @@ class InProcExecutor:
         self._done: deque[StepResult] = deque()
 
     def _fit_kv_blocks(self) -> int:
-        """One block count for every stage. The stages share this process (and its one device): a
-        fraction of free memory, or the GPU budget, is split among them by what a block costs each;
-        the profiled peak is the largest stage's (stages run one after another, never at once)."""
+        """One block count for every stage, capped at what the scheduler can use (pool_cap). The stages
+        share this process (and its one device): a fraction of free memory, or the GPU budget, is split
+        among them by what a block costs each; the profiled peak is the largest stage's (stages run one
+        after another, never at once)."""
         cache = self.config.cache
         if cache.num_blocks:
             return cache.num_blocks
@@ -111,11 +122,13 @@ class InProcExecutor:
 
             peak = max(w.memory.profile_peak_bytes() for w in workers)
             budget = workers[0].memory.kv_budget_bytes(None, cache.gpu_memory_utilization, peak=peak)
-            return split_blocks(budget, [w.memory.kv_bytes_per_block() for w in workers])
+            return pool_cap(self.config, self.arch, self.block_size,
+                            split_blocks(budget, [w.memory.kv_bytes_per_block() for w in workers]))
         mem = cache.kv_cache_memory
         if mem is not None and mem <= 1:
             mem = mem / len(workers)  # a fraction of this process's free memory, shared
-        return min(w.memory.num_blocks(mem, cache.gpu_memory_utilization) for w in workers)
+        return pool_cap(self.config, self.arch, self.block_size,
+                        min(w.memory.num_blocks(mem, cache.gpu_memory_utilization) for w in workers))
 
     def _build(self, ranges: list[tuple[int, int]]) -> None:
         from ppserve.comm.channel import InProcChannel
@@ -154,11 +167,27 @@ class InProcExecutor:
                 for s, (start, end) in enumerate(self.ranges)]
 
     def repartition(self, ranges: list[tuple[int, int]]) -> None:
-        self._done.clear()
-        self.actors = []
+        self._release_stages()  # before the new stages load: the old ones' memory would count against them
         self._build(ranges)
         for a in self.actors:
             a.init_cache(self.num_kv_blocks)
 
     def shutdown(self) -> None:
+        self._release_stages()
+
+    def _release_stages(self) -> None:
+        """Give back every stage's memory now: the KV caches and decode graphs (the bulk of a GPU: the
+        cache takes what the weights leave of 0.9 of it), then the stages themselves, so a next engine in
+        this process (the GPU check's next phase, a test) starts from what was free before this one."""
         self._done.clear()
+        actors, self.actors = self.actors, []
+        on_cuda = any(a.worker.device.type == "cuda" for a in actors)
+        for a in actors:
+            a.shutdown()
+            a.worker.release()
+        del actors
+        gc.collect()  # stage objects refer to each other (recorder, memory, graphs): free them now, not later
+        if on_cuda:
+            import torch
+
+            torch.cuda.empty_cache()  # the caching allocator's blocks back to the driver

@@ -12,11 +12,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def resolve_gpus_per_worker(setting: float | None, cluster_gpus: float) -> float:
-    """parallel.gpus_per_worker: unset means one GPU per actor when the cluster has GPUs, else none."""
+def resolve_gpus_per_worker(setting: float | None, cluster_gpus: float, world_size: int = 1) -> float:
+    """parallel.gpus_per_worker: unset means one GPU per actor when the cluster has GPUs, else none.
+
+    GPU actors of a pipeline talk over NCCL (the TP groups and the stage links), and NCCL refuses, or
+    hangs on, two ranks of one communicator on one GPU: with more than one actor a GPU share must be
+    whole, so a fraction (which Ray would happily pack two to a GPU) is refused here, before any actor
+    starts."""
     if setting is not None:
         if setting < 0:
             raise ValueError(f"parallel.gpus_per_worker must be >= 0, got {setting!r}")
+        if world_size > 1 and setting != int(setting):
+            raise ValueError(
+                f"parallel.gpus_per_worker={setting:g} with {world_size} actors: GPU actors talk over NCCL, "
+                "which cannot put two ranks of one group on one GPU; use a whole number of GPUs per actor "
+                "(1), or run on one GPU with parallel.executor=inproc")
         return float(setting)
     return 1.0 if cluster_gpus > 0 else 0.0
 

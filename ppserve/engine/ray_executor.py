@@ -25,7 +25,7 @@ from ppserve.engine.dispatch import (
     StageActorHandle,
     resolve_dispatch,
 )
-from ppserve.engine.executor import agreed_block_size, stage_spec
+from ppserve.engine.executor import agreed_block_size, pool_cap, stage_spec
 from ppserve.engine.placement import order_stages_by_node, resolve_gpus_per_worker
 from ppserve.metrics.spans import estimate_offset
 from ppserve.sched.output import SchedulerOutput, StepResult
@@ -81,7 +81,8 @@ class RayExecutor:
         self.startup_timeout_s = par.startup_timeout_s
         self.dispatch: ControlPlane | None = None
         self.init_ray()
-        self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker, ray.cluster_resources().get("GPU", 0))
+        self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker, ray.cluster_resources().get("GPU", 0),
+                                                       par.world_size)
         self.dispatch_kind = resolve_dispatch(par.dispatch, self.gpus_per_worker)
         self.init_actors()
         self.init_clock_offsets()
@@ -89,7 +90,7 @@ class RayExecutor:
                                                               "reading the KV block size"))
         blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory, config.cache.gpu_memory_utilization)
                   for a in self.actors]
-        fitted = min(self._startup_get(blocks, "sizing the KV cache"))
+        fitted = pool_cap(config, arch, self.block_size, min(self._startup_get(blocks, "sizing the KV cache")))
         self.num_kv_blocks = config.cache.num_blocks or fitted
         self.init_caches_and_dispatch()
 

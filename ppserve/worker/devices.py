@@ -10,16 +10,24 @@ without a GPU requested, a GPU requested without CUDA) are refused with what to 
 
 Which dtypes: `resolve_dtype` turns model.dtype (`auto` or a name) into a torch dtype from the checkpoint
 and the device, `resolve_kv_dtype` does the same for cache.dtype.
+
+Which thread: `torch.cuda.set_device` is per thread. A stage actor is built on one thread, but Ray runs
+its calls, its compiled graph's loop and the connection control plane's reader on others, where the
+current device is cuda:0 again: `bind_thread_device` makes every such thread use the actor's device.
+Which kernels: the CPU C kernels are never built in a CUDA worker (`kernel_settings_for`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ppserve.model.arch import ModelArch
+from ppserve.model.ops.settings import KernelSettings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,12 +46,33 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_dtype(name: str, arch: ModelArch, device: torch.device) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on GPU; bf16 on CPUs with native bf16, else float32."""
+    """`auto`: on GPU the checkpoint's half dtype, and bf16 for a float32 checkpoint (the default model's
+    safetensors are float32 only because they are dequantized from its GGUF: serving them in fp32 would
+    halve the GPU's speed for nothing, and fp32 is there on request); bf16 on CPUs with native bf16, else
+    float32."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
-        return DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
+        dtype = DTYPES.get(arch.torch_dtype or "bfloat16", torch.bfloat16)
+        return torch.bfloat16 if dtype == torch.float32 else dtype
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def kernel_settings_for(settings: KernelSettings, device: torch.device) -> KernelSettings:
+    """The kernel settings a worker on `device` uses: on CUDA the CPU C kernels are off (their tensors
+    live on the GPU, so building them would only cost a compiler run at start-up)."""
+    return replace(settings, native=False) if device.type == "cuda" else settings
+
+
+_thread_device = threading.local()
+
+
+def bind_thread_device(device: torch.device) -> None:
+    """Make `device` the current CUDA device of the calling thread (once per thread; a no-op on CPU)."""
+    if device.type != "cuda" or getattr(_thread_device, "index", None) == device.index:
+        return
+    torch.cuda.set_device(device)
+    _thread_device.index = device.index
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -65,6 +65,25 @@ def split_blocks(budget: int, bytes_per_block: list[int]) -> int:
     return max(1, budget // per_block)
 
 
+def usable_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most KV blocks the scheduler can ever hold at once: max_num_seqs sequences, each at most
+    max_model_len tokens. A bigger pool only costs memory the GPU could give activations and a longer
+    free list (the default model on a 141 GB GPU would otherwise get ~360,000 blocks)."""
+    if min(max_num_seqs, max_model_len, block_size) < 1:
+        raise ValueError(f"max_num_seqs, max_model_len and block_size must be >= 1, got {max_num_seqs}, "
+                         f"{max_model_len}, {block_size}")
+    return max_num_seqs * -(-max_model_len // block_size)
+
+
+def capped_blocks(fitted: int, max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """`fitted` (what memory allows), capped at usable_blocks; logged when the cap applies."""
+    cap = usable_blocks(max_num_seqs, max_model_len, block_size)
+    if fitted > cap:
+        logger.info("KV pool capped at %d blocks (%d sequences x %d tokens); memory would allow %d",
+                    cap, max_num_seqs, max_model_len, fitted)
+    return min(fitted, cap)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

@@ -103,7 +103,7 @@ class StageActor:
             torch.set_num_threads(self.spec.num_threads)
         import ray
 
-        from ppserve.worker.devices import cuda_device_for_actor
+        from ppserve.worker.devices import bind_thread_device, cuda_device_for_actor
 
         # The GPU Ray assigned to this actor, never "cuda:0 of the node" (see worker/devices.py).
         gpu = cuda_device_for_actor(
@@ -111,7 +111,7 @@ class StageActor:
             torch.cuda.device_count() if torch.cuda.is_available() else 0, self.spec.gpus)
         backend = "gloo" if gpu is None else "nccl"
         if gpu is not None:
-            torch.cuda.set_device(gpu)
+            bind_thread_device(torch.device("cuda", gpu))
         if ipaddress.ip_address(master).is_loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             # Every rank is on this machine. Gloo otherwise listens on whatever the host name resolves
             # to, often a routable address.
@@ -142,7 +142,7 @@ class StageActor:
         (and the first microbatch does not pay for it)."""
         import torch
 
-        worker = self.worker
+        worker = self._on_device()
         if worker.tp.size > 1:
             worker.tp.all_reduce(torch.zeros(1, device=worker.device))
         hidden = worker.arch.hidden_size
@@ -156,16 +156,26 @@ class StageActor:
     def block_size(self) -> int:
         return int(self.worker.block_size)
 
+    def _on_device(self) -> StageWorker:
+        """The worker, with its device made current on the calling thread: Ray calls, a compiled graph's
+        loop and the connection reader run on threads other than the one that built the worker, where
+        the current CUDA device would be cuda:0 (worker/devices.py)."""
+        from ppserve.worker.devices import bind_thread_device
+
+        worker = self.worker
+        bind_thread_device(worker.device)
+        return worker
+
     def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
-        return self.worker.memory.num_blocks(kv_cache_memory, gpu_memory_utilization)
+        return self._on_device().memory.num_blocks(kv_cache_memory, gpu_memory_utilization)
 
     def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
+        self._on_device().init_cache(num_blocks)
 
     # ---- one microbatch ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult | None:
         """Run this actor's part of a microbatch; the last stage's TP rank 0 returns the StepResult."""
-        worker = self.worker
+        worker = self._on_device()
         seconds: tuple[float, ...] = ()
         hidden_in = None
         inp = worker.prepare(out)  # before the wait: it needs nothing from the previous stage

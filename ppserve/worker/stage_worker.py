@@ -30,7 +30,7 @@ from ppserve.model.registry import build_stage_model
 from ppserve.request import TokenLogprob
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
-from ppserve.worker.devices import current_device, resolve_dtype, resolve_kv_dtype
+from ppserve.worker.devices import current_device, kernel_settings_for, resolve_dtype, resolve_kv_dtype
 from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, StageMemory
 from ppserve.worker.sampler import sample
@@ -76,9 +76,9 @@ class StageSpec:
 class StageWorker:
     def __init__(self, spec: StageSpec, tp: TPContext | None = None) -> None:
         self.spec = spec
-        configure_kernels(spec.kernels)  # before anything asks for a kernel
-        self.init_threads()
         self.device = current_device()
+        configure_kernels(kernel_settings_for(spec.kernels, self.device))  # before anything asks for a kernel
+        self.init_threads()
         self.arch = spec.arch
         self.dtype = resolve_dtype(spec.dtype, spec.arch, self.device)  # worker/devices.py
         self.kv_dtype = resolve_kv_dtype(spec.kv_cache_dtype, self.dtype)
@@ -243,4 +243,11 @@ class StageWorker:
 
     def drain_spans(self) -> list[dict[str, Any]]:
         return [s.to_dict() for s in self.recorder.drain()]
+
+    def release(self) -> None:
+        """Drop the KV cache, the decode graphs and the input batch's records (shutdown): what this stage
+        holds beyond its weights, given back even while something still refers to the worker."""
+        self.kv_caches = []
+        self.graphs = None
+        self.batch = InputBatch(self.block_size, self.device)
 
