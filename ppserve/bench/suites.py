@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.bench import report
-from ppserve.bench.capacity import SLO, Probe, find_capacity, probe_from_summary
 from ppserve.bench.harness import (
     EngineSpec,
     RunResult,
@@ -33,6 +32,7 @@ from ppserve.bench.harness import (
 )
 from ppserve.bench.prompts import PromptBuilder
 from ppserve.bench.workloads import WorkloadSpec, build_workload, workload_stats
+from ppserve.metrics.capacity import SLO, Probe, find_capacity, probe_from_summary
 from ppserve.metrics.spans import Span
 from ppserve.sim.workload import WorkloadRequest
 

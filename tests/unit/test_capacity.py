@@ -1,10 +1,10 @@
-"""Capacity search (ppserve.bench.capacity) on fake monotone latency functions: pure Python, no model."""
+"""Capacity search (ppserve.metrics.capacity) on fake monotone latency functions: pure Python, no model."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppserve.bench.capacity import SLO, Probe, find_capacity, probe_from_summary
+from ppserve.metrics.capacity import SLO, Probe, find_capacity, probe_from_summary
 
 
 def threshold_eval(capacity: float, calls: list[float] | None = None):
@@ -99,3 +99,21 @@ def test_bad_arguments(kwargs):
 def test_slo_validation():
     with pytest.raises(ValueError):
         SLO(tbt_p99_s=0.0)
+
+
+def test_prior_probes_seed_the_bracket_and_are_not_repeated():
+    coarse = find_capacity(threshold_eval(5.0), start_rate=1.0, max_evals=20, rel_tol=0.5)
+    assert coarse.bracket == (4.0, 6.0)  # 1, 2, 4 pass, 8 fails, 6 fails: within 50 %
+    calls: list[float] = []
+    fine = find_capacity(threshold_eval(5.0, calls), start_rate=1.0, max_evals=20, rel_tol=0.05,
+                         prior=coarse.probes)
+    assert calls == [5.0, 5.5, 5.25]  # bisection goes on from (4, 6); nothing is probed twice
+    assert fine.capacity == 5.0 and fine.probes[:len(coarse.probes)] == coarse.probes
+    # A prior with only passes (or only fails) brackets on from its edge by `growth`.
+    calls.clear()
+    find_capacity(threshold_eval(5.0, calls), start_rate=1.0, max_evals=2, growth=1.5,
+                  prior=[Probe(4.0, True)])
+    assert calls == [6.0, 5.0]
+    calls.clear()
+    find_capacity(threshold_eval(5.0, calls), start_rate=1.0, max_evals=1, prior=[Probe(8.0, False)])
+    assert calls == [4.0]

@@ -3,15 +3,17 @@ at which p99 TBT <= a target and median scheduling delay <= 2 s, found by search
 fixed trace.
 
 Pure Python: `find_capacity` only needs `evaluate(rate) -> Probe`, so the same search runs on the real
-pipeline, on the simulator, and in unit tests on a fake latency function. The search brackets first
-(doubling up from the start rate while it passes, halving down while it fails), then bisects the
-bracket until it is narrower than `rel_tol` or the evaluation budget is spent. It assumes the SLO is
+pipeline (`ppserve bench capacity`), on the simulator (`ppserve bench capacity --on sim`, `ppserve plan`),
+and in unit tests on a fake latency function. The search brackets first (multiplying the rate by
+`growth` while it passes, dividing while it fails), then bisects the bracket until it is narrower than
+`rel_tol` or the evaluation budget is spent. Probes already made on the same evaluation (`prior`) seed
+the bracket, so a coarse search can be refined later without repeating a rate. It assumes the SLO is
 monotone in the rate (it is, up to measurement noise: more load never lowers latency on average).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -84,14 +86,19 @@ def find_capacity(
     min_rate: float = 1e-3,
     max_rate: float = 1e6,
     on_probe: Callable[[Probe], None] | None = None,
+    growth: float = 2.0,
+    prior: Sequence[Probe] = (),
 ) -> CapacityResult:
-    """Search for the highest rate that `evaluate` passes (see the module docstring)."""
+    """Search for the highest rate that `evaluate` passes (see the module docstring).
+
+    `max_evals` counts new evaluations only; the prior probes are free and come first in the result."""
     if not 0 < min_rate <= start_rate <= max_rate:
         raise ValueError(f"need 0 < min_rate <= start_rate <= max_rate, got {min_rate}, {start_rate}, {max_rate}")
-    if max_evals < 1 or rel_tol <= 0:
-        raise ValueError(f"need max_evals >= 1 and rel_tol > 0, got {max_evals}, {rel_tol}")
-    probes: list[Probe] = []
-    cache: dict[float, Probe] = {}
+    if max_evals < 1 or rel_tol <= 0 or growth <= 1:
+        raise ValueError(f"need max_evals >= 1, rel_tol > 0 and growth > 1, got {max_evals}, {rel_tol}, {growth}")
+    probes: list[Probe] = list(prior)
+    cache: dict[float, Probe] = {p.rate: p for p in prior}
+    budget = len(probes) + max_evals
 
     def run(rate: float) -> Probe:
         if rate not in cache:
@@ -102,23 +109,28 @@ def find_capacity(
                 on_probe(p)
         return cache[rate]
 
-    lo: float | None = None  # highest passing rate
-    hi: float | None = None  # lowest failing rate
+    # The highest passing rate and the lowest failing one above it (a fail below a pass is noise).
+    lo = max((p.rate for p in prior if p.ok), default=None)
+    hi = min((p.rate for p in prior if not p.ok and (lo is None or p.rate > lo)), default=None)
     rate = start_rate
+    if lo is not None and hi is None:
+        rate = min(lo * growth, max_rate)
+    elif lo is None and hi is not None:
+        rate = max(hi / growth, min_rate)
     # Bracket.
-    while len(probes) < max_evals:
+    while (lo is None or hi is None) and len(probes) < budget:
         if run(rate).ok:
             lo = rate
             if hi is not None or rate >= max_rate:
                 break
-            rate = min(rate * 2, max_rate)
+            rate = min(rate * growth, max_rate)
         else:
             hi = rate
             if lo is not None or rate <= min_rate:
                 break
-            rate = max(rate / 2, min_rate)
+            rate = max(rate / growth, min_rate)
     # Bisect.
-    while lo is not None and hi is not None and len(probes) < max_evals and (hi - lo) > rel_tol * lo:
+    while lo is not None and hi is not None and len(probes) < budget and (hi - lo) > rel_tol * lo:
         mid = (lo + hi) / 2
         if run(mid).ok:
             lo = mid
