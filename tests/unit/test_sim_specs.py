@@ -3,6 +3,8 @@ weights per stage, and the shipped configs (hand-computed figures, no torch)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from ppserve.sched.cost import BatchShape
@@ -14,6 +16,7 @@ from ppserve.sim.cost_model import (
     load_model_spec,
     stage_weight_bytes,
 )
+from ppserve.sim.lengths import ARXIV_SUMMARIZATION_LIKE, SHAREGPT4_LIKE
 from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.workload import WorkloadRequest
 
@@ -117,3 +120,16 @@ def test_the_simulator_charges_each_boundary_its_own_link():
     placed = RooflineCostModel(m, hw, 4, 2, gpus_per_node=8)
     assert gaps[8] == [round(placed.boundary_transfer_time(s, shape) * 1e9) for s in range(3)]
     assert gaps[0][0] > gaps[8][0]  # the inter-node link is the slower one
+
+
+@pytest.mark.parametrize("dist", [SHAREGPT4_LIKE, ARXIV_SUMMARIZATION_LIKE])
+def test_dataset_like_lengths_have_the_published_median_and_p90(dist):
+    reqs = dist.sample(4000, max_model_len=10**6, seed=1)
+    prompts = sorted(r.prompt_len for r in reqs)
+    outputs = sorted(r.output_len for r in reqs)
+    assert statistics.median(prompts) == pytest.approx(dist.prompt_median, rel=0.06)
+    assert prompts[int(0.9 * len(prompts))] == pytest.approx(dist.prompt_p90, rel=0.08)
+    assert statistics.median(outputs) == pytest.approx(dist.output_median, rel=0.06)
+    assert outputs[int(0.9 * len(outputs))] == pytest.approx(dist.output_p90, rel=0.08)
+    assert dist.sample(50, 4096, seed=1) == dist.sample(50, 4096, seed=1)  # seeded
+    assert all(r.prompt_len + r.output_len <= 4096 for r in dist.sample(200, 4096))  # clipped to the context
