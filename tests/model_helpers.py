@@ -175,3 +175,42 @@ def tp_scenario(stage: StageModel) -> list[Tensor]:
     b = runner.run_chunked(1, TP_PROMPTS[1][:3], 3)
     mixed = runner.step([(0, [4]), (1, TP_PROMPTS[1][3:]), (2, [11, 22, 33])])
     return [a, b, *mixed]
+
+
+def make_tiny_qwen3_dir(path: Path, *, arch: str = "qwen3_moe", num_layers: int = 4, hidden: int = 64,
+                        heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 256,
+                        intermediate: int = 96, experts: int = 8, top_k: int = 2, expert_intermediate: int = 32,
+                        dense_layers: Sequence[int] = (1,), fused: bool = False, seed: int = 0) -> Path:
+    """Save a random-weight Qwen3 ('qwen3'), Qwen3-MoE ('qwen3_moe': `dense_layers` keep a dense MLP) or
+    Mixtral ('mixtral': every layer sparse, `expert_intermediate` wide) as a real HF directory. `fused`
+    writes transformers' fused expert tensors instead of the Hub's per-expert ones."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=intermediate, head_dim=head_dim))
+    elif arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            **common, head_dim=head_dim, intermediate_size=intermediate, moe_intermediate_size=expert_intermediate,
+            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=list(dense_layers)))
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=expert_intermediate,
+                                                 num_local_experts=experts, num_experts_per_tok=top_k))
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    with torch.no_grad():  # peaked logits, as in make_tiny_llama_dir; routers sharp enough to pick distinct experts
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path, save_original_format=not fused)
+    return Path(path)

@@ -12,6 +12,21 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts model's sparse MLP (ppserve/model/moe.py): its routing and which layers have it."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_intermediate_size: int  # each expert's SiLU-gated MLP width
+    normalize_topk: bool  # renormalize the chosen experts' probabilities to sum to 1
+    weights_in_model_dtype: bool  # the routing weights are cast to the model dtype (Qwen3-MoE) or kept float32 (Mixtral)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the sparse block; the others are dense
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """Runtime facts about one model; plain values, so it pickles across Ray."""
 
@@ -34,6 +49,7 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
     sliding_window: int | None = None  # attention looks back at most this many tokens (None: no limit)
+    moe: MoeSpec | None = None  # the sparse MLP of a mixture-of-experts model (None: every MLP is dense)
 
 
 def rope_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

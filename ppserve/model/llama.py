@@ -75,13 +75,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residual adds. Families with other blocks (Qwen3's normed q/k,
+    a mixture of experts) pass their own `self_attn` / `mlp` modules."""
+
     def __init__(self, arch: ModelArch, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, self_attn: nn.Module | None = None, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(arch, tp, dtype, device, backend)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(arch, tp, dtype, device, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(arch, tp, dtype, device)
+        self.mlp = mlp if mlp is not None else LlamaMLP(arch, tp, dtype, device)
 
     def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, residual: Tensor | None, kv_cache: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:

@@ -16,8 +16,11 @@ import torch
 from ppserve.model.arch import ModelArch
 from ppserve.model.attention import AttentionBackend
 from ppserve.model.llama import LlamaForCausalLM, parse_llama
+from ppserve.model.mixtral import MixtralForCausalLM, parse_mixtral
 from ppserve.model.parallel import TPContext
 from ppserve.model.phi3 import Phi3ForCausalLM, parse_phi3
+from ppserve.model.qwen3 import Qwen3ForCausalLM, parse_qwen3
+from ppserve.model.qwen3_moe import Qwen3MoeForCausalLM, parse_qwen3_moe
 from ppserve.model.stage_model import StageModel
 
 
@@ -32,10 +35,14 @@ REGISTRY: dict[str, ModelFamily] = {
     "MistralForCausalLM": ModelFamily(parse_llama, LlamaForCausalLM),
     "Qwen2ForCausalLM": ModelFamily(parse_llama, LlamaForCausalLM),
     "Phi3ForCausalLM": ModelFamily(parse_phi3, Phi3ForCausalLM),
+    "Qwen3ForCausalLM": ModelFamily(parse_qwen3, Qwen3ForCausalLM),
+    "Qwen3MoeForCausalLM": ModelFamily(parse_qwen3_moe, Qwen3MoeForCausalLM),
+    "MixtralForCausalLM": ModelFamily(parse_mixtral, MixtralForCausalLM),
 }
 # Configs without an `architectures` list name their family by model_type.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM"}
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:

@@ -28,7 +28,8 @@ from ppserve.model.parallel import TPContext
 
 logger = logging.getLogger(__name__)
 
-LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")  # the HF layer tensor naming
+# The HF layer tensor naming; a fused expert tensor (experts.gate_up_proj) is a parameter without a suffix.
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+?)(?:\.(weight|bias))?$")
 EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
@@ -41,6 +42,11 @@ class Fused:
     rows: Callable[[ModelArch], tuple[int, ...]]
 
 
+class SelfCheckedShard:
+    """A shard id whose module checks its own completeness (`missing_weights()`), for tensors a checkpoint
+    may store in either of two layouts (an MoE layer's experts: one tensor per expert, or all fused)."""
+
+
 WeightMap = dict[str, tuple[str, Any]]  # checkpoint module in a layer -> (our module path, shard id | Fused)
 
 
@@ -49,8 +55,16 @@ class StageModel(nn.Module):
 
     # Set by each family: its decoder layer (built as layer_class(arch, tp, dtype, device, backend)) and
     # its weight-name map. A layer's forward is (rope, x, residual, kv_cache, meta) -> (x, residual).
+    # A family whose layers differ (dense and sparse MLPs) overrides `make_layer`; a layer with its own
+    # `layer_weights` attribute uses that map instead of the family's.
     layer_class: ClassVar[type[nn.Module]]
     layer_weights: ClassVar[WeightMap]
+
+    @classmethod
+    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
+                   backend: AttentionBackend) -> nn.Module:
+        """Decoder layer number `layer` (global index)."""
+        return cls.layer_class(arch, tp, dtype, device, backend)  # type: ignore[call-arg]
 
     def __init__(self, arch: ModelArch, layer_start: int, layer_end: int, tp: TPContext = TPContext(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -67,8 +81,8 @@ class StageModel(nn.Module):
         self.attn_backend = backend  # every layer's (one object: its per-step work is shared)
         self.embed_tokens = (VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp, dtype, device)
                              if self.is_first else None)
-        self.layers = nn.ModuleList(self.layer_class(arch, tp, dtype, device, backend)  # type: ignore[call-arg]
-                                    for _ in range(layer_start, layer_end))
+        self.layers = nn.ModuleList(self.make_layer(arch, i, tp, dtype, device, backend)
+                                    for i in range(layer_start, layer_end))
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) if self.is_last else None
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device) if self.is_last else None
@@ -123,14 +137,21 @@ class StageModel(nn.Module):
     def hf_names_needed(self) -> list[str]:
         """The checkpoint tensor names this stage must receive (used to report missing ones)."""
         names = [EMBED] if self.is_first else []
-        for i in range(self.layer_start, self.layer_end):
-            for hf, (path, _) in self.layer_weights.items():
+        for i, layer in zip(range(self.layer_start, self.layer_end), self.layers, strict=True):
+            for hf, (path, shard) in self.weights_of(layer).items():
+                if isinstance(shard, SelfCheckedShard):
+                    continue  # its module reports what it lacks (`missing_weights`)
                 names.append(f"model.layers.{i}.{hf}.weight")
-                if getattr(self.layers[0].get_submodule(path), "bias", None) is not None:
+                if getattr(layer.get_submodule(path), "bias", None) is not None:
                     names.append(f"model.layers.{i}.{hf}.bias")
         if self.is_last:
             names += [NORM, EMBED if self.arch.tie_word_embeddings else HEAD]
         return sorted(set(names))
+
+    def weights_of(self, layer: nn.Module) -> WeightMap:
+        """The weight-name map of one of this stage's layers."""
+        own: WeightMap | None = getattr(layer, "layer_weights", None)
+        return own if own is not None else self.layer_weights
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor | CheckpointTensor]]) -> None:
         """Load checkpoint-named tensors (real, or read lazily: only this rank's shard is read), keeping
@@ -142,6 +163,10 @@ class StageModel(nn.Module):
         if self.is_last and self.arch.tie_word_embeddings and HEAD in seen:
             seen.add(EMBED)  # an explicit head copy satisfies the tie
         missing = [n for n in self.hf_names_needed() if n not in seen]
+        for i, layer in zip(range(self.layer_start, self.layer_end), self.layers, strict=True):
+            for path, module in layer.named_modules():
+                if hasattr(module, "missing_weights"):
+                    missing += [f"model.layers.{i}.{path}: {what}" for what in module.missing_weights()]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for layers "
@@ -175,11 +200,15 @@ class StageModel(nn.Module):
         if match is None:
             logger.debug("ignoring tensor %s", name)
             return False
-        layer_idx, hf_module, kind = int(match.group(1)), match.group(2), match.group(3)
-        if not self.layer_start <= layer_idx < self.layer_end or hf_module not in self.layer_weights:
+        layer_idx, hf_module, kind = int(match.group(1)), match.group(2), match.group(3) or "weight"
+        if not self.layer_start <= layer_idx < self.layer_end:
             return False
-        module_path, shard = self.layer_weights[hf_module]
-        module = self.layers[layer_idx - self.layer_start].get_submodule(module_path)
+        layer = self.layers[layer_idx - self.layer_start]
+        weights = self.weights_of(layer)
+        if hf_module not in weights:
+            return False
+        module_path, shard = weights[hf_module]
+        module = layer.get_submodule(module_path)
         param = getattr(module, kind)
         if param is None:
             raise ValueError(f"{name}: this architecture has no {kind} for {hf_module}")

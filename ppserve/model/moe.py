@@ -1,0 +1,196 @@
+"""The sparse MLP every mixture-of-experts family shares: a top-k router and E SiLU-gated experts.
+
+A token's router logits (one replicated linear layer) go through a softmax in float32; the k most
+probable experts are chosen with `torch.topk`, so exact ties are decided as transformers decides them,
+and their probabilities are optionally renormalized (Qwen3-MoE's `norm_topk_prob`; Mixtral always,
+which is the softmax over the chosen logits). The experts run grouped by expert (`ops.moe.experts`).
+
+Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermediate dimension (gate and
+up rows, down columns), read straight from the checkpoint's slices; the router is replicated; the block
+ends in one all-reduce, as the dense MLP's down projection does.
+
+Checkpoints come in two layouts and both load: per-expert tensors as on the Hub
+(`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1 / w3 / w2`) and transformers' fused expert tensors
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). `expert_weights` builds the weight
+map entries for either; each expert module tracks what it received and reports what is missing.
+
+Expert parallelism (experts split over ranks, tokens exchanged all-to-all) would replace the slice of
+every expert by whole experts per rank; see ppserve/ARCHITECTURE.md §7.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ppserve.model.arch import MoeSpec
+from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
+from ppserve.model.ops import moe as moe_ops
+from ppserve.model.parallel import TPContext
+from ppserve.model.stage_model import SelfCheckedShard, WeightMap
+
+# MoE config fields ppserve does not implement, each with the value that means "not used".
+_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "shared_expert_intermediate_size": (None, 0),  # a shared expert beside the routed ones (Qwen2-MoE)
+    "n_shared_experts": (None, 0),  # DeepSeek's shared experts
+    "n_group": (None, 1),  # grouped top-k routing (DeepSeek-V3)
+    "topk_group": (None, 1),
+    "topk_method": (None, "greedy"),
+    "first_k_dense_replace": (None, 0),
+}
+
+
+def check_moe_config(cfg: dict[str, Any]) -> None:
+    """Refuse what the router and experts here do not implement, naming the field."""
+    for field, unused in _UNSUPPORTED_FIELDS.items():
+        if cfg.get(field) not in unused:
+            raise ValueError(f"unsupported MoE config: {field}={cfg[field]!r} (ppserve's MoE block has routed "
+                             "experts only, softmax top-k routing)")
+    scoring = cfg.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise ValueError(f"unsupported MoE config: scoring_func={scoring!r} (only softmax)")
+
+
+def moe_spec(num_experts: int, top_k: int, expert_intermediate_size: int, normalize_topk: bool,
+             weights_in_model_dtype: bool, sparse_layers: tuple[int, ...]) -> MoeSpec:
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"MoE config: num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    if expert_intermediate_size < 1:
+        raise ValueError(f"MoE config: expert intermediate size {expert_intermediate_size} must be positive")
+    return MoeSpec(num_experts, top_k, expert_intermediate_size, normalize_topk, weights_in_model_dtype,
+                   sparse_layers)
+
+
+class TopKRouter(nn.Module):
+    """Replicated router: hidden [T, H] -> (routing weights [T, k], expert ids [T, k])."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+        self.loaded = False
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.normalize_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top.to(logits.dtype) if self.spec.weights_in_model_dtype else top), ids
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+        _copy(param, as_tensor(full), "router weight")
+        self.loaded = True
+
+    def missing_weights(self) -> list[str]:
+        return [] if self.loaded else ["router (gate)"]
+
+
+@dataclass(frozen=True)
+class RouterShard(SelfCheckedShard):
+    """The router's tensor, stored as `{prefix}.gate` per expert layout or `mlp.gate` fused."""
+
+
+@dataclass(frozen=True)
+class ExpertShard(SelfCheckedShard):
+    """Which part of which expert a checkpoint tensor holds. `expert` None: all experts at once (the fused
+    layout). `part`: 0 gate, 1 up (or "gate_up", both, fused), "down"."""
+
+    expert: int | None
+    part: int | str
+
+
+class ExpertWeights(nn.Module):
+    """This TP rank's slice of every expert's gate/up rows (w13 [E, 2 I_local, H]) or down columns
+    (w2 [E, H, I_local]); `weight` is either, by `kind`."""
+
+    def __init__(self, kind: str, spec: MoeSpec, hidden_size: int, tp: TPContext, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.kind, self.tp = kind, tp
+        inter = spec.expert_intermediate_size
+        self.start, self.end = tp.shard_range(inter)
+        self.inter, self.local = inter, self.end - self.start
+        shape = (spec.num_experts, 2 * self.local, hidden_size) if kind == "gate_up" else \
+            (spec.num_experts, hidden_size, self.local)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        parts = 2 if kind == "gate_up" else 1
+        self.loaded = [[False] * parts for _ in range(spec.num_experts)]  # what the checkpoint delivered
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, ExpertShard):
+            raise ValueError(f"expert weights need an ExpertShard, got {shard_id!r}")
+        a, b, inter = self.start, self.end, self.inter
+        if shard_id.expert is None:  # fused: [E, 2I, H] or [E, H, I]
+            if self.kind == "gate_up":
+                _copy(param[:, :self.local], full[:, a:b, :], "experts.gate_up_proj (gate)")
+                _copy(param[:, self.local:], full[:, inter + a:inter + b, :], "experts.gate_up_proj (up)")
+            else:
+                _copy(param, full[:, :, a:b], "experts.down_proj")
+            self.loaded = [[True] * len(row) for row in self.loaded]
+            return
+        e = shard_id.expert
+        if self.kind == "down":
+            _copy(param[e], full[:, a:b], f"expert {e} down projection")
+            self.loaded[e][0] = True
+        else:
+            part = int(shard_id.part)
+            _copy(param[e, part * self.local:(part + 1) * self.local], full[a:b], f"expert {e} gate/up part {part}")
+            self.loaded[e][part] = True
+
+    def missing_weights(self) -> list[str]:
+        names = {"gate_up": ("gate", "up"), "down": ("down",)}[self.kind]
+        return [f"expert {e} {names[p]}" for e, row in enumerate(self.loaded) for p, ok in enumerate(row) if not ok]
+
+
+def _copy(dst: Tensor, src: Tensor | CheckpointTensor, what: str) -> None:
+    src = as_tensor(src)
+    if dst.shape != src.shape:
+        raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts + the one all-reduce: hidden [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, tp: TPContext, dtype: torch.dtype,
+                 device: torch.device | str, kernel: str = "auto") -> None:
+        super().__init__()
+        self.tp, self.kernel = tp, kernel
+        self.gate = TopKRouter(hidden_size, spec, dtype, device)
+        self.experts = nn.Module()
+        self.experts.gate_up = ExpertWeights("gate_up", spec, hidden_size, tp, dtype, device)
+        self.experts.down = ExpertWeights("down", spec, hidden_size, tp, dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, ids = self.gate(x)
+        out = moe_ops.experts(x, ids, weights, self.experts.gate_up.weight, self.experts.down.weight,
+                              self.kernel)
+        return self.tp.all_reduce(out)  # each rank summed its slice of every expert
+
+
+# Checkpoint names of one expert's three projections: (gate, up, down).
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def expert_weights(prefix: str, num_experts: int, names: tuple[str, str, str], ours: str = "mlp") -> WeightMap:
+    """Weight-map entries of a sparse block stored under checkpoint module `prefix` ("mlp",
+    "block_sparse_moe"): the router, every expert's per-expert tensors, and the fused layout's two tensors
+    (transformers writes them under "mlp")."""
+    gate, up, down = names
+    entries: WeightMap = {f"{prefix}.gate": (f"{ours}.gate", RouterShard()), "mlp.gate": (f"{ours}.gate", RouterShard()),
+                          "mlp.experts.gate_up_proj": (f"{ours}.experts.gate_up", ExpertShard(None, "gate_up")),
+                          "mlp.experts.down_proj": (f"{ours}.experts.down", ExpertShard(None, "down"))}
+    for e in range(num_experts):
+        entries[f"{prefix}.experts.{e}.{gate}"] = (f"{ours}.experts.gate_up", ExpertShard(e, 0))
+        entries[f"{prefix}.experts.{e}.{up}"] = (f"{ours}.experts.gate_up", ExpertShard(e, 1))
+        entries[f"{prefix}.experts.{e}.{down}"] = (f"{ours}.experts.down", ExpertShard(e, "down"))
+    return entries
