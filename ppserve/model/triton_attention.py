@@ -143,6 +143,152 @@ def paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cu_query_
     return out
 
 
+# Split-K decode: a decode-only microbatch of few sequences gives the kernel above one program per
+# (sequence, KV head), a handful of an H200's 132 SMs, each walking a long context alone. Splitting each
+# context into pieces of PAGES_PER_SPLIT pages gives every piece its own program (its partial softmax:
+# running max, sum and unnormalised output), and a second small kernel combines the pieces. Whether and
+# how much to split depends on shapes only (sequences, KV heads, the table's width), so a CUDA graph
+# captures one fixed plan per shape.
+MIN_PAGES_PER_SPLIT = 4  # at page 16: 64 keys, below which a piece costs more to combine than to walk
+MAX_SPLITS = 64
+CPU_SM_COUNT = 132  # the interpreter has no SMs: plan as on an H100/H200, so CI walks the GPU's decisions
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SM_COUNT
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+def split_k_plan(num_seqs: int, num_kv_heads: int, table_width: int, sms: int) -> int | None:
+    """Pages per split for a decode-only microbatch, or None when the plain kernel fills the GPU
+    already (at least one program per SM) or the contexts are too short to be worth splitting."""
+    programs = num_seqs * num_kv_heads
+    if programs >= sms or table_width < 2 * MIN_PAGES_PER_SPLIT:
+        return None
+    want = min(MAX_SPLITS, -(-2 * sms // programs))  # ~2 programs per SM
+    pages = max(MIN_PAGES_PER_SPLIT, -(-table_width // want))
+    return pages if -(-table_width // pages) >= 2 else None
+
+
+def _build_split_k_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_k_decode_kernel(
+        q_ptr, kv_ptr, acc_ptr, m_ptr, l_ptr, block_tables_ptr, ctx_ptr, scale,
+        stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + seq)
+        rows = tl.arange(0, BLOCK_M)  # the query heads of this KV head's group (one decode token)
+        row_ok = rows < GROUP
+        head = kv_head * GROUP + rows
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TY)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        slots = tl.arange(0, PAGE)
+        last = tl.minimum(split * PAGES_PER_SPLIT + PAGES_PER_SPLIT, (ctx + PAGE - 1) // PAGE)
+        page = split * PAGES_PER_SPLIT
+        while page < last:  # a while loop for the interpreter's sake (see paged_attention_kernel)
+            block = tl.load(block_tables_ptr + seq * stride_bt + page)
+            k_ptrs = (kv_ptr + block * stride_kv_block + slots[:, None] * stride_kv_slot
+                      + kv_head * stride_kv_head + d[None, :])
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(k_ptrs + stride_kv_kind, mask=d_ok[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k.to(DOT_TY)), input_precision=PRECISION).to(tl.float32) * scale
+            visible = ((page * PAGE + slots)[None, :] < ctx) & row_ok[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
+            m_i = m_new
+            page += 1
+        part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] partial index per query head
+        tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+
+    @triton.jit
+    def split_k_combine_kernel(
+        acc_ptr, m_ptr, l_ptr, out_ptr, stride_ot, stride_oh,
+        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, BLOCK_S)
+        sp_ok = sp < NUM_SPLITS
+        base = (seq * NUM_HEADS + head) * NUM_SPLITS
+        m = tl.load(m_ptr + base + sp, mask=sp_ok, other=float("-inf"))
+        l = tl.load(l_ptr + base + sp, mask=sp_ok, other=0.0)  # noqa: E741 - the softmax sum, as in the papers
+        m_max = tl.max(m, 0)
+        w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for a piece past the context
+        w = tl.where(sp_ok, w, 0.0)
+        d = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+        denom = tl.sum(l * w, 0)
+        out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    return split_k_decode_kernel, split_k_combine_kernel
+
+
+_split_k_kernels: dict[bool, tuple[Any, Any]] = {}
+
+
+def paged_decode_split_k(q: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
+                         pages_per_split: int) -> Tensor:
+    """One decode token per sequence (q [N, Hq, D]) over the paged cache, each context split into pieces
+    of `pages_per_split` pages walked in parallel, then combined -> [N, Hq, D]. Same result as
+    paged_attention up to float32 summation order."""
+    import triton
+
+    kernels = _split_k_kernels.get(interpreting())
+    if kernels is None:
+        kernels = _split_k_kernels[interpreting()] = _build_split_k_kernels()
+    decode, combine = kernels
+    n, hq, d = q.shape
+    _, _, page, hkv, _ = kv_cache.shape
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    splits = -(-block_tables.shape[1] // pages_per_split)
+    block_d = max(16, triton.next_power_of_2(d))
+    acc = torch.empty(n, hq, splits, block_d, dtype=torch.float32, device=q.device)
+    m = torch.empty(n, hq, splits, dtype=torch.float32, device=q.device)
+    lsum = torch.empty_like(m)
+    dot_ty = _dot_type(q.dtype)
+    decode[(n, hkv, splits)](
+        q, kv_cache, acc, m, lsum, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        NUM_HEADS=hq, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page,
+        BLOCK_M=max(16, triton.next_power_of_2(hq // hkv)), PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=splits,
+        DOT_TY=dot_ty, PRECISION="ieee" if dot_ty == _dot_type(torch.float32) else "tf32",
+    )
+    combine[(n, hq)](acc, m, lsum, out, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
+                     NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    return out
+
+
 class TritonPagedBackend(AttentionBackend):
     """Every sequence of a microbatch, prefill chunks and decodes, in one Triton launch over the paged
     cache. The default on CUDA when flash-attn is not installed; CUDA-graph capturable (decode-only
@@ -164,6 +310,9 @@ class TritonPagedBackend(AttentionBackend):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         if not meta.prefill_seqs:  # decode-only: the tensors a CUDA graph's static buffers hold
             ctx, tables = meta.decode_context_lens, meta.decode_block_tables
+            pages = split_k_plan(tables.shape[0], kv_cache.shape[3], tables.shape[1], sm_count(q.device))
+            if pages is not None:  # few sequences, long tables: the context split over more SMs
+                return paged_decode_split_k(q, kv_cache, tables, ctx, scale, pages)
             cu_q = meta.cu_query_lens_t
         else:
             if "triton_ctx" not in meta.scratch:  # once per step, shared by the layers

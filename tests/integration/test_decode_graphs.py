@@ -7,6 +7,7 @@ without the capture. The GPU tests (marked `gpu`) capture real graphs and compar
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,7 +42,9 @@ def _generate(model_dir, prompts, **kwargs):
     with LLM(str(model_dir), dtype=kwargs.pop("dtype", "float32"), executor="inproc", **kwargs) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         worker = llm.engine.executor.workers[0]
-        return [o.token_ids for o in outs], worker, llm.engine.scheduler.num_preemptions
+        # What the assertions read, taken before shutdown gives the stage's cache and graphs back.
+        kept = SimpleNamespace(graphs=worker.graphs, kv_caches=list(worker.kv_caches))
+        return [o.token_ids for o in outs], kept, llm.engine.scheduler.num_preemptions
 
 
 @pytest.mark.parametrize("max_batch", [3, 64])  # 3: batches above the cap run eagerly, below are padded
