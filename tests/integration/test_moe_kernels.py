@@ -1,0 +1,147 @@
+"""The MoE block's parts: the router against transformers' on its edge cases, the grouped CPU path against a
+per-token loop, and the Triton fused-MoE kernel against the grouped path under TRITON_INTERPRET=1 (tests/
+conftest.py sets it before triton is imported; tests/gpu would run it compiled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ppserve.model.arch import MoeSpec
+from ppserve.model.moe import ExpertShard, SparseMoeBlock
+from ppserve.model.ops.moe import experts, grouped_experts
+from ppserve.model.ops.moe_align import align_to_blocks
+from ppserve.model.parallel import TPContext
+from ppserve.model.triton_attention import interpreting, triton_available
+from ppserve.worker.capture_guard import no_host_transfers
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="needs the triton package")
+needs_interpreter = pytest.mark.skipif(not interpreting(), reason="CPU check of the kernel under TRITON_INTERPRET=1")
+
+
+def per_token_loop(x, ids, weights, w13, w2):
+    """The definition, one token and one choice at a time."""
+    out = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, weights.dtype))
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = F.linear(x[t], w13[ids[t, j]]).chunk(2)
+            out[t] += weights[t, j] * F.linear(F.silu(gate) * up, w2[ids[t, j]])
+    return out.to(x.dtype)
+
+
+def random_experts(t, h, inter, e, k, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) * inter ** -0.5).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    return x, ids, weights, w13, w2
+
+
+def test_grouped_path_equals_the_per_token_loop():
+    x, ids, weights, w13, w2 = random_experts(37, 64, 48, 8, 2)
+    ids[:20, 0] = 3  # one expert crowded, others likely idle
+    ids[:20, 1] = 5
+    torch.testing.assert_close(grouped_experts(x, ids, weights, w13, w2), per_token_loop(x, ids, weights, w13, w2),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_block_layout_is_sorted_padded_and_needs_no_host_sync():
+    ids = torch.tensor([[2, 0], [2, 1], [2, 0]])
+    with no_host_transfers("the MoE block layout"):  # what a CUDA graph's decode step runs
+        layout = align_to_blocks(ids, num_experts=4, block=4)
+    assert layout.pair_ids.shape == (-(-(6 + 4 * 3) // 4) * 4,)
+    # expert 0: pairs 1, 5; expert 1: pair 3; expert 2: pairs 0, 2, 4; expert 3: none; 6 marks padding.
+    assert layout.pair_ids[:12].tolist() == [1, 5, 6, 6, 3, 6, 6, 6, 0, 2, 4, 6]
+    assert layout.block_experts.tolist() == [0, 1, 2, 4, 4]
+
+
+@needs_triton
+@needs_interpreter
+@pytest.mark.parametrize(("t", "h", "inter", "e", "k", "dtype"), [
+    (13, 64, 48, 8, 2, torch.float32),  # a prefill chunk, intermediate not a multiple of the tile
+    (1, 40, 24, 4, 1, torch.float32),  # one decode, top-1, hidden not a multiple of the tile
+    (40, 64, 32, 4, 2, torch.bfloat16),  # experts with more rows than a block
+])
+@pytest.mark.parametrize("weights_dtype", [torch.float32, None])  # Mixtral's float32 weights; Qwen's model dtype
+def test_triton_fused_moe_matches_the_grouped_path(t, h, inter, e, k, dtype, weights_dtype):
+    from ppserve.model.triton_moe import fused_moe
+
+    x, ids, weights, w13, w2 = random_experts(t, h, inter, e, k, dtype, seed=t)
+    weights = weights.to(weights_dtype or dtype)
+    got = fused_moe(x, ids, weights, w13, w2)
+    expected = grouped_experts(x, ids, weights, w13, w2)
+    assert got.dtype == expected.dtype == dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@needs_triton
+def test_the_kernel_choice_and_its_errors(monkeypatch):
+    x, ids, weights, w13, w2 = random_experts(3, 16, 16, 4, 2)
+    with pytest.raises(ValueError, match="unknown MoE kernel 'cutlass'"):
+        experts(x, ids, weights, w13, w2, "cutlass")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        experts(x, ids, weights, w13, w2, "triton")
+    torch.testing.assert_close(experts(x, ids, weights, w13, w2), grouped_experts(x, ids, weights, w13, w2))
+
+
+# ---- the router against transformers' -----------------------------------------------------------------
+
+def hf_and_ours(family: str, router_rows: torch.Tensor | None = None):
+    """transformers' sparse block of `family` with random weights, and ours loaded with the same tensors."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                             norm_topk_prob=False)
+        hf = Qwen3MoeSparseMoeBlock(cfg)
+        spec = MoeSpec(8, 2, 16, normalize_topk=False, weights_in_model_dtype=True, sparse_layers=(0,))
+    else:
+        cfg = MixtralConfig(hidden_size=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+        hf = MixtralSparseMoeBlock(cfg)
+        spec = MoeSpec(8, 2, 16, normalize_topk=True, weights_in_model_dtype=False, sparse_layers=(0,))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+        if router_rows is not None:
+            hf.gate.weight.copy_(router_rows)
+    ours = SparseMoeBlock(32, spec, TPContext(), torch.float32, "cpu")
+    ours.gate.weight_loader(ours.gate.weight, hf.gate.weight.detach())
+    ours.experts.gate_up.weight_loader(ours.experts.gate_up.weight, hf.experts.gate_up_proj.detach(),
+                                       ExpertShard(None, "gate_up"))
+    ours.experts.down.weight_loader(ours.experts.down.weight, hf.experts.down_proj.detach(), ExpertShard(None, "down"))
+    return hf.eval(), ours
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_edge_cases_match_transformers(family):
+    x = torch.randn(12, 32)
+    x[:, 0] = x[:, 0].abs() + 1.0
+    # Every token to expert 6 (and its second choice, expert 1): the other six experts get no token.
+    crowded = torch.zeros(8, 32)
+    crowded[6, 0], crowded[1, 0] = 50.0, 25.0
+    # Exact ties: experts 2, 3 and 5 have the same router row, so their logits are bitwise equal.
+    tied = torch.randn(8, 32) * 0.1
+    tied[3] = tied[5] = tied[2] = tied[2] * 30
+    for rows in (None, crowded, tied):
+        hf, ours = hf_and_ours(family, rows)
+        with torch.no_grad():
+            _, hf_weights, hf_ids = hf.gate(x)
+            weights, ids = ours.gate(x)
+            assert torch.equal(ids, hf_ids)  # ties decided as transformers decides them
+            if rows is crowded:
+                assert (ids == torch.tensor([6, 1])).all()
+            if rows is tied:
+                logits = F.linear(x, tied)
+                assert torch.equal(logits[:, 2], logits[:, 3]) and torch.equal(logits[:, 3], logits[:, 5])
+                assert bool(torch.isin(ids, torch.tensor([2, 3, 5])).any())  # the tie is among the chosen
+            torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
+            assert weights.dtype == hf_weights.dtype
+            torch.testing.assert_close(ours(x), hf(x[None])[0], atol=1e-5, rtol=1e-5)
