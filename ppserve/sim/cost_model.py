@@ -29,6 +29,7 @@ import yaml
 
 from ppserve.metrics.spans import Span
 from ppserve.sched.cost import BatchShape, solve_linear
+from ppserve.sched.moe_cost import Experts, moe_mlp_weights
 from ppserve.sched.partition import even_partition
 
 __all__ = [
@@ -175,8 +176,17 @@ class ModelSpec:
     # 0: hidden_size // num_heads. Set it where heads are not a split of the hidden size (Qwen3-32B:
     # hidden 5120, 64 heads of 128, so the query projection is 8192 wide).
     head_dim: int = 0
+    # A mixture of experts (0 experts: dense). Every layer's MLP is then sparse: num_experts SwiGLU experts
+    # of expert_intermediate_size, experts_per_token of them per token, and a replicated router.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_experts and not (1 <= self.experts_per_token <= self.num_experts
+                                     and self.expert_intermediate_size > 0 and self.mlp == "swiglu"):
+            raise ValueError(f"model {self.name}: an MoE needs 1 <= experts_per_token <= num_experts, "
+                             "expert_intermediate_size > 0 and a swiglu mlp")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -220,10 +230,39 @@ class ModelSpec:
 
     def layer_params_per_rank(self, tp: int) -> int:
         """One decoder layer's matmul weights on one of `tp` ranks: the query, output and MLP matrices
-        split, the K and V projections split or, past the KV head count, replicated."""
+        split (every expert's slice, for an MoE), the K and V projections split or, past the KV head
+        count, replicated; an MoE's router replicated."""
         h = self.hidden_size
-        split = 2 * h * self.q_dim + (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size
-        return split // tp + 2 * h * self.kv_dim_per_rank(tp)
+        if self.moe is None:
+            mlp, router = (3 if self.mlp == "swiglu" else 2) * h * self.intermediate_size, 0
+        else:
+            mlp, router = self.num_experts * 3 * h * self.expert_intermediate_size, h * self.num_experts
+        return (2 * h * self.q_dim + mlp) // tp + 2 * h * self.kv_dim_per_rank(tp) + router
+
+    @property
+    def moe(self) -> Experts | None:
+        return (Experts(self.num_experts, self.experts_per_token, self.expert_intermediate_size)
+                if self.num_experts else None)
+
+    def step_params_per_rank(self, tp: int, num_tokens: int) -> tuple[float, float]:
+        """(weights each token multiplies, weights read) of one layer on one rank in a step of `num_tokens`:
+        both are every weight for a dense layer; an MoE's token multiplies k experts and the step reads
+        only the experts its tokens touched (sched/moe_cost.py)."""
+        params = float(self.layer_params_per_rank(tp))
+        if self.moe is None:
+            return params, params
+        h = self.hidden_size
+        per_token, read = moe_mlp_weights(h, self.moe, num_tokens)
+        router = h * self.num_experts
+        attention = params - (self.num_experts * 3 * h * self.expert_intermediate_size) / tp - router
+        return attention + (per_token - router) / tp + router, attention + (read - router) / tp + router
+
+    @property
+    def active_params(self) -> int:
+        """Weights one token multiplies (an MoE's active parameters; all of them for a dense model)."""
+        head = 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+        per_token = self.step_params_per_rank(1, 1)[0]
+        return int(self.num_layers * per_token) + self.vocab_size * self.hidden_size + head
 
     @property
     def num_params(self) -> int:
@@ -309,11 +348,11 @@ class RooflineCostModel:
         m, hw = self.model, self.hw
         if num_tokens == 0:
             return 0.0
-        params = m.layer_params_per_rank(self.tp)
-        flops = 2.0 * num_tokens * params
+        per_token, read = m.step_params_per_rank(self.tp, num_tokens)  # an MoE reads the experts touched
+        flops = 2.0 * num_tokens * per_token
         # Weights dominate the bytes; activations in and out of each matmul matter only for huge chunks.
         act = 4.0 * num_tokens * (m.hidden_size + m.intermediate_size / self.tp) * m.dtype_bytes
-        nbytes = params * m.dtype_bytes + act
+        nbytes = read * m.dtype_bytes + act
         return _roofline(flops, nbytes, hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
 
     def attention_time(self, chunks: Sequence[tuple[int, int]]) -> float:
