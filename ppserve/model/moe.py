@@ -169,6 +169,12 @@ class SparseMoeBlock(nn.Module):
         self.experts.gate_up = ExpertWeights("gate_up", spec, hidden_size, tp, dtype, device)
         self.experts.down = ExpertWeights("down", spec, hidden_size, tp, dtype, device)
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can capture this block: the Triton kernel reads nothing back to the host,
+        the grouped path reads the per-expert token counts."""
+        return moe_ops.resolve_kernel(self.kernel, self.gate.weight.device) == "triton"
+
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
         out = moe_ops.experts(x, ids, weights, self.experts.gate_up.weight, self.experts.down.weight,

@@ -94,6 +94,12 @@ class StageModel(nn.Module):
         return self.layer_end - self.layer_start
 
     @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: no module reads a value back to the host
+        (a module that might says so with its own `capturable`, as an MoE block on its grouped path does)."""
+        return all(getattr(m, "capturable", True) for m in self.modules() if m is not self)
+
+    @property
     def num_kv_heads_local(self) -> int:
         return max(1, self.arch.num_kv_heads // self.tp.size)
 

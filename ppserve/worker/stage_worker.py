@@ -134,9 +134,14 @@ class StageWorker:
         """'capture', 'eager' or 'off' for decode-only microbatches (see decode_graphs.py)."""
         mode = self.spec.cuda_graphs
         if mode == "auto":
-            return "capture" if self.device.type == "cuda" else "off"
+            # A model that syncs with the host in its forward (MoE layers without the Triton kernel) opts out.
+            return "capture" if self.device.type == "cuda" and self.model.capturable else "off"
         if mode == "capture" and self.device.type != "cuda":
             raise ValueError("model.cuda_graphs=capture needs a CUDA device")
+        if mode != "off" and not self.model.capturable:
+            raise ValueError(f"model.cuda_graphs={mode}: this model's MoE layers run the grouped expert path here, "
+                             "which reads per-expert token counts back to the host; graphs need the Triton MoE "
+                             "kernel (CUDA with triton), or set model.cuda_graphs=off")
         return mode
 
     def init_cache(self, num_blocks: int) -> None:

@@ -52,13 +52,19 @@ def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tens
     return weighted.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
-def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-            kernel: str = "auto") -> Tensor:
-    """The experts' weighted output [T, H] by the path `kernel` names ('auto': Triton on CUDA, else grouped)."""
+def resolve_kernel(kernel: str, device: torch.device) -> str:
+    """'grouped' or 'triton': what `kernel` ('auto': Triton on CUDA where triton imports) runs on `device`."""
     if kernel not in MOE_KERNELS:
         raise ValueError(f"unknown MoE kernel {kernel!r} ({', '.join(MOE_KERNELS)})")
     if kernel == "auto":
-        kernel = "triton" if x.device.type == "cuda" and triton_moe.triton_available() else "grouped"
+        return "triton" if device.type == "cuda" and triton_moe.triton_available() else "grouped"
+    return kernel
+
+
+def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
+            kernel: str = "auto") -> Tensor:
+    """The experts' weighted output [T, H] by the path `kernel` names ('auto': Triton on CUDA, else grouped)."""
+    kernel = resolve_kernel(kernel, x.device)
     if kernel == "grouped":
         return grouped_experts(x, topk_ids, topk_weights, w13, w2)
     triton_moe.check_can_run(x.device)
