@@ -50,6 +50,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one; 0 disables
     seed: int | None = None  # per-request seed: sampling is reproducible for a given seed
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -77,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -28,6 +28,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # not OpenAI's: vLLM's extension, kept for the same clients
+    min_p: float | None = None  # vLLM's extension too
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,7 +63,7 @@ class _SamplingFields(BaseModel):
         else OpenAI's (temperature 1, top_p 1). `max_tokens` is the request's own limit (None: the
         model's default, else what the context leaves). Raises ValueError naming a bad field."""
         chosen: dict[str, Any] = {"temperature": 1.0, **defaults}
-        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens"):
             value = getattr(self, name)
             if value is not None:

@@ -1,12 +1,27 @@
 """Logits -> token ids on the last stage: penalties, min_tokens, greedy, temperature, top-k, top-p,
-per-request seeds, log-probabilities.
+min-p, per-request seeds, log-probabilities.
 
-A seeded request draws each token from a generator seeded by (seed, output position), so its
-output is reproducible whatever the batch composition or preemption history. Penalties and
-min_tokens change a row's logits before it is sampled (the order and the formulas of
-transformers' processors, and OpenAI's presence and frequency penalties); log-probabilities are
-those of the model's own distribution (a log-softmax of the raw logits, before any of that), the
-sampled token's and the k most likely.
+Each step pays only for what its requests ask (ARCHITECTURE.md §2):
+- greedy rows: a row-wise argmax of the logits, bit-exact;
+- temperature alone: one softmax-like pass and an inverse-CDF draw from one uniform per row, found
+  in two levels (which block of 256 tokens, then which token in it), so nothing is sorted and no
+  noise is drawn over the vocabulary;
+- top-k (with or without top-p): torch.topk of the largest k the batch asks for, then top-p over
+  those survivors only;
+- top-p without top-k: the nucleus threshold found without sorting, by a two-level radix search
+  over the probabilities' float bits (a histogram of mass per bit pattern prefix);
+- min-p: a mask of the tokens below min_p times the most likely one's probability.
+Rows are grouped by what they ask (a host-side decision on their parameters); within a group every
+row's parameters are tensors, so there is no Python loop over rows and no host sync until the one
+transfer of the chosen ids.
+
+A seeded request's uniform is a counter-based hash of (seed, output position), computed on the
+device for all rows at once: its output is reproducible whatever the batch composition or
+preemption history. Penalties and min_tokens change a row's logits before it is sampled (the order
+and the formulas of transformers' processors, and OpenAI's presence and frequency penalties);
+filters apply in transformers' order (temperature, top-k, top-p, min-p); log-probabilities are those
+of the model's own distribution (a log-softmax of the raw logits, before any of that), the sampled
+token's and the k most likely.
 """
 
 from __future__ import annotations
@@ -19,29 +34,12 @@ from torch import Tensor
 from ppserve.model import ops
 from ppserve.request import SamplingParams, TokenLogprob
 
+BLOCK = 256  # tokens per block of the two-level inverse CDF: 49,152 tokens are 192 blocks
 
-def _generator_for(sp: SamplingParams, output_index: int, device: torch.device) -> torch.Generator | None:
-    if sp.seed is None:
-        return None
-    g = torch.Generator(device=device)
-    # Mix seed and position so neighbouring positions do not share streams.
-    g.manual_seed((sp.seed * 1_000_003 + output_index * 7919) % (2**63 - 1))
-    return g
-
-
-def _filter_rows(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Rows [N, V] with each row's top-k (k <= 0: all) and then top-p nucleus kept, the rest -inf.
-    One sort for the whole batch. Ties with the k-th value stay, and the nucleus is the smallest sorted
-    prefix whose mass reaches top_p (the token crossing it stays)."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
-    kth = sorted_logits.gather(1, (k - 1)[:, None])
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    cum_before = torch.cumsum(probs, dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(cum_before >= top_p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+# splitmix64's constants as signed int64 (torch has no unsigned 64-bit arithmetic; products wrap).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def greedy(logits: Tensor) -> list[int]:
@@ -50,6 +48,201 @@ def greedy(logits: Tensor) -> list[int]:
     return ops.argmax(logits)
 
 
+# ---- per-row uniforms -----------------------------------------------------------------------------
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: Tensor) -> Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def seeded_uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
+    """Uniforms in [0, 1) float64, a pure function of (seed, output position): splitmix64 of the seed,
+    then of that plus the position, so neighbouring seeds and positions do not share streams."""
+    z = _splitmix64(_splitmix64(seeds) + positions)
+    return _shift_right(z, 11).double() * 2.0**-53
+
+
+def _as_int64(value: int) -> int:
+    """Any Python int as the signed int64 with the same low 64 bits."""
+    return ((value % (1 << 64)) ^ (1 << 63)) - (1 << 63)
+
+
+def _row_uniforms(params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device) -> Tensor:
+    """[N] float64 uniforms: seeded rows from their (seed, position), the others from torch's generator."""
+    u = torch.rand(len(params), dtype=torch.float64, device=device)
+    if any(sp.seed is not None for sp in params):
+        seeds = _device_tensor([_as_int64(sp.seed or 0) for sp in params], torch.int64, device)
+        seeded = _device_tensor([sp.seed is not None for sp in params], torch.bool, device)
+        u = torch.where(seeded, seeded_uniforms(seeds, _device_tensor(list(positions), torch.int64, device)), u)
+    return u
+
+
+def _device_tensor(values: list[int] | list[float] | list[bool], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A small host list on the device without a sync: pinned and copied asynchronously on CUDA."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+# ---- drawing from unnormalised weights ------------------------------------------------------------
+def _pick(cum: Tensor, target: Tensor) -> Tensor:
+    """For cumulative sums cum [n, m] (float64, nondecreasing) and targets [n] in [0, cum[:, -1]): the
+    first index whose cumulative sum exceeds the target, i.e. a token of positive weight."""
+    # Keep the target strictly below the row's total, so rounding never walks past the last positive weight.
+    target = torch.minimum(target, torch.nextafter(cum[:, -1], torch.zeros_like(target)))
+    return torch.searchsorted(cum, target[:, None], right=True)[:, 0].clamp_(max=cum.shape[1] - 1)
+
+
+def draw(weights: Tensor, u: Tensor) -> Tensor:
+    """One index per row of weights [n, V] (>= 0, float32, each row with positive mass), drawn with
+    probability proportional to its weight by the uniforms u [n]: the inverse CDF in two levels, a
+    float64 cumulative sum over blocks of BLOCK tokens, then one within the chosen block. The float64
+    sums keep every token's chance exact to ~1e-16 (a float32 cumulative sum over 49k tokens would
+    round the tail's weights away)."""
+    n, vocab = weights.shape
+    if vocab <= BLOCK:
+        cum = weights.double().cumsum(-1)
+        return _pick(cum, u * cum[:, -1])
+    nblocks = -(-vocab // BLOCK)
+    padded = (weights if vocab == nblocks * BLOCK
+              else torch.nn.functional.pad(weights, (0, nblocks * BLOCK - vocab))).view(n, nblocks, BLOCK)
+    block_cum = padded.sum(-1, dtype=torch.float64).cumsum(-1)  # [n, nblocks]
+    target = u * block_cum[:, -1]
+    block = _pick(block_cum, target)  # [n]
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = padded.gather(1, block[:, None, None].expand(n, 1, BLOCK))[:, 0].double().cumsum(-1)  # [n, BLOCK]
+    # A target just short of the block's end can exceed its own float64 sum by rounding: _pick caps it.
+    return block * BLOCK + _pick(inner, (target - before).clamp_(min=0.0))
+
+
+def _weights(logits: Tensor, inv_temperature: Tensor) -> Tensor:
+    """exp((logits - row max) / T) [n, V] float32: unnormalised probabilities whose maximum is 1."""
+    top = logits.amax(-1, keepdim=True)
+    return torch.sub(logits, top).mul_(inv_temperature[:, None]).exp_()
+
+
+def _min_p_mask_(weights: Tensor, min_p: Tensor | None) -> Tensor:
+    """Zero the weights below min_p times the row's largest weight, in place (the largest survives)."""
+    if min_p is not None:
+        top = weights.amax(-1, keepdim=True)
+        weights.masked_fill_(weights < min_p[:, None] * top, 0.0)
+    return weights
+
+
+def nucleus_threshold(weights: Tensor, top_p: Tensor) -> Tensor:
+    """[n] float32: the smallest weight of each row's nucleus (the most likely tokens whose mass first
+    reaches top_p of the row's total; the token crossing it stays), found without sorting.
+
+    Weights >= 0 have float bit patterns ordered like their values, and weights <= 1.0 (0x3F800000) use
+    30 bits. Three rounds of a radix search, 10 bits each: a histogram of the mass per next 10-bit digit
+    among the tokens sharing the digits found so far, its suffix sums plus the mass already above, and
+    the last digit whose mass from above still reaches the target. Each round is a few passes of fixed
+    shape over the rows (a sort of 49k tokens is ~100 of them), with no sync."""
+    n = weights.shape[0]
+    bits = weights.contiguous().view(torch.int32)
+    prefix = torch.zeros(n, dtype=torch.int64, device=weights.device)  # the threshold's bits found so far
+    mass_over = torch.zeros(n, dtype=torch.float64, device=weights.device)  # mass above the prefix's range
+    target = None
+    for shift in (20, 10, 0):
+        key = bits >> shift
+        if target is None:  # the first digit: every token counts (the clamp only keeps a NaN row in range)
+            digit, mass = key.clamp_(0, 1023), weights
+        else:
+            digit, mass = key & 1023, torch.where((key >> 10) == prefix[:, None], weights, 0.0)
+        hist = torch.zeros(n, 1024, dtype=weights.dtype, device=weights.device).scatter_add_(1, digit.long(), mass)
+        hist = hist.double()
+        cum = hist.cumsum(-1)
+        if target is None:
+            target = top_p.double() * cum[:, -1]
+        above = (mass_over + cum[:, -1])[:, None] - cum + hist  # above[d]: the mass of digits >= d and higher
+        # Rounding between the rounds' sums can leave even digit 0 a hair short: it is then the answer.
+        d = ((above >= target[:, None]).sum(-1) - 1).clamp_(min=0)
+        mass_over = above.gather(1, d[:, None])[:, 0] - hist.gather(1, d[:, None])[:, 0]
+        prefix = (prefix << 10) | d
+    return prefix.to(torch.int32)[:, None].view(torch.float32)[:, 0]
+
+
+# ---- the row groups -------------------------------------------------------------------------------
+def _params(params: Sequence[SamplingParams], name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return _device_tensor([getattr(sp, name) for sp in params], dtype, device)
+
+
+def _min_p(params: Sequence[SamplingParams], device: torch.device) -> Tensor | None:
+    return _params(params, "min_p", torch.float32, device) if any(sp.min_p > 0 for sp in params) else None
+
+
+def _sample_full(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+    """Rows with neither top-k nor top-p: temperature (and min-p) over the whole vocabulary."""
+    inv_t = 1.0 / _params(params, "temperature", torch.float32, logits.device)
+    return draw(_min_p_mask_(_weights(logits, inv_t), _min_p(params, logits.device)), u)
+
+
+def _sample_nucleus(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+    """Rows with top-p and no top-k: the sort-free threshold over the whole vocabulary."""
+    device = logits.device
+    weights = _weights(logits, 1.0 / _params(params, "temperature", torch.float32, device))
+    threshold = nucleus_threshold(weights, _params(params, "top_p", torch.float32, device))
+    weights.masked_fill_(weights < threshold[:, None], 0.0)
+    return draw(_min_p_mask_(weights, _min_p(params, device)), u)
+
+
+def _sample_top_k(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+    """Rows with top-k (and maybe top-p): torch.topk of the batch's largest k, each row keeping its own
+    first k, then top-p over what is left (sorted already), min-p, and a draw among the survivors."""
+    device, vocab = logits.device, logits.shape[-1]
+    ks = [min(sp.top_k, vocab) for sp in params]
+    values, ids = logits.topk(max(ks), dim=-1)  # sorted, largest first
+    weights = torch.sub(values, values[:, :1]).mul_(1.0 / _params(params, "temperature", torch.float32, device)[:, None])
+    weights = weights.exp_()
+    rank = torch.arange(values.shape[1], device=device)
+    weights.masked_fill_(rank[None, :] >= _device_tensor(ks, torch.int64, device)[:, None], 0.0)
+    if any(sp.top_p < 1.0 for sp in params):
+        probs = weights.double() / weights.sum(-1, dtype=torch.float64, keepdim=True)
+        mass_before = probs.cumsum(-1) - probs
+        weights.masked_fill_(mass_before >= _params(params, "top_p", torch.float64, device)[:, None], 0.0)
+    chosen = draw(_min_p_mask_(weights, _min_p(params, device)), u)
+    return ids.gather(1, chosen[:, None])[:, 0]
+
+
+def _group(sp: SamplingParams, vocab: int) -> int:
+    if 0 < sp.top_k < vocab:
+        return 2
+    return 1 if sp.top_p < 1.0 else 0
+
+
+_GROUPS = (_sample_full, _sample_nucleus, _sample_top_k)
+
+
+def _sampled_ids(logits: Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> Tensor:
+    """[N] int64 on the device: greedy rows by argmax, the others drawn by their group."""
+    device, vocab = logits.device, logits.shape[-1]
+    ids = torch.empty(len(params), dtype=torch.int64, device=device)
+    u = _row_uniforms(params, positions, device)
+    members: dict[int, list[int]] = {}
+    for i, sp in enumerate(params):
+        members.setdefault(-1 if sp.greedy else _group(sp, vocab), []).append(i)
+    for group, rows in members.items():
+        whole = len(rows) == len(params)
+        index = None if whole else _device_tensor(rows, torch.int64, device)
+        x = logits if index is None else logits.index_select(0, index)
+        if group < 0:
+            chosen = x.argmax(-1)
+        else:
+            chosen = _GROUPS[group](x.float(), [params[i] for i in rows], u if index is None else u[index])
+        if index is None:
+            return chosen
+        ids.index_copy_(0, index, chosen)
+    return ids
+
+
+# ---- penalties and log-probabilities ---------------------------------------------------------------
 def process_logits(logits: Tensor, sp: SamplingParams, token_ids: Sequence[int], num_prompt_tokens: int,
                    stop_ids: Sequence[int]) -> Tensor:
     """One row [V] with the request's penalties and min_tokens applied (a new tensor). `token_ids` are
@@ -80,34 +273,6 @@ def top_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> li
             for i, k in enumerate(ks)]
 
 
-def _race(logits: Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]) -> Tensor:
-    """Scores [N, V] whose row-wise argmax is each row's token: the logits for greedy rows; for sampled
-    rows the filtered probabilities divided by Exp(1) noise (an exponential race: argmax p_i / E_i is a
-    draw from p). So every row of the batch is decided on the device in one argmax, and the sampled
-    ids cross to the host in one transfer, with no per-request sync (torch.multinomial + .item() was
-    one sync per sampled request). A seeded row draws its noise from its own generator, seeded by
-    (seed, output position): reproducible whatever else shares the batch."""
-    rows = [i for i, sp in enumerate(params) if not sp.greedy]
-    if not rows:
-        return logits
-    device = logits.device
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
-    top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.long, device=device)
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
-    picked = _filter_rows(logits.index_select(0, index).float() / temperature[:, None], top_k, top_p)
-    probs = torch.softmax(picked, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for j, i in enumerate(rows):
-        gen = _generator_for(params[i], output_indices[i], device)
-        if gen is not None:
-            noise[j].exponential_(generator=gen)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would make 0/0 = NaN, which argmax picks
-    scores = logits.float().clone()
-    scores.index_copy_(0, index, probs / noise)
-    return scores
-
-
 def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int],
            histories: Sequence[tuple[Sequence[int], int]] | None = None,
            stop_ids: Sequence[int] = ()) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -116,8 +281,9 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
     `output_indices[i]` is the position of the token among the request's outputs; `histories[i]` its
     (prompt + outputs, prompt length), needed where penalties or min_tokens apply; `stop_ids` the model's
     end-of-sequence ids (min_tokens also keeps each request's own stop ids out)."""
-    if logits.shape[0] != len(params):
-        raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} requests")
+    if logits.shape[0] != len(params) or len(output_indices) != len(params):
+        raise ValueError(f"{logits.shape[0]} rows of logits and {len(output_indices)} output positions "
+                         f"for {len(params)} requests")
     raw = logits
     processed = [i for i, sp in enumerate(params) if sp.processes_logits]
     if processed:
@@ -128,7 +294,12 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
             ids, num_prompt = histories[i]
             stops = (*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
             logits[i] = process_logits(logits[i], params[i], ids, num_prompt, stops)
-    tokens = greedy(_race(logits, params, output_indices)) if logits.shape[0] else []
+    if not params:
+        tokens: list[int] = []
+    elif all(sp.greedy for sp in params):
+        tokens = greedy(logits)
+    else:
+        tokens = _sampled_ids(logits, params, output_indices).tolist()
     wanted = [i for i, sp in enumerate(params) if sp.logprobs is not None]
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     if wanted:

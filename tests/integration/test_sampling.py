@@ -40,7 +40,7 @@ def test_sampler_top_p_and_top_k_masks():
 
 
 def test_sampled_tokens_follow_the_filtered_distribution():
-    """The exponential race draws from softmax(logits / T) restricted to top-k / top-p: frequencies over
+    """The sampler draws from softmax(logits / T) restricted to top-k / top-p: frequencies over
     many independent rows of one batch match the expected probabilities."""
     torch.manual_seed(0)
     n = 6000
