@@ -187,10 +187,15 @@ class CacheConfig:
     kv_cache_memory: float | None = None
     gpu_memory_utilization: float = 0.9  # the share of each GPU's memory ppserve may use in all
     dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | float32 | bfloat16 | float16
+    # Share the KV of full blocks whose prompt prefix (and cache_salt) match: a shared prefix is computed
+    # once (ARCHITECTURE.md §13).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"cache.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"cache.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"cache.block_size must be >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and self.num_blocks < 1:

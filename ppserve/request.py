@@ -123,7 +123,7 @@ class SamplingParams:
 
 def choice_params(sp: SamplingParams) -> list[SamplingParams]:
     """The n sequences of one request as n single-sequence SamplingParams. ppserve runs each choice as
-    its own request (the prompt is prefilled once per choice: KV blocks are not shared between them);
+    its own request (with prefix caching on, the choices share their prompt's full KV blocks);
     with a seed, choice i samples with seed + i, so the choices differ yet each is reproducible."""
     if sp.n == 1:
         return [sp]
@@ -164,6 +164,11 @@ class Request:
     # Output tokens not yet sent to the workers (they need them to embed the next decode).
     num_output_tokens_sent: int = 0
     num_blocks_sent: int = 0
+    # Prefix caching (sched/block_manager.py): requests share cached KV only when their salts are equal.
+    cache_salt: str | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # chained keys of its full blocks, hashed once
+    num_blocks_keyed: int = 0  # of its block_ids, how many are registered in the prefix cache (or dups)
+    num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted (usage)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -45,6 +45,7 @@ _SHORTCUTS = {
     "kv_cache_dtype": ("cache", "dtype"),
     "kv_cache_memory": ("cache", "kv_cache_memory"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "trace": ("trace", "enabled"),
 }
 

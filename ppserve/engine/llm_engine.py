@@ -125,6 +125,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             num_stages=self.config.parallel.pipeline_parallel_size,
             clock=self.clock,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
         )
         self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
 
@@ -143,6 +144,7 @@ class LLMEngine:
         ranges = calibrated_ranges(self)
         if ranges != self.executor.ranges:
             self.executor.repartition(ranges)
+            self.scheduler.reset_prefix_cache()  # the new stages' KV is empty
 
     def init_recovery_state(self) -> None:
         self.recovering = False  # read by other threads (AsyncEngine): True while the pipeline is rebuilt

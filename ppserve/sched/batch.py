@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from ppserve.request import Request, RequestStatus
-from ppserve.sched.block_manager import BlockManager
+from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import TokenBudget
 
 __all__ = ["BatchBuilder"]
@@ -46,6 +46,7 @@ class BatchBuilder:
         self.chosen_requests: list[Request] = []  # aligned with `chosen`
         # How many decodes this microbatch may take (balanced formation); None = as many as fit.
         self.decode_quota: int | None = None
+        self._head_hits: tuple[Request | None, list[int]] = (None, [])  # the waiting head's cached blocks
         # One pass over the running requests. A request whose every known token is scheduled waits for
         # its next token. One with known tokens left may take them now if it is in no in-flight
         # microbatch. With `pipeline_chunks`, a prompt whose previous chunk is still in flight may also
@@ -85,7 +86,15 @@ class BatchBuilder:
                 yield req
 
     def waiting_head(self) -> Request | None:
-        return self._waiting[0] if self._waiting else None
+        """The next request to admit, its cached prefix counted as computed (prefix caching: the
+        policy then chunks only what is left; the scheduler undoes it if the head is not admitted)."""
+        if not self._waiting:
+            return None
+        head = self._waiting[0]
+        if not head.block_ids:  # a waiting request holds no KV
+            self._head_hits = (head, self._blocks.lookup(head))
+            head.num_computed_tokens = len(self._head_hits[1]) * self._blocks.block_size
+        return head
 
     # ---- what a policy does ----------------------------------------------------------------------
     def add_decodes(self, may_preempt: bool = True) -> None:
@@ -161,10 +170,13 @@ class BatchBuilder:
         reserve = num_tokens
         if reserve_full:
             reserve = self._max_total_tokens(req) - req.num_computed_tokens
-        if not self._blocks.can_allocate(self._blocks.blocks_needed(req, reserve)):
+        blocks = self._blocks
+        hits = self._head_hits[1] if self._head_hits[0] is req else []
+        if not blocks.can_start(hits, blocks_for(req.num_computed_tokens + reserve, blocks.block_size) - len(hits)):
             return False
         self._waiting.popleft()
-        self._blocks.allocate(req, reserve)
+        blocks.acquire_prefix(req, hits)
+        blocks.allocate(req, reserve)
         req.status = _RUNNING
         self._running[req.request_id] = req
         if req.first_scheduled_time is None:
@@ -183,6 +195,8 @@ class BatchBuilder:
             self.budget.num_seqs += 1
         else:
             self.budget.spend(num_tokens, req.num_computed_tokens)
+        # Key the blocks these tokens fill now, so a request admitted later in this step hits them too.
+        self._blocks.cache_full_blocks(req, req.num_computed_tokens + num_tokens)
         self.chosen[req.request_id] = num_tokens
         self.chosen_requests.append(req)
 

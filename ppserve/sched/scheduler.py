@@ -51,12 +51,13 @@ class Scheduler:
         num_stages: int = 1,
         clock: Callable[[], float] = lambda: 0.0,
         budget_mode: BudgetMode | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.policy: Policy = make_policy(config.policy, balanced=config.balance)
         # How big each microbatch's budget is (fixed tokens unless the config asks for time or a TBT target).
         self.budget_mode = budget_mode or make_budget_mode(config, num_stages)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_model_len = max_model_len
         self.num_stages = num_stages  # the pipeline depth: one microbatch per stage keeps every stage busy
         self.clock = clock
@@ -174,7 +175,14 @@ class Scheduler:
             req.num_output_tokens_sent = 0
             req.num_blocks_sent = 0
             self.waiting.append(req)
+        self.blocks.reset_cache()  # the new workers' KV is empty: no cached block holds anything
         return [r.request_id for r in unfinished]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (the stages' KV was discarded, e.g. by a repartition while idle)."""
+        if self.has_unfinished:
+            raise RuntimeError("the prefix cache can only be reset while no request holds KV")
+        self.blocks.reset_cache()
 
     # ---- one microbatch ------------------------------------------------------------------------
     @property
@@ -201,6 +209,9 @@ class Scheduler:
         if self.balanced:
             self._balance(b)
         self.policy.fill(b)
+        head = self.waiting[0] if self.waiting else None
+        if head is not None and not head.block_ids:  # looked up for admission but not admitted: holds nothing
+            head.num_computed_tokens = 0
         if not b.chosen:
             return None
         return self._emit(b)
@@ -257,6 +268,9 @@ class Scheduler:
         sample: list[str] = []
         computed: list[int] = []
         prefill_tokens = decode_tokens = 0
+        kv = self.blocks
+        block_size = kv.block_size
+        caching = kv.enable_prefix_caching
         for req, n in zip(b.chosen_requests, b.chosen.values(), strict=True):
             rid = req.request_id
             done = req.num_computed_tokens
@@ -284,7 +298,10 @@ class Scheduler:
             else:
                 decode_tokens += n
             computed.append(done)
+            kv.check_writable(req, done, n)
             req.num_computed_tokens = done + n
+            if caching and done + n >= (req.num_blocks_keyed + 1) * block_size:  # a decode filled a block
+                kv.cache_full_blocks(req, done + n)
             if done + n == num_tokens:
                 sample.append(rid)
             req.num_in_flight += 1
@@ -368,7 +385,6 @@ class Scheduler:
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        self.blocks.check()
         if len(self.in_flight) > self.num_stages:
             raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.num_stages}")
         sampling: set[str] = set()  # requests whose token is due from an in-flight microbatch
@@ -389,9 +405,12 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None and req.num_in_flight != n:
                 raise AssertionError(f"request {rid} counts {req.num_in_flight} in-flight microbatches, not {n}")
-        used = sum(len(r.block_ids) for r in self.running.values())
-        if used != self.blocks.num_used:
-            raise AssertionError(f"running requests hold {used} blocks but the allocator counts {self.blocks.num_used}")
+        # Shared blocks: every held block's reference count is the number of running requests holding it;
+        # a waiting request holds nothing and has nothing computed.
+        self.blocks.check([r.block_ids for r in self.running.values()])
+        for req in self.waiting:
+            if req.block_ids or req.num_computed_tokens:
+                raise AssertionError(f"waiting request {req.request_id} holds KV blocks or computed tokens")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}")
         if not self.has_unfinished and self.blocks.num_used:

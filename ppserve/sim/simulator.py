@@ -42,6 +42,17 @@ logger = logging.getLogger(__name__)
 
 # The token every simulated step "samples": any id that is not an eos works, requests stop at max_tokens.
 SIM_TOKEN = 7
+_UNIQUE_TOKEN_BASE = 1_000_000  # request k's own prompt tokens are this + k: no two requests share them
+
+
+def sim_prompt(k: int, w: WorkloadRequest) -> tuple[list[int], str | None]:
+    """Request k's prompt tokens and cache salt. Its prefix identity is a salt namespace over SIM_TOKEN
+    (what the simulated steps sample), so a multi-turn replay's next turn hits the previous turn's
+    answer blocks too; the rest of the prompt is request k's own."""
+    own = [_UNIQUE_TOKEN_BASE + k] * (w.prompt_len - w.prefix_len)
+    if w.prefix_id is None or not w.prefix_len:
+        return own, None
+    return [SIM_TOKEN] * w.prefix_len + own, f"sim-prefix-{w.prefix_id}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class SimConfig:
     record_send: bool = True  # zero-length send spans after each non-last stage, like the real workers
     check_invariants: bool = False  # debug: scheduler.check_invariants() after every schedule and update
     max_microbatches: int = 10_000_000  # guard against a run that never ends
+    enable_prefix_caching: bool = True  # the engine's default: shared prefixes (WorkloadRequest.prefix_id) hit
 
     def __post_init__(self) -> None:
         if self.schedule_overhead_s < 0:
@@ -240,7 +252,7 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     num_stages = cost.num_stages
     clock = SimClock()
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      num_stages=num_stages, clock=clock.seconds)
+                      num_stages=num_stages, clock=clock.seconds, enable_prefix_caching=cfg.enable_prefix_caching)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     check = sched.check_invariants if cfg.check_invariants else None
     executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)
@@ -259,8 +271,9 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
             arr_ns, k, w = arrivals[next_arrival]
             next_arrival += 1
             rid = f"r{k}"
-            req = Request(rid, [SIM_TOKEN] * w.prompt_len,
-                          SamplingParams(max_tokens=w.output_len, ignore_eos=True), arrival_time=arr_ns * 1e-9)
+            tokens, salt = sim_prompt(k, w)
+            req = Request(rid, tokens, SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                          arrival_time=arr_ns * 1e-9, cache_salt=salt)
             try:
                 sched.add_request(req)
             except (ValueError, OverflowError) as e:

@@ -1,5 +1,9 @@
 """Workloads: lists of `WorkloadRequest(arrival_s, prompt_len, output_len)` for the simulator and benchmarks.
 
+A request may also name a prefix identity (`prefix_id`, `prefix_len`): requests with the same id share
+their first `prefix_len` prompt tokens (a system prompt, a conversation's history), which the prefix
+cache computes once; without one, a request's prompt shares nothing with any other.
+
 Sources: request-length traces (CSV with arrived_at, num_prefill_tokens, num_decode_tokens, e.g. the
 Splitwise traces in ../shared/traces), synthetic lengths (uniform, zipf, log-uniform prompts, fixed
 P:D ratio). Arrivals: the trace's own, Poisson at a given rate (seeded), all at once, evenly spaced, or
@@ -31,6 +35,8 @@ __all__ = [
     "log_uniform_prompts",
     "evenly_spaced",
     "bursty_arrivals",
+    "shared_prefix",
+    "multi_turn",
 ]
 
 DEFAULT_TRACE = "splitwise_conv.csv"
@@ -41,10 +47,14 @@ class WorkloadRequest:
     arrival_s: float
     prompt_len: int
     output_len: int
+    prefix_id: int | None = None  # requests with the same id share their first prefix_len prompt tokens
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"a request needs prompt_len >= 1 and output_len >= 1, got {self}")
+        if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len > 0 and self.prefix_id is None):
+            raise ValueError(f"prefix_len must be in [0, prompt_len] and needs a prefix_id, got {self}")
         if not (self.arrival_s >= 0 and math.isfinite(self.arrival_s)):
             raise ValueError(f"arrival_s must be finite and >= 0, got {self.arrival_s!r}")
 
@@ -159,7 +169,8 @@ def clip_to_context(reqs: Sequence[WorkloadRequest], max_model_len: int) -> list
     out = []
     for r in reqs:
         prompt = min(r.prompt_len, max_model_len - 1)
-        out.append(replace(r, prompt_len=prompt, output_len=max(1, min(r.output_len, max_model_len - prompt))))
+        out.append(replace(r, prompt_len=prompt, output_len=max(1, min(r.output_len, max_model_len - prompt)),
+                           prefix_len=min(r.prefix_len, prompt)))
     return out
 
 
@@ -194,3 +205,32 @@ def bursty_arrivals(reqs: Sequence[WorkloadRequest], burst_size: int, period_s: 
     if not (period_s >= 0 and math.isfinite(period_s)):
         raise ValueError(f"period_s must be finite and >= 0, got {period_s!r}")
     return [replace(r, arrival_s=(i // burst_size) * period_s) for i, r in enumerate(reqs)]
+
+
+def shared_prefix(num_groups: int, per_group: int, prefix_len: int, question_len: int,
+                  output_len: int) -> list[WorkloadRequest]:
+    """`num_groups` system prompts of `prefix_len` tokens, each followed by `per_group` distinct
+    questions of `question_len` tokens; all arrive at 0, the groups interleaved (request i is in
+    group i % num_groups), so every group's first request runs beside the others' first ones."""
+    if num_groups < 1 or per_group < 1 or prefix_len < 1 or question_len < 1:
+        raise ValueError(f"need groups, per_group, prefix_len and question_len >= 1, got "
+                         f"{num_groups}, {per_group}, {prefix_len}, {question_len}")
+    return [WorkloadRequest(0.0, prefix_len + question_len, output_len, prefix_id=i % num_groups, prefix_len=prefix_len)
+            for i in range(num_groups * per_group)]
+
+
+def multi_turn(num_conversations: int, turns: int, system_len: int, user_len: int, output_len: int,
+               gap_s: float = 0.0) -> list[WorkloadRequest]:
+    """Chat replays: turn t of a conversation re-sends its whole history (the system prompt, every
+    earlier user message and answer) and a new `user_len`-token message. The whole prompt is the
+    conversation's (prefix_len = prompt_len): turn t shares turn t-1's prompt and answer. Turn t of
+    every conversation arrives at t * gap_s (with gap_s 0, all at once: the harness replays turns in order)."""
+    if num_conversations < 1 or turns < 1 or system_len < 0 or user_len < 1:
+        raise ValueError(f"need conversations, turns, user_len >= 1 and system_len >= 0, got "
+                         f"{num_conversations}, {turns}, {system_len}, {user_len}")
+    out = []
+    for t in range(turns):
+        prompt = system_len + t * (user_len + output_len) + user_len
+        for c in range(num_conversations):
+            out.append(WorkloadRequest(t * gap_s, prompt, output_len, prefix_id=c, prefix_len=prompt))
+    return out

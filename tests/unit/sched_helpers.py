@@ -4,6 +4,7 @@ random_scheduler."""
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Callable
 
 from ppserve.config import SchedulerConfig
@@ -20,18 +21,26 @@ def make_scheduler(
     block_size: int = 4,
     max_model_len: int = 4096,
     pp: int = 1,
+    prefix_caching: bool = True,
     **cfg: object,
 ) -> Scheduler:
     config = SchedulerConfig(policy=policy, token_budget=token_budget, **cfg)  # type: ignore[arg-type]
-    return Scheduler(config, num_blocks, block_size, max_model_len, num_stages=pp)
+    return Scheduler(config, num_blocks, block_size, max_model_len, num_stages=pp,
+                     enable_prefix_caching=prefix_caching)
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, ignore_eos: bool = True) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, ignore_eos: bool = True,
+                 prefix: list[int] | None = None, cache_salt: str | None = None) -> Request:
+    """A request whose prompt is `prefix` (if given) followed by tokens no other request id has, so the
+    prefix cache shares only what a test shares on purpose."""
+    head = list(prefix or [])
+    base = 10 + (zlib.crc32(rid.encode()) % 1_000_000) * 10_000
     return Request(
         request_id=rid,
-        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        prompt_token_ids=head + list(range(base, base + prompt_len - len(head))),
         sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
         eos_token_ids=(EOS,),
+        cache_salt=cache_salt,
     )
 
 

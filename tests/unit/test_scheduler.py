@@ -195,8 +195,9 @@ def test_a_following_chunk_takes_only_what_the_others_leave():
 
 
 def test_preemption_by_recompute_keeps_tokens():
-    # 6 blocks of 4 tokens; two requests of 8-token prompts grow until one must be preempted.
-    s = make_scheduler("sarathi", token_budget=64, num_blocks=6, block_size=4)
+    # 6 blocks of 4 tokens; two requests of 8-token prompts grow until one must be preempted. (Prefix
+    # caching off: with it, b would re-hit its own blocks; test_prefix_cache.py covers that.)
+    s = make_scheduler("sarathi", token_budget=64, num_blocks=6, block_size=4, prefix_caching=False)
     s.add_request(make_request("a", 8, max_tokens=12))
     s.add_request(make_request("b", 8, max_tokens=12))
     rng = random.Random(0)
