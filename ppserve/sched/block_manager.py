@@ -63,6 +63,7 @@ class BlockManager:
         # tokens and hits the cached prefix it starts from.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_evictions = 0  # cached blocks whose key was forgotten to make room
 
     # ---- capacity --------------------------------------------------------------------------------
     @property
@@ -185,6 +186,7 @@ class BlockManager:
         if self._free:
             return self._free.popleft()
         b, _ = self._evictable.popitem(last=False)  # evict the least recently freed cached block
+        self.num_evictions += 1
         del self._block_of[self._key_of.pop(b)]
         return b
 
