@@ -19,7 +19,8 @@ LAYERS: list[set[str]] = [
     {"sim"},  # the simulator
     {"timeline"},
     {"server"},  # gRPC and HTTP front doors, the demo
-    {"bench", "gpu_check"},  # measurement tools (gpu_check: the one-shot GPU check)
+    {"bench", "plan"},  # measurement tools, the planner
+    {"gpu_check"},  # the one-shot GPU check (its serving phase replays through the bench harness)
     {"cli"},
 ]
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

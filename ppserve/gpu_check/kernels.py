@@ -1,0 +1,119 @@
+"""Phase `kernels`: ppserve's GPU kernels against torch references, at fp32 and bf16 tolerances.
+
+- The Triton paged attention on a mixed microbatch (decodes, a first prefill chunk, a later chunk) and
+  the split-K decode (few sequences, long contexts), each against SDPA over the same paged cache;
+- the ops the layers call (RMSNorm with and without the fused residual add, SiLU-and-multiply, RoPE)
+  against float64 formulas.
+
+On CPU the Triton kernels run under the interpreter on smaller shapes (the runner sets
+TRITON_INTERPRET=1), the ops on their CPU paths.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ppserve.gpu_check.phase import Context
+
+TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol)
+
+
+def _paged_case(query_lens: list[int], context_lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: Any,
+                device: str, seed: int) -> dict[str, Any]:
+    """Triton vs SDPA on one microbatch over a cache with shuffled, non-contiguous block tables."""
+    import torch
+
+    from ppserve.model.attention import AttentionMetadata, SdpaBackend, allocate_kv_cache
+    from ppserve.model.triton_attention import TritonPagedBackend
+
+    rng = random.Random(seed)
+    need = [-(-c // bs) for c in context_lens]
+    free = list(range(sum(need) + 2))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in need]
+    torch.manual_seed(seed)
+    t = sum(query_lens)
+    q, k, v = (torch.randn(t, h, d, dtype=dtype, device=device) for h in (hq, hkv, hkv))
+    cache = allocate_kv_cache(1, sum(need) + 2, bs, hkv, d, dtype, device)[0].normal_()
+    ref_cache = cache.clone()
+    scale = d ** -0.5
+    got = TritonPagedBackend().forward(q, k, v, cache, AttentionMetadata.build(query_lens, context_lens, tables, bs,
+                                                                               device), scale)
+    want = SdpaBackend().forward(q, k, v, ref_cache, AttentionMetadata.build(query_lens, context_lens, tables, bs,
+                                                                             device), scale)
+    return _compare(got, want, dtype)
+
+
+def _compare(got: Any, want: Any, dtype: Any) -> dict[str, Any]:
+    import torch
+
+    atol, rtol = TOLERANCES[str(dtype).removeprefix("torch.")]
+    err = (got.double() - want.double()).abs()
+    bound = atol + rtol * want.double().abs()
+    finite = bool(torch.isfinite(got).all())
+    return {"max_abs_err": float(err.max()), "ok": finite and bool((err <= bound).all()), "finite": finite}
+
+
+def _ops_cases(dtype: Any, device: str) -> dict[str, Any]:
+    import torch
+
+    from ppserve.model import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, dtype=dtype, device=device)
+    y = torch.randn_like(x)
+    w = torch.rand(256, dtype=dtype, device=device) + 0.5
+    x64, y64, w64 = x.double(), y.double(), w.double()
+
+    def rms(h: Any) -> Any:
+        return w64 * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    total, normed = ops.add_rms_norm(x, y, w, 1e-5)
+    gate_up = torch.randn(64, 512, dtype=dtype, device=device)
+    g64, u64 = gate_up.double().chunk(2, dim=-1)
+    heads = torch.randn(64, 4, 64, dtype=dtype, device=device)
+    angles = torch.rand(64, 1, 32, dtype=torch.float64, device=device) * 6.28
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    h64 = heads.double()
+    rotated = torch.cat((-h64[..., 32:], h64[..., :32]), dim=-1)
+    return {
+        "rms_norm": _compare(ops.rms_norm(x, w, 1e-5), rms(x64), dtype),
+        "add_rms_norm": {"sum": _compare(total, x64 + y64, dtype), "norm": _compare(normed, rms(x64 + y64), dtype)},
+        "silu_mul": _compare(ops.silu_mul(gate_up), torch.nn.functional.silu(g64) * u64, dtype),
+        "rope_": _compare(ops.rope_(heads.clone(), cos.to(dtype), sin.to(dtype)), h64 * cos + rotated * sin, dtype),
+    }
+
+
+def _all_ok(tree: dict[str, Any]) -> bool:
+    """Every comparison in a nested dict of them passed."""
+    if "ok" in tree:
+        return bool(tree["ok"])
+    return all(_all_ok(v) for v in tree.values())
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from ppserve.model.triton_attention import MIN_PAGES_PER_SPLIT, sm_count, split_k_plan, triton_available
+
+    if not triton_available():
+        raise RuntimeError("triton is not importable (CUDA builds of torch ship it)")
+    device = ctx.device
+    d = 128 if ctx.cuda else 64  # Llama-3's head dim on the device; the interpreter is slow
+    long_ctx = 8192 if ctx.cuda else 320
+    cases: dict[str, Any] = {}
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        cases[f"mixed_{name}"] = _paged_case([1, 37, 1, 20], [61, 37, 45, 70], 8, 2, d, 16, dtype, device, 1)
+        # Two long decodes with GQA 4 (Llama-3-8B's 32/8): the split-K path.
+        cases[f"split_k_{name}"] = _paged_case([1, 1], [long_ctx, long_ctx // 3 + 5], 8, 2, d, 16, dtype, device, 2)
+        cases[f"ops_{name}"] = _ops_cases(dtype, device)
+    plan = split_k_plan(2, 2, -(-long_ctx // 16), sm_count(torch.device(device)))
+    if plan is None or plan < MIN_PAGES_PER_SPLIT:
+        raise AssertionError(f"the split-K case did not take the split path (plan {plan})")
+    return {"ok": _all_ok(cases), "cases": cases, "split_k_pages_per_split": plan, "head_dim": d}
+
+
+def headline(r: dict[str, Any]) -> str:
+    worst = max((c["max_abs_err"] for k, c in r["cases"].items() if k.startswith(("mixed", "split"))), default=0.0)
+    return f"triton paged + split-K + ops vs torch, fp32/bf16: worst attention error {worst:.2e}"
