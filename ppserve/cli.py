@@ -1,4 +1,4 @@
-"""`ppserve` command line: serve | generate | stats | demo | bench | timeline | simulate | offline.
+"""`ppserve` command line: serve | generate | stats | demo | bench | timeline | simulate | plan | offline.
 
 Each subcommand lives in its own module exposing `add_parser(subparsers)`; those modules import
 heavy packages (torch, ray, grpc) only inside their run functions, so `ppserve --help` is instant.
@@ -21,6 +21,7 @@ _COMMANDS = {
     "bench": "ppserve.bench.cli",
     "timeline": "ppserve.timeline.cli",
     "simulate": "ppserve.sim.cli",
+    "plan": "ppserve.plan.cli",
 }
 
 

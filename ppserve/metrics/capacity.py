@@ -24,9 +24,10 @@ __all__ = ["SLO", "Probe", "CapacityResult", "probe_from_summary", "find_capacit
 class SLO:
     tbt_p99_s: float  # p99 time between tokens must not exceed this
     sched_delay_p50_s: float = 2.0  # median scheduling delay (arrival to first schedule) must not exceed this
+    ttft_p90_s: float | None = None  # p90 time to first token must not exceed this (None: not checked)
 
     def __post_init__(self) -> None:
-        if self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0:
+        if self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0 or (self.ttft_p90_s is not None and self.ttft_p90_s <= 0):
             raise ValueError(f"SLO limits must be > 0, got {self}")
 
 
@@ -61,7 +62,10 @@ def probe_from_summary(rate: float, summary: dict[str, Any], slo: SLO) -> Probe:
         reasons.append("no scheduling delays")
     elif delay > slo.sched_delay_p50_s:
         reasons.append(f"median scheduling delay {delay:.4g} s > {slo.sched_delay_p50_s:.4g} s")
-    extra = {"output_tokens_per_s": summary.get("throughput", {}).get("output_tokens_per_s")}
+    ttft = lat.get("ttft_s", {}).get("p90")
+    if slo.ttft_p90_s is not None and (ttft is None or ttft > slo.ttft_p90_s):
+        reasons.append("no first tokens" if ttft is None else f"p90 TTFT {ttft:.4g} s > {slo.ttft_p90_s:.4g} s")
+    extra = {"output_tokens_per_s": summary.get("throughput", {}).get("output_tokens_per_s"), "ttft_p90_s": ttft}
     return Probe(rate, not reasons, tbt, delay, "; ".join(reasons) or "meets SLO", extra)
 
 

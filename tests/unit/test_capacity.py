@@ -87,6 +87,10 @@ def test_probe_from_summary_reasons():
     assert not cut.ok and "time limit" in cut.reason
     empty = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": None}, "scheduling_delay_s": {"p50": None}}}, slo)
     assert not empty.ok
+    fast = {"tbt_s": {"p99": 0.05}, "scheduling_delay_s": {"p50": 0.1}, "ttft_s": {"p90": 0.8}}
+    assert probe_from_summary(1.0, {"latency": fast}, slo).ok  # TTFT unchecked unless the SLO names it
+    late = probe_from_summary(1.0, {"latency": fast}, SLO(0.1, 2.0, ttft_p90_s=0.5))
+    assert not late.ok and late.reason == "p90 TTFT 0.8 s > 0.5 s" and late.extra["ttft_p90_s"] == 0.8
 
 
 @pytest.mark.parametrize("kwargs", [dict(start_rate=0.0), dict(start_rate=2.0, max_rate=1.0),

@@ -1,0 +1,122 @@
+"""`ppserve plan`: the best deployment for a model, a cluster and an SLO, found on the simulator.
+
+    ppserve plan --model llama3-70b --hardware h100 --gpus 8 --workload splitwise_conv --tbt-p99-ms 100 --out plan/
+
+Enumerates the deployments that fit (and says why the others do not), finds each one's capacity under
+the SLO on the simulator (the real scheduler over a roofline or fitted cost model), and writes the
+ranked table, the Pareto front and the winner's engine config under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="search deployments (pp x tp, replicas, policy, budget) for capacity under an SLO")
+    m = p.add_argument_group("model and cluster")
+    m.add_argument("--model", required=True, help="a model table (llama3-70b, qwen3-32b, ...), its YAML, or an HF config.json / directory")
+    m.add_argument("--hardware", default="h100", help="a100 | h100 | a40 | cpu | a hardware YAML")
+    m.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    m.add_argument("--nodes", type=int, default=1)
+    m.add_argument("--inter-node-gbps", type=float, help="override the NIC's GB/s per GPU between nodes")
+    m.add_argument("--nvlink-gbps", type=float, help="override the intra-node GB/s per GPU")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="splitwise_conv",
+                   help="sharegpt4-like | arxiv-summarization-like | a trace CSV or a name in ../shared/traces")
+    w.add_argument("--num-requests", type=int, default=2000,
+                   help="requests in the fixed trace of lengths (a probe replays rate x duration of them, cycled)")
+    w.add_argument("--duration-s", type=float, default=60.0,
+                   help="seconds of arrivals per refined probe (coarse probes: a third of it)")
+    w.add_argument("--prefill-scale", type=float, default=1.0)
+    w.add_argument("--decode-scale", type=float, default=1.0)
+    w.add_argument("--seed", type=int, default=0, help="seed of the lengths and of every probe's arrivals")
+    s = p.add_argument_group("SLO")
+    s.add_argument("--tbt-p99-ms", type=float, required=True, help="p99 time between tokens")
+    s.add_argument("--ttft-p90-ms", type=float, help="p90 time to first token (default: not checked)")
+    s.add_argument("--sched-delay-s", type=float, default=2.0, help="median scheduling delay (Sarathi-Serve: 2 s)")
+    k = p.add_argument_group("search")
+    k.add_argument("--policies", default="sarathi,vllm")
+    k.add_argument("--token-budgets", type=_ints, default=(256, 512, 1024, 2048), help="sarathi's, comma-separated")
+    k.add_argument("--max-num-seqs", type=_ints, default=(256,), help="sarathi's, comma-separated")
+    k.add_argument("--vllm-max-num-seqs", type=_ints, default=(32, 64, 128), help="vllm's max batch sizes")
+    k.add_argument("--max-pp", type=int)
+    k.add_argument("--refine", type=int, default=4, help="leaders refined to --fine-tol after the coarse round")
+    k.add_argument("--coarse-tol", type=float, default=0.25)
+    k.add_argument("--fine-tol", type=float, default=0.05)
+    k.add_argument("--jobs", type=int, help="parallel processes (default: every CPU)")
+    k.add_argument("--overhead-ms", type=float, default=0.5, help="engine turnaround per returned microbatch")
+    k.add_argument("--dispatch-ms", type=float, default=0.5, help="control-plane latency to the stages")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="plan", help="folder for plan.json, plan.md, pareto.png, winner.yaml")
+    o.add_argument("--serve-model", help="the HF directory winner.yaml names (default: --model's, if it is one)")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _progress(enabled: bool) -> Callable[[str, int], Callable[[], None]]:
+    def make(stage: str, total: int) -> Callable[[], None]:
+        if not enabled or total == 0:
+            return lambda: None
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=f"{stage:>6}", unit="deployment")
+
+        def tick() -> None:
+            bar.update(1)
+            if bar.n >= total:
+                bar.close()
+
+        return tick
+
+    return make
+
+
+def run(args: argparse.Namespace) -> int:
+    from ppserve.metrics.capacity import SLO
+    from ppserve.plan import inputs
+    from ppserve.plan.report import format_table, table_rows, write_report
+    from ppserve.plan.search import PlanContext, search
+    from ppserve.plan.space import SearchSpace, WorkloadShape, enumerate_deployments
+
+    t0 = time.perf_counter()
+    model, hf_dir = inputs.model_spec(args.model)
+    clu = inputs.cluster(args.hardware, args.gpus, args.nodes, args.inter_node_gbps, args.nvlink_gbps)
+    reqs, desc = inputs.workload(args.workload, args.num_requests, model.max_model_len, args.seed,
+                                 args.prefill_scale, args.decode_scale)
+    slo = SLO(args.tbt_p99_ms * 1e-3, args.sched_delay_s, None if args.ttft_p90_ms is None else args.ttft_p90_ms * 1e-3)
+    space = SearchSpace(tuple(x.strip() for x in args.policies.split(",") if x.strip()), args.token_budgets,
+                        args.max_num_seqs, args.vllm_max_num_seqs, args.max_pp)
+    feasible, rejected = enumerate_deployments(model, clu, space, WorkloadShape.of([(r.prompt_len, r.output_len) for r in reqs]))
+    cluster_desc = f"{clu.nodes} x {clu.gpus_per_node} {clu.hardware.name}"
+    print(f"{model.name} on {cluster_desc}: {len(feasible)} deployments to search, {len(rejected)} shapes rejected")
+    ctx = PlanContext(model, clu, tuple(reqs), slo, args.duration_s, seed=args.seed,
+                      overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
+    cands = search(ctx, feasible, jobs=args.jobs, coarse_tol=args.coarse_tol, fine_tol=args.fine_tol,
+                   refine=args.refine, progress=_progress(not args.no_progress))
+    wall = time.perf_counter() - t0
+    settings = {"model": model.name, "cluster": cluster_desc, "workload": desc, "num_requests": len(reqs), "duration_s": args.duration_s,
+                "seed": args.seed, "slo": {"tbt_p99_s": slo.tbt_p99_s, "ttft_p90_s": slo.ttft_p90_s,
+                                            "sched_delay_p50_s": slo.sched_delay_p50_s},
+                "coarse_tol": args.coarse_tol, "fine_tol": args.fine_tol, "refine": args.refine,
+                "jobs": args.jobs, "wall_s": round(wall, 1), "hardware": clu.hardware.name}
+    paths = write_report(Path(args.out), cands, rejected, settings, args.serve_model or hf_dir)
+    print(format_table(table_rows(cands), rejected, limit=15))
+    if "png" not in paths:
+        print("pareto.png not drawn: matplotlib is not installed (pip install matplotlib)")
+    if "winner" not in paths:
+        print("no deployment meets the SLO at any rate searched: no winner.yaml")
+    print(f"searched in {wall:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+

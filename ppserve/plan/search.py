@@ -1,0 +1,244 @@
+"""Capacity of each deployment under the SLO, on the simulator, pruned and in parallel processes.
+
+A probe simulates one replica at its share of the request rate (a Poisson stream split at random over
+the replicas is a Poisson stream of rate / replicas each) for `duration_s` seconds of arrivals: the
+first rate x duration requests of one fixed trace of lengths (cycled if it is shorter), arrivals drawn
+from one seed. A probe's result depends on the deployment and the rate only: the same in any process,
+on any run. The duration, not a request count, is what makes an overloaded rate fail: a short burst
+fits in the running seats and the queue never builds, while over D seconds an overload of x % delays
+the median request by about x % of D / 2 once the seats are full, past the 2 s limit once x > 4 / D
+(7 % at 60 s).
+
+The search is `metrics.capacity.find_capacity`, pruned in rounds (see `search`): one deployment per
+pipeline shape coarsely (bracketed to `coarse_tol` over a shorter duration), the other settings of the
+shapes that are not far behind, then the leaders refined to `fine_tol` over the full duration. Each
+deployment's search is one task in a process pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ppserve.config import SchedulerConfig
+from ppserve.metrics.capacity import SLO, CapacityResult, Probe, find_capacity, probe_from_summary
+from ppserve.plan.space import Cluster, Deployment
+from ppserve.sched.cost import BatchShape
+from ppserve.sim.cost_model import CostModel, ModelSpec, RooflineCostModel
+from ppserve.sim.simulator import SimConfig, simulate
+from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
+
+__all__ = ["PlanContext", "Candidate", "probe", "estimate_rate", "search", "CostModelFactory"]
+
+# How a context prices a deployment's replica: the roofline of the model on the cluster's hardware by
+# default; a fitted profile re-split over the deployment's shape where one was given.
+CostModelFactory = Callable[["PlanContext", Deployment], CostModel]
+
+
+def roofline(ctx: PlanContext, d: Deployment) -> CostModel:
+    return RooflineCostModel(ctx.model, ctx.cluster.hardware, d.pp, d.tp, d.layer_counts,
+                             gpus_per_node=ctx.cluster.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """Everything a probe needs besides the deployment and the rate; sent once to each worker process."""
+
+    model: ModelSpec
+    cluster: Cluster
+    requests: tuple[WorkloadRequest, ...]  # the fixed trace of lengths, its arrivals redrawn per rate
+    slo: SLO
+    duration_s: float = 60.0  # seconds of arrivals per probe
+    min_requests: int = 50  # a probe replays at least this many requests
+    max_requests: int = 20_000  # and at most this many (a probe cut short says so: `truncated`)
+    seed: int = 0
+    overhead_s: float = 0.5e-3  # engine turnaround per returned microbatch
+    dispatch_s: float = 0.5e-3  # control-plane latency to the stages
+    cost_model: CostModelFactory = roofline
+    # What one probe runs: `probe` (the simulator) unless a test stands in a system of known capacity.
+    # A module-level function, so the context pickles into the worker processes.
+    prober: Callable[[PlanContext, Deployment, float], Probe] | None = None
+
+
+@dataclass
+class Candidate:
+    """A deployment and what the search found."""
+
+    deployment: Deployment
+    result: CapacityResult
+    refined: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def capacity(self) -> float:
+        """Requests/s the whole deployment sustains under the SLO (0 when even the lowest rate failed)."""
+        return self.result.capacity or 0.0
+
+    @property
+    def capacity_per_gpu(self) -> float:
+        return self.capacity / self.deployment.gpus
+
+    @property
+    def at_capacity(self) -> Probe | None:
+        """The probe at the capacity: its TBT and TTFT are the deployment's at its highest passing rate."""
+        passing = [p for p in self.result.probes if p.ok and p.rate == self.result.capacity]
+        return passing[0] if passing else None
+
+
+def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
+    """Simulate one replica of `d` at rate / replicas and judge it against the SLO (`rate`: the whole
+    deployment's requests/s)."""
+    per_replica = rate / d.replicas
+    want = max(ctx.min_requests, math.ceil(per_replica * ctx.duration_s))
+    n = min(want, ctx.max_requests)
+    # The trace's lengths in order, cycled when the duration needs more requests than it holds.
+    reqs = [ctx.requests[i % len(ctx.requests)] for i in range(n)]
+    sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,
+                            max_waiting=max(4096, n))
+    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s, ctx.dispatch_s)
+    res = simulate(with_poisson_arrivals(reqs, per_replica, ctx.seed), ctx.cost_model(ctx, d), cfg)
+    lat = res.latency()
+    p = probe_from_summary(rate, {"latency": lat, "throughput": res.throughput()}, ctx.slo)
+    extra = {**p.extra, "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],
+             "num_preemptions": res.num_preemptions, "num_requests": n, "truncated": n < want}
+    if res.rejected:  # the scheduler refused requests (too long for the KV cache): not a pass
+        why = f"{len(res.rejected)} requests refused: {next(iter(res.rejected.values()))}"
+        return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, f"{p.reason}; {why}", extra)
+    return Probe(p.rate, p.ok, p.tbt_p99_s, p.sched_delay_p50_s, p.reason, extra)
+
+
+def estimate_rate(ctx: PlanContext, d: Deployment) -> float:
+    """An optimistic requests/s for `d` from its cost model: each request's prompt at the speed of full
+    prefill chunks and its output at the speed of a full decode batch, on the slowest stage. The SLO
+    lands below it; the search starts at half of it."""
+    cost = ctx.cost_model(ctx, d)
+    n = len(ctx.requests)
+    prompt = sum(r.prompt_len for r in ctx.requests) / n
+    output = sum(r.output_len for r in ctx.requests) / n
+    chunk = max(1, min(d.token_budget, round(prompt)))
+    decodes = max(1, min(d.max_num_seqs, d.token_budget, d.num_blocks * d.block_size // max(1, round(prompt + output))))
+    context = round(prompt + output / 2)
+
+    def slowest(shape: BatchShape) -> float:
+        return max(cost.stage_time(s, shape) for s in range(cost.num_stages))
+
+    per_request = (prompt * slowest(BatchShape.uniform(chunk)) / chunk
+                   + output * slowest(BatchShape.uniform(0, decodes, context)) / decodes)
+    return d.replicas / max(per_request, 1e-9)
+
+
+@dataclass(frozen=True)
+class _Task:
+    index: int
+    deployment: Deployment
+    start_rate: float
+    rel_tol: float
+    max_evals: int
+    growth: float = 2.0
+
+
+_CTX: PlanContext | None = None  # the worker process's context, set once by the pool's initializer
+
+
+def _init(ctx: PlanContext) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def _run(task: _Task) -> tuple[int, CapacityResult]:
+    ctx = _CTX
+    if ctx is None:
+        raise RuntimeError("plan worker started without a context")
+    d = task.deployment
+    run_probe = ctx.prober or probe
+    res = find_capacity(lambda rate: run_probe(ctx, d, rate), task.start_rate, max_evals=task.max_evals,
+                        rel_tol=task.rel_tol, growth=task.growth, min_rate=1e-3 * task.start_rate)
+    return task.index, res
+
+
+def _run_all(ctx: PlanContext, tasks: Sequence[_Task], jobs: int,
+             on_done: Callable[[], None]) -> dict[int, CapacityResult]:
+    """Each task's search, in a pool of `jobs` processes (in this process when jobs is 1)."""
+    out: dict[int, CapacityResult] = {}
+    if jobs <= 1 or len(tasks) <= 1:
+        _init(ctx)
+        for t in tasks:
+            i, res = _run(t)
+            out[i] = res
+            on_done()
+        return out
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_init, initargs=(ctx,)) as pool:
+        # Longest first (deepest pipelines simulate the most microbatches), so no straggler ends the round.
+        order = sorted(tasks, key=lambda t: -t.deployment.pp)
+        for fut in as_completed([pool.submit(_run, t) for t in order]):
+            i, res = fut.result()
+            out[i] = res
+            on_done()
+    return out
+
+
+def _representatives(deployments: Sequence[Deployment]) -> dict[tuple[int, int], int]:
+    """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi with the budget
+    nearest 512 where there is one, else the shape's first deployment."""
+    best: dict[tuple[int, int], int] = {}
+    for i, d in enumerate(deployments):
+        key = (d.pp, d.tp)
+        j = best.get(key)
+        if j is None or _rep_score(d) < _rep_score(deployments[j]):
+            best[key] = i
+    return best
+
+
+def _rep_score(d: Deployment) -> tuple[int, float]:
+    return (0 if d.policy == "sarathi" else 1, abs(math.log2(d.token_budget / 512)))
+
+
+def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | None = None,
+           coarse_tol: float = 0.25, fine_tol: float = 0.05, refine: int = 4, keep_shapes: float = 0.5,
+           coarse_duration_s: float | None = None, coarse_evals: int = 6, fine_evals: int = 7,
+           progress: Callable[[str, int], Callable[[], None]] | None = None) -> list[Candidate]:
+    """The capacity of the deployments, pruned in three rounds:
+
+    1. shapes: one deployment per (pp, tp) (`_representatives`), coarse; shapes below `keep_shapes` x the
+       best capacity per GPU are dropped with their other settings (their representative stays in the table);
+    2. settings: every other deployment of the kept shapes, coarse;
+    3. refine: the `refine` best per GPU to `fine_tol` over the full duration, again until the first
+       `refine` of the ranking are all refined (a coarse capacity overstates: the backlog has less time).
+
+    Coarse rounds use `coarse_duration_s` (default a third of the context's). Returns every searched
+    deployment, best capacity per GPU first. `progress(stage, total)` gives the callback called after
+    each finished deployment (a progress bar)."""
+    if not deployments:
+        return []
+    if not 0 < keep_shapes <= 1:
+        raise ValueError(f"keep_shapes must be in (0, 1], got {keep_shapes}")
+    jobs = jobs or os.cpu_count() or 1
+    tick = progress or (lambda stage, total: lambda: None)
+    short = replace(ctx, duration_s=coarse_duration_s or ctx.duration_s / 3)
+
+    def coarse_round(stage: str, indices: Sequence[int]) -> dict[int, Candidate]:
+        tasks = [_Task(i, deployments[i], 0.5 * estimate_rate(ctx, deployments[i]), coarse_tol, coarse_evals)
+                 for i in indices]
+        return {i: Candidate(deployments[i], r) for i, r in _run_all(short, tasks, jobs, tick(stage, len(tasks))).items()}
+
+    reps = _representatives(deployments)
+    cands = coarse_round("shapes", sorted(reps.values()))
+    best = max(c.capacity_per_gpu for c in cands.values())
+    kept = {shape for shape, i in reps.items() if cands[i].capacity_per_gpu >= keep_shapes * best and best > 0}
+    rest = [i for i, d in enumerate(deployments) if (d.pp, d.tp) in kept and i not in cands]
+    cands.update(coarse_round("settings", rest))
+    for _ in range(3):
+        ranked = sorted(cands, key=lambda i: -cands[i].capacity_per_gpu)[:refine]
+        todo = [i for i in ranked if not cands[i].refined and cands[i].capacity > 0]
+        if not todo:
+            break
+        # Start at the coarse capacity and step down by the fine tolerance twice over: few probes if the
+        # coarse figure was close, a few more if the backlog needed the longer run to show.
+        tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + 2 * fine_tol) for i in todo]
+        for i, res in _run_all(ctx, tasks, jobs, tick("refine", len(tasks))).items():
+            cands[i] = Candidate(deployments[i], res, refined=True)
+    return sorted(cands.values(), key=lambda c: -c.capacity_per_gpu)
