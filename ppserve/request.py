@@ -215,6 +215,7 @@ class RequestOutput:
     token_times: list[float]  # engine-clock seconds at which each output token became known
     index: int = 0  # which of the prompt's n choices (SamplingParams.n)
     logprobs: list[TokenLogprob] | None = None  # one per output token, when SamplingParams.logprobs is set
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def ttft(self) -> float | None:

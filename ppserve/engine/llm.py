@@ -151,6 +151,7 @@ class LLM:
                     token_times=list(tr.token_times),
                     index=index[rid],
                     logprobs=logprobs[rid][: len(req.output_token_ids)] if req.sampling.logprobs is not None else None,
+                    num_cached_tokens=req.num_cached_tokens or 0,
                 )
             )
         return outs

@@ -214,6 +214,7 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         sampling.validate()
         ids = self.tokenize(prompt)
+        salt = (prompt.cache_salt or None) if isinstance(prompt, PromptInput) else None
         sampling = self.resolve_max_tokens(len(ids), sampling)
         base = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         choices = choice_params(sampling)
@@ -223,7 +224,7 @@ class LLMEngine:
         try:
             for rid, sp in zip(rids, choices, strict=True):
                 req = Request(request_id=rid, prompt_token_ids=list(ids), sampling=sp, arrival_time=arrival,
-                              eos_token_ids=self.eos_token_ids)
+                              eos_token_ids=self.eos_token_ids, cache_salt=salt)
                 self.scheduler.add_request(req)
                 added.append(rid)
                 detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
@@ -343,7 +344,8 @@ class LLMEngine:
         if reason is None:
             return TokenDelta(rid, token_ids, text, times, False, logprobs=u.logprobs)
         del self.tracked[rid]
-        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=u.logprobs)
+        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=u.logprobs,
+                          num_cached_tokens=st.request.num_cached_tokens or 0)
 
     def request_state(self, rid: str) -> OutputState | None:
         return self.tracked.get(rid)
@@ -368,6 +370,10 @@ class LLMEngine:
             in_flight_microbatches=len(s.in_flight),
             kv_blocks_used=s.blocks.num_used,
             kv_blocks_total=s.blocks.num_blocks,
+            kv_blocks_cached=s.blocks.num_cached,
+            prefix_cache_queries=s.blocks.num_query_tokens,
+            prefix_cache_hits=s.blocks.num_hit_tokens,
+            prefix_cache_hit_rate=s.blocks.hit_rate,
             num_preemptions=s.num_preemptions,
             num_restarts=self.num_restarts,
             last_recovery_s=self.last_recovery_s or 0.0,  # None before the first rebuild

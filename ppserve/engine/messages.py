@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ppserve.request import TokenLogprob
 
 CHAT_ROLES = ("system", "user", "assistant")
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class PipelineUnavailable(RuntimeError):
@@ -26,11 +27,17 @@ class PromptInput:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content), rendered by the chat template
+    # Prefix caching: only prompts with the same salt share cached KV (tenants that must not share pick
+    # different salts; vLLM's field). None and "" are the same: no salt.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("text", "token_ids", "messages") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"a prompt is exactly one of text, token_ids or messages; got {given or 'none'}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.messages is not None:
             for i, (role, _) in enumerate(self.messages):
                 if role not in CHAT_ROLES:
@@ -59,3 +66,4 @@ class TokenDelta:
     finish_reason: str | None = None
     times: RequestTimes | None = None  # on the final delta only
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
+    num_cached_tokens: int = 0  # on the final delta: prompt tokens the prefix cache supplied

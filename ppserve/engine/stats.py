@@ -81,6 +81,10 @@ class EngineCounts:
     in_flight_microbatches: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # blocks the prefix cache holds a key for (held or evictable)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache since start (admissions)
+    prefix_cache_hits: int = 0  # of them, tokens found cached
+    prefix_cache_hit_rate: float = 0.0  # hits / queries (0 before any query)
     num_preemptions: int = 0
     num_restarts: int = 0
     last_recovery_s: float = 0.0  # failure detected -> serving again, latest rebuild; 0 before any

@@ -28,6 +28,7 @@ class StreamChunk:
     finish_reason: str | None = None
     times: RequestTimes | None = None  # on the last chunk
     logprobs: list[TokenLogprob] = field(default_factory=list)  # aligned with token_ids, when asked for
+    num_cached_tokens: int = 0  # on the last chunk: prompt tokens the prefix cache supplied
 
     def merge(self, d: TokenDelta) -> None:
         self.token_ids.extend(d.token_ids)
@@ -36,6 +37,7 @@ class StreamChunk:
         self.token_times.extend(d.token_times)
         if d.finished:
             self.finished, self.finish_reason, self.times = True, d.finish_reason, d.times
+            self.num_cached_tokens = d.num_cached_tokens
 
 
 class RequestStream:

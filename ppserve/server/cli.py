@@ -146,6 +146,8 @@ def format_stats(s: EngineStats) -> str:
         f"requests     running {s.running}  waiting {s.waiting}  in-flight microbatches "
         f"{s.in_flight_microbatches}  finished {s.requests_finished}",
         f"kv blocks    {s.kv_blocks_used} / {s.kv_blocks_total} used   preemptions {s.num_preemptions}",
+        f"prefix cache {s.prefix_cache_hit_rate * 100:.1f}% hit ({s.prefix_cache_hits} of "
+        f"{s.prefix_cache_queries} prompt tokens)   {s.kv_blocks_cached} blocks cached",
         f"throughput   {s.tokens_per_s:.1f} tok/s over the last {s.window_s:.1f} s   "
         f"({s.tokens_generated} tokens since start, up {s.uptime_s:.0f} s)",
         f"recovery     {s.num_restarts} pipeline restart(s)"

@@ -38,6 +38,7 @@ class Chunk:
     index: int = 0  # which choice (sampling n > 1)
     # One per new token when sampling.logprobs was set: {"token_id", "logprob", "top": [(id, logprob), ...]}
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # on the last chunk: prompt tokens the prefix cache supplied
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
@@ -57,6 +58,7 @@ class Completion:
     num_prompt_tokens: int = 0
     index: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
     def add(self, c: Chunk) -> None:
         self.request_id, self.index = c.request_id, c.index
@@ -67,6 +69,7 @@ class Completion:
         self.num_prompt_tokens = c.num_prompt_tokens
         if c.finish_reason is not None:
             self.finish_reason, self.metrics = c.finish_reason, c.metrics
+            self.num_cached_tokens = c.num_cached_tokens
 
 
 def _single(choices: list[Completion]) -> Completion:
@@ -80,11 +83,13 @@ def _request(
     messages: Sequence[dict[str, str]] | None,
     sampling: SamplingParams | None,
     request_id: str,
+    cache_salt: str = "",
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
     if sampling is None and sampling_kwargs:
         sampling = SamplingParams(**sampling_kwargs)
-    return convert.generate_request_to_proto(prompt, sampling, messages=messages, request_id=request_id)
+    return convert.generate_request_to_proto(prompt, sampling, messages=messages, request_id=request_id,
+                                             cache_salt=cache_salt)
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -181,10 +186,11 @@ class PPServeClient(_Client):
         sampling: SamplingParams | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        cache_salt: str = "",
         **sampling_kwargs: Any,
     ) -> ChunkStream:
         """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...)."""
-        req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
+        req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
         return ChunkStream(self.stub.Generate(req, **self._call(timeout)))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
@@ -235,10 +241,11 @@ class AsyncPPServeClient(_Client):
         sampling: SamplingParams | None = None,
         request_id: str = "",
         timeout: float | None = None,
+        cache_salt: str = "",
         **sampling_kwargs: Any,
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they arrive. Leaving the loop early (break, task cancel) cancels the request."""
-        req = _request(prompt, messages, sampling, request_id, **sampling_kwargs)
+        req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
         call = self.stub.Generate(req, **self._call(timeout))
         try:
             async for msg in call:

@@ -89,19 +89,20 @@ def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) ->
         raise ValueError("prompt is empty: set one of prompt, prompt_token_ids or messages")
     if len(given) > 1:
         raise ValueError(f"set only one of prompt, prompt_token_ids or messages; got {', '.join(given)}")
+    salt = req.cache_salt or None
     if req.prompt:
-        return PromptInput(text=req.prompt)
+        return PromptInput(text=req.prompt, cache_salt=salt)
     if req.messages:
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role {m.role!r} is unknown; expected one of {', '.join(CHAT_ROLES)}")
-        return PromptInput(messages=tuple((m.role, m.content) for m in req.messages))
+        return PromptInput(messages=tuple((m.role, m.content) for m in req.messages), cache_salt=salt)
     ids = tuple(int(t) for t in req.prompt_token_ids)
     upper = vocab_size if vocab_size is not None else _INT64_MAX
     for i, t in enumerate(ids):
         if not 0 <= t < upper:
             raise ValueError(f"prompt_token_ids[{i}]={t} is out of range [0, {upper})")
-    return PromptInput(token_ids=ids)
+    return PromptInput(token_ids=ids, cache_salt=salt)
 
 
 def request_id_from_proto(req: pb.GenerateRequest) -> str:
@@ -200,9 +201,10 @@ def generate_request_to_proto(
     *,
     messages: Sequence[dict[str, str]] | None = None,
     request_id: str = "",
+    cache_salt: str = "",
 ) -> pb.GenerateRequest:
     """The client side: text, token ids or chat messages (dicts with role and content)."""
-    req = pb.GenerateRequest(request_id=request_id)
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
     if messages is not None:
         req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     elif isinstance(prompt, str):
@@ -290,6 +292,7 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> dict[str, Any]:
         "token_ids": list(msg.token_ids),
         "text": msg.text,
         "num_prompt_tokens": msg.num_prompt_tokens,
+        "num_cached_tokens": msg.num_cached_tokens,
         "num_output_tokens": msg.num_output_tokens,
         "token_times": list(msg.token_times),
         "finish_reason": reason,

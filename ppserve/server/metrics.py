@@ -10,6 +10,7 @@ window, restarts) are refreshed from the engine's stats when /metrics is scraped
 | `ppserve:num_requests_running`, `ppserve:num_requests_waiting` | gauge | requests holding KV / queued |
 | `ppserve:kv_cache_usage_perc` | gauge | fraction of KV blocks in use (0-1) |
 | `ppserve:num_preemptions_total` | counter | recompute preemptions |
+| `ppserve:prefix_cache_queries_total`, `ppserve:prefix_cache_hits_total` | counter | prompt tokens looked up in the prefix cache at admission, and of them found cached |
 | `ppserve:prompt_tokens_total`, `ppserve:generation_tokens_total` | counter | tokens in, tokens out |
 | `ppserve:request_success_total{finished_reason}` | counter | finished requests by reason (stop, length, cancelled, error) |
 | `ppserve:time_to_first_token_seconds` | histogram | arrival -> first token |
@@ -60,6 +61,8 @@ class ServerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests queued for their first (or next) schedule.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0-1.")
         self.preemptions = counter("num_preemptions", "Recompute preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests added.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
@@ -80,13 +83,16 @@ class ServerMetrics:
         self.recovery_total = counter("pipeline_recovery_seconds", "Time from a stage failure to serving again.")
         self.last_recovery = gauge("pipeline_last_recovery_seconds", "The latest rebuild's recovery time.")
         # Every series exists from the start (at 0), so dashboards and rate() see it before its first event.
-        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
+        for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble, self.mb_tokens,
                        self.restarts, self.recovery_total, self.last_recovery):
             metric.labels(**label)
         for reason in ("stop", "length", "cancelled", "error"):
             self.success.labels(**label, finished_reason=reason)
         self._preemptions_seen = 0
+        self._prefix_queries_seen = 0
+        self._prefix_hits_seen = 0
         self._restarts_seen = 0
         self._recovery_seen = 0.0
 
@@ -122,6 +128,8 @@ class ServerMetrics:
         total = stats.kv_blocks_total
         self.kv_usage.labels(**lab).set(stats.kv_blocks_used / total if total else 0.0)
         self._advance(self.preemptions, "_preemptions_seen", stats.num_preemptions)
+        self._advance(self.prefix_queries, "_prefix_queries_seen", stats.prefix_cache_queries)
+        self._advance(self.prefix_hits, "_prefix_hits_seen", stats.prefix_cache_hits)
         self._advance(self.restarts, "_restarts_seen", stats.num_restarts)
         self._advance(self.recovery_total, "_recovery_seen", stats.total_recovery_s)
         self.last_recovery.labels(**lab).set(stats.last_recovery_s)

@@ -80,6 +80,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int = 0
 
 
 class OpenAIFrontDoor:
@@ -125,8 +126,9 @@ class OpenAIFrontDoor:
         self.check_model(body.model)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprobs)
-        prompts = [PromptInput(text=p) if isinstance(p, str) else PromptInput(token_ids=tuple(p))
-                   for p in body.prompts()]
+        salt = body.cache_salt or None
+        prompts = [PromptInput(text=p, cache_salt=salt) if isinstance(p, str)
+                   else PromptInput(token_ids=tuple(p), cache_salt=salt) for p in body.prompts()]
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams, num_prompt = await self._add(prompts, sampling, rid)
         fmt = _Format(self, rid, "text_completion", chat=False, logprobs=body.logprobs)
@@ -142,7 +144,8 @@ class OpenAIFrontDoor:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprob_count())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams, num_prompt = await self._add([PromptInput(messages=body.conversation())], sampling, rid)
+        prompt = PromptInput(messages=body.conversation(), cache_salt=body.cache_salt or None)
+        streams, num_prompt = await self._add([prompt], sampling, rid)
         fmt = _Format(self, rid, "chat.completion", chat=True, logprobs=body.logprob_count())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -190,6 +193,7 @@ class OpenAIFrontDoor:
                 c.logprobs.extend(chunk.logprobs)
                 if chunk.finished:
                     c.finish_reason = chunk.finish_reason
+                    c.num_cached_tokens = chunk.num_cached_tokens
                     finished.add(i)
 
         work = asyncio.ensure_future(collect())
@@ -205,10 +209,11 @@ class OpenAIFrontDoor:
             work.cancel()
             self._finish(streams, finished)
         completion_tokens = sum(len(c.token_ids) for c in choices)
+        cached = sum(choices[i].num_cached_tokens for i in _first_choices(streams))
         return JSONResponse({
             "id": rid, "object": fmt.object, "created": int(time.time()), "model": self.model_name,
             "choices": [fmt.whole_choice(i, c) for i, c in enumerate(choices)],
-            "usage": _usage(num_prompt, completion_tokens),
+            "usage": _usage(num_prompt, completion_tokens, cached),
         })
 
     def _sse(self, fmt: _Format, rid: str, streams: list[tuple[str, RequestStream]], num_prompt: int,
@@ -216,6 +221,8 @@ class OpenAIFrontDoor:
         async def events() -> AsyncIterator[str]:
             finished: set[int] = set()
             completion_tokens = 0
+            firsts = _first_choices(streams)
+            cached = 0
             try:
                 if fmt.chat:  # the role comes first, once per choice, as OpenAI sends it
                     for i in range(len(streams)):
@@ -230,10 +237,11 @@ class OpenAIFrontDoor:
                     completion_tokens += len(chunk.token_ids)
                     if chunk.finished:
                         finished.add(i)
+                        cached += chunk.num_cached_tokens if i in firsts else 0
                     if chunk.text or chunk.token_ids or chunk.finished:
                         yield _event(fmt.chunk([fmt.stream_choice(i, chunk)]))
                 if include_usage:
-                    yield _event(fmt.chunk([], usage=_usage(num_prompt, completion_tokens)))
+                    yield _event(fmt.chunk([], usage=_usage(num_prompt, completion_tokens, cached)))
                 yield "data: [DONE]\n\n"
             finally:  # the end, or the client went away (Starlette cancels this generator)
                 self._finish(streams, finished)
@@ -314,9 +322,19 @@ class _Format:
                 "top_logprobs": [{text(i): v for i, v in top} for _, top in logprobs], "text_offset": offsets}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache supplied (each prompt once)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _first_choices(streams: list[tuple[str, RequestStream]]) -> set[int]:
+    """The index of each prompt's first choice: its prompt counts once in usage, like its tokens."""
+    seen: dict[str, int] = {}
+    for i, (group, _) in enumerate(streams):
+        seen.setdefault(group, i)
+    return set(seen.values())
 
 
 def _event(obj: dict[str, Any]) -> str:

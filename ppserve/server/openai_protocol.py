@@ -40,6 +40,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool = False
+    cache_salt: str | None = None  # vLLM's field: only requests with the same salt share cached prefixes
     # Known OpenAI fields ppserve does not implement: refused, not ignored.
     best_of: int | None = None
     logit_bias: dict[str, float] | None = None

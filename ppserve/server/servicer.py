@@ -93,4 +93,5 @@ def _response(request_id: str, index: int, chunk: StreamChunk, num_prompt_tokens
     )
     if chunk.finished and chunk.times is not None:
         msg.metrics.CopyFrom(convert.request_metrics_to_proto(chunk.times))
+        msg.num_cached_tokens = chunk.num_cached_tokens
     return msg

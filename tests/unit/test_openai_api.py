@@ -59,7 +59,8 @@ def test_completion_whole_and_n() -> None:
         assert out["object"] == "text_completion" and out["model"] == MODEL
         assert [ch["index"] for ch in out["choices"]] == [0, 1]
         assert all(ch["text"] == "aaa" and ch["finish_reason"] == "length" for ch in out["choices"])
-        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+        assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                                "prompt_tokens_details": {"cached_tokens": 0}}
         # A batch of prompts: choices numbered prompt-major.
         r = await c.post("/v1/completions", json={"prompt": [[1], [2, 3]], "max_tokens": 1, "n": 2})
         assert [ch["index"] for ch in r.json()["choices"]] == [0, 1, 2, 3]

@@ -61,18 +61,20 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RequestMetrics(_message.Message):
     __slots__ = ("queue_time_s", "ttft_s", "mean_tbt_s", "e2e_s")
@@ -87,7 +89,7 @@ class RequestMetrics(_message.Message):
     def __init__(self, queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., mean_tbt_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "num_prompt_tokens", "num_output_tokens", "token_times", "finish_reason", "metrics", "logprobs", "index")
+    __slots__ = ("request_id", "token_ids", "text", "num_prompt_tokens", "num_output_tokens", "token_times", "finish_reason", "metrics", "logprobs", "index", "num_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +100,7 @@ class GenerateResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -108,7 +111,8 @@ class GenerateResponse(_message.Message):
     metrics: RequestMetrics
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., token_times: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., token_times: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., metrics: _Optional[_Union[RequestMetrics, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
@@ -199,7 +203,7 @@ class ServingConfig(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., policy: _Optional[str] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s", "num_restarts", "last_recovery_s", "total_recovery_s")
+    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s", "num_restarts", "last_recovery_s", "total_recovery_s", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,10 @@ class Stats(_message.Message):
     NUM_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LAST_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     in_flight_microbatches: int
@@ -236,4 +244,8 @@ class Stats(_message.Message):
     num_restarts: int
     last_recovery_s: float
     total_recovery_s: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_restarts: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., total_recovery_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_restarts: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., total_recovery_s: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
