@@ -52,3 +52,29 @@ class Experts:
     num_experts: int
     top_k: int
     expert_intermediate_size: int
+
+
+class SparseModelShape(Protocol):
+    """What the partition reads of a model's MLPs (ppserve.model.arch.ModelArch has it)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+def mlp_weights_per_token(model: SparseModelShape, num_tokens: int = 1) -> float:
+    """Mean over the model's layers of the MLP weights a token multiplies in a step of `num_tokens`
+    tokens: a dense layer's three matrices; a sparse layer's k experts and router per token (and, as
+    `num_tokens` grows, the touched experts' reads shared among them: max of the two, per token). A model
+    without `moe` (or with None) is dense."""
+    dense = 3.0 * model.hidden_size * model.intermediate_size
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        return dense
+    per_token, read = moe_mlp_weights(model.hidden_size, moe, num_tokens)
+    sparse = max(per_token, read / max(num_tokens, 1))
+    num_sparse = len(getattr(moe, "sparse_layers", range(model.num_layers)))
+    return (num_sparse * sparse + (model.num_layers - num_sparse) * dense) / model.num_layers

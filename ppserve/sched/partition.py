@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ppserve.sched.moe_cost import mlp_weights_per_token
+
 
 @dataclass(frozen=True)
 class StageCostModel:
@@ -33,14 +35,17 @@ class StageCostModel:
         num_kv_heads: int,
         vocab: int,
         logits_fraction: float = 1.0,
+        head_dim: int = 0,
+        mlp_weights: float | None = None,
     ) -> StageCostModel:
         """Weights-per-token ratio (matmul FLOPs are proportional to weights per token).
 
         `logits_fraction`: share of a microbatch's tokens that produce logits (1.0 for decode-only work,
-        small for prefill-heavy work)."""
-        head_dim = hidden // num_heads
+        small for prefill-heavy work). `head_dim` 0: hidden / heads; `mlp_weights` None: a dense SwiGLU
+        MLP (sched/moe_cost.py prices a mixture of experts)."""
+        head_dim = head_dim or hidden // num_heads
         attn = hidden * (num_heads * head_dim) * 2 + hidden * (num_kv_heads * head_dim) * 2
-        mlp = 3 * hidden * intermediate
+        mlp = 3 * hidden * intermediate if mlp_weights is None else mlp_weights
         layer = attn + mlp
         return cls(layer=1.0, embedding=0.0, lm_head=logits_fraction * vocab * hidden / layer)
 
@@ -144,6 +149,8 @@ class ModelShape(Protocol):
     def num_kv_heads(self) -> int: ...
     @property
     def vocab_size(self) -> int: ...
+    # Also read where present: head_dim (when heads are not a split of the hidden size, Qwen3) and moe
+    # (a mixture of experts' ExpertShape with its sparse_layers, sched/moe_cost.py; None when dense).
 
 
 class PartitionSettings(Protocol):
@@ -164,7 +171,9 @@ def initial_ranges(par: PartitionSettings, model: ModelShape) -> list[tuple[int,
     mode = par.partition_mode
     if mode == "cost":
         cost = StageCostModel.for_llama(model.hidden_size, model.intermediate_size, model.num_heads,
-                                        model.num_kv_heads, model.vocab_size, logits_fraction=1.0)
+                                        model.num_kv_heads, model.vocab_size, logits_fraction=1.0,
+                                        head_dim=getattr(model, "head_dim", 0),
+                                        mlp_weights=mlp_weights_per_token(model))
     elif mode == "calibrated":
         mode = "even"
     return partition_layers(model.num_layers, par.pipeline_parallel_size, par.layer_partition, mode, cost)

@@ -54,3 +54,42 @@ def test_the_roofline_prices_a_moe_decode_by_the_experts_it_touches():
 def test_bad_moe_tables_are_refused():
     with pytest.raises(ValueError, match="experts_per_token"):
         ModelSpec("bad", 2, 64, 4, 4, 128, 256, num_experts=8, experts_per_token=9, expert_intermediate_size=32)
+
+
+def test_the_partition_prices_a_sparse_layer_by_the_experts_a_token_uses():
+    """Cost-aware partitioning: a sparse layer costs its k experts and router per token, not all experts,
+    so beside a big LM head the last stage of an MoE model holds fewer layers than a dense twin's."""
+    from dataclasses import dataclass
+
+    from ppserve.sched.moe_cost import mlp_weights_per_token
+    from ppserve.sched.partition import initial_ranges
+
+    @dataclass(frozen=True)
+    class Moe:
+        num_experts: int = 64
+        top_k: int = 2
+        expert_intermediate_size: int = 256
+        sparse_layers: tuple[int, ...] = tuple(range(1, 24))  # layer 0 dense
+
+    @dataclass(frozen=True)
+    class Shape:
+        num_layers: int = 24
+        hidden_size: int = 1024
+        intermediate_size: int = 64 * 256
+        num_heads: int = 16
+        num_kv_heads: int = 4
+        vocab_size: int = 150_000
+        head_dim: int = 128
+        moe: Moe | None = Moe()
+
+    @dataclass(frozen=True)
+    class Par:
+        pipeline_parallel_size: int = 2
+        layer_partition: tuple[int, ...] | None = None
+        partition_mode: str = "cost"
+
+    sparse = 2 * 3 * 1024 * 256 + 1024 * 64
+    assert mlp_weights_per_token(Shape()) == pytest.approx((23 * sparse + 3 * 1024 * 64 * 256) / 24)
+    assert mlp_weights_per_token(Shape(moe=None)) == 3 * 1024 * 64 * 256
+    moe_split, dense_split = initial_ranges(Par(), Shape()), initial_ranges(Par(), Shape(moe=None))
+    assert moe_split[1][1] - moe_split[1][0] < dense_split[1][1] - dense_split[1][0]
