@@ -48,8 +48,8 @@ def run_tbt(model: str, pp: int = 2, target_ms: float = 250.0, token_budget: int
         "max_tokens": max_tokens, "start_token_budget": token_budget, "max_token_budget": max_token_budget,
         "tbt_p50_s": _quantile(gaps, 0.5), "tbt_p99_s": _quantile(gaps, 0.99), "tbt_max_s": gaps[-1] if gaps else 0.0,
         "num_gaps": len(gaps), "final_token_budget": mode.token_budget,
-        "cost_calibrated": bool(cost.calibrated), "cost_num_samples": int(cost.num_samples),
-        "cost_coefficients": list(cost.coefficients), "cost_prior": list(cost.prior),
+        "cost_calibrated": bool(cost.calibrated), "cost_num_samples": cost.fits[-1].num_samples,
+        "cost_per_stage": cost.current.to_json(), "cost_prior": [f.prior.to_json() for f in cost.fits],
         "tokens": [list(o.token_ids) for o in outs],
     }
 

@@ -43,8 +43,6 @@ class EngineCore:
         self.intake = intake
         self.work = WorkTracker()  # when the engine had work: the bubble math's "had work" intervals
         self.engine_spans: list[Span] = []  # `schedule` spans on the engine track
-        # When a list: every microbatch's per-stage compute seconds are appended (calibration runs).
-        self.stage_seconds_log: list[tuple[float, ...]] | None = None
         # Told of every microbatch that came back (the metrics exporter); quick, and must not raise.
         self.step_observers: list[Callable[[SchedulerOutput, StepResult], None]] = []
 
@@ -62,8 +60,6 @@ class EngineCore:
         done = sched.in_flight[0]
         updates = sched.update_from_output(done, result)
         sched.observe_step(done, result.stage_seconds)
-        if self.stage_seconds_log is not None:
-            self.stage_seconds_log.append(result.stage_seconds)
         for observe in self.step_observers:
             observe(done, result)
         self.fill()  # the stages get their next work before the caller does any text work

@@ -11,8 +11,10 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   as requests come and go); the second spreads what is ready over the slots still empty, so p = 4
   slots and 9 decodes give 3, 2, 2, 2 rather than 3, 3, 3 and an idle stage.
 - **Fair share.** The microbatch is filled to an equal part of the work in reach: (work in flight +
-  work schedulable now) / p, never more than the budget (tokens, or predicted seconds where a cost
-  model prices the step). Saturated, the share is the budget itself (plain Sarathi-Serve): the work in
+  work schedulable now) / p, never more than the budget; in predicted time on the slowest stage once
+  the scheduler's step-cost model is calibrated (`Scheduler._time_share`: a microbatch's time is not
+  its tokens; each stage pays a floor per step, attention grows with context, the last stage pays the
+  LM head per sampled token), in tokens before. Saturated, the share is the budget itself (plain Sarathi-Serve): the work in
   reach fills every share, or requests wait beyond the free seats (then `max_num_seqs`, not demand,
   bounds what is in reach, and a smaller budget would only cut throughput). With little work, a lone
   prompt is cut into p chunks that follow each other down the pipeline instead of one chunk that
@@ -39,7 +41,8 @@ __all__ = ["MIN_SHARE_OF_BUDGET", "decode_quota", "fair_share"]
 # time is mostly its per-step floor (weights read, launches), so a smaller chunk balances almost
 # nothing and only spreads a short prompt over more microbatches: its TTFT grows by up to p - 1 steps
 # (decode-heavy chat in the regime suite: 1.21x the best formation's TTFT without the floor, 1.00x with
-# it). A time budget, which prices the floor itself, needs none.
+# it). A share in predicted time keeps the same floor: never below the decodes it takes plus a chunk of
+# this part of the budget, and never leaving a prompt a rest shorter than that chunk.
 MIN_SHARE_OF_BUDGET = 0.25
 
 

@@ -194,7 +194,8 @@ class BatchBuilder:
             self.budget.tokens_used = self.budget.token_budget or 0
             self.budget.num_seqs += 1
         else:
-            self.budget.spend(num_tokens, req.num_computed_tokens)
+            # The chunk that completes the request's known tokens gets logits (the last stage's LM head).
+            self.budget.spend(num_tokens, req.num_computed_tokens, sampled=num_tokens == req.num_uncomputed_tokens)
         # Key the blocks these tokens fill now, so a request admitted later in this step hits them too.
         self._blocks.cache_full_blocks(req, req.num_computed_tokens + num_tokens)
         self.chosen[req.request_id] = num_tokens

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from ppserve.config import SchedulerConfig
 from ppserve.metrics.latency import percentile
-from ppserve.sched.cost import LinearStepCost, StepCostModel
+from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost
 from ppserve.sched.output import SchedulerOutput
 
 __all__ = [
@@ -67,7 +67,8 @@ class TokenBudget:
         left = self.tokens_left
         return wanted if left is None else max(0, min(wanted, left))
 
-    def spend(self, num_tokens: int, context: int = 0) -> None:
+    def spend(self, num_tokens: int, context: int = 0, sampled: bool = False) -> None:
+        """Take `num_tokens` of one request (`sampled`: they complete its known tokens, so it gets logits)."""
         left = self.tokens_left
         if num_tokens <= 0 or (left is not None and num_tokens > left) or not self.has_seat:
             raise AssertionError(f"budget overdrawn: {num_tokens} tokens with {left} left, seats {self.num_seqs}")
@@ -82,20 +83,30 @@ class TokenBudget:
 
 
 class TimeBudget(TokenBudget):
-    """A token budget that also keeps the microbatch's predicted time within `time_budget_s`.
+    """A token budget that also keeps the microbatch's predicted time on every stage within
+    `time_budget_s`, so the slowest stage's predicted time (the pipeline's pace) stays within it.
 
-    The token count stays a hard cap. Until the cost model is calibrated it behaves exactly like
-    `TokenBudget`. An empty microbatch always gets at least one token, so a request whose chunk alone
-    is predicted over the budget (a decode with a huge context) still makes progress.
+    The token count stays a hard cap. Each stage starts at its floor; a chunk costs its tokens, its
+    attention keys and, when it completes its request's known tokens, its sampling (the last stage's LM
+    head). An empty microbatch always gets at least one token, so a request whose chunk alone is
+    predicted over the budget (a decode with a huge context) still makes progress. `min_rest` > 0 makes
+    the time a soft limit for the end of a prompt: a chunk never leaves its request fewer than
+    `min_rest` tokens, it takes them all if the token budget allows (a rest that small would cost a
+    whole microbatch of its own later, and the request's first token a round of the pipeline).
     """
 
-    def __init__(self, token_budget: int | None, max_seqs: int | None, cost: StepCostModel,
-                 time_budget_s: float) -> None:
+    def __init__(self, token_budget: int | None, max_seqs: int | None, cost: PipelineCost,
+                 time_budget_s: float, min_rest: int = 0) -> None:
         super().__init__(token_budget, max_seqs)
         self.cost = cost
         self.time_budget_s = time_budget_s
-        self.active = cost.calibrated
-        self.time_used_s = cost.base_s if self.active else 0.0
+        self.min_rest = min_rest
+        self.stage_used_s = [s.floor_s for s in cost.stages]
+
+    @property
+    def time_used_s(self) -> float:
+        """The predicted time of the microbatch so far on its slowest stage."""
+        return max(self.stage_used_s)
 
     @property
     def time_left_s(self) -> float:
@@ -103,22 +114,31 @@ class TimeBudget(TokenBudget):
 
     def chunk(self, wanted: int, context: int = 0) -> int:
         n = super().chunk(wanted, context)
-        if n == 0 or not self.active:
-            return n
-        fit = self.cost.max_tokens(self.time_left_s, context, n)
-        return fit if fit > 0 or self.num_seqs > 0 else 1
+        if n == 0:
+            return 0
+        timed = self._timed_chunk(wanted, n, context)
+        return n if n == wanted and wanted - timed < self.min_rest else timed
+
+    def _timed_chunk(self, wanted: int, n: int, context: int) -> int:
+        budget_s = self.time_budget_s
+        pairs = list(zip(self.cost.stages, self.stage_used_s, strict=True))
+        for stage, used in pairs:
+            n = min(n, stage.max_tokens(budget_s - used, context, n))
+        if n == wanted and any(used + stage.chunk_s(n, context, True) > budget_s for stage, used in pairs):
+            n -= 1  # the whole rest samples (the LM head runs for it): one token less does not
+        return n if n > 0 or self.num_seqs > 0 else 1
 
     def can_fit(self, num_tokens: int, context: int = 0) -> bool:
         return super().can_fit(num_tokens, context) and self.chunk(num_tokens, context) == num_tokens
 
-    def spend(self, num_tokens: int, context: int = 0) -> None:
-        super().spend(num_tokens, context)
-        if self.active:
-            self.time_used_s += self.cost.marginal_s(num_tokens, context)
+    def spend(self, num_tokens: int, context: int = 0, sampled: bool = False) -> None:
+        super().spend(num_tokens, context, sampled)
+        for i, stage in enumerate(self.cost.stages):
+            self.stage_used_s[i] += stage.chunk_s(num_tokens, context, sampled)
 
     def limit(self, tokens: int, seconds: float | None = None) -> None:
         super().limit(tokens, seconds)
-        if seconds is not None and self.active:
+        if seconds is not None:
             self.time_budget_s = min(self.time_budget_s, seconds)
 
 
@@ -183,38 +203,34 @@ class FixedTokenBudget(_BudgetModeBase):
 
 
 class TimeBudgetMode(_BudgetModeBase):
-    """Microbatches filled to a predicted time on the slowest stage, with `token_budget` as a hard cap.
+    """Microbatches capped at a predicted time on the slowest stage, with `token_budget` as a hard cap.
 
-    The cost model learns from the slowest stage's measured compute time of each microbatch (the
-    pipeline runs at the pace of its slowest stage). `time_budget_s=None` means "what a chunk of
-    `token_budget` tokens from an empty cache costs" under the current fit: a microbatch of short
-    contexts keeps its token budget, one of long contexts gets fewer tokens.
+    The cost model is the scheduler's `OnlinePipelineCost`, which learns every stage's time from each
+    microbatch's measured stage times (the pipeline runs at the pace of its slowest stage).
+    `time_budget_s=None` means "what a chunk of `token_budget` tokens from an empty cache costs" under
+    the current fit: a microbatch of short contexts keeps its token budget, one of long contexts gets
+    fewer tokens. Until the model is calibrated the budget counts tokens alone.
     """
 
-    needs_feedback = True
+    needs_feedback = True  # its cost model learns from the stage times
 
     def __init__(self, token_budget: int, time_budget_s: float | None = None,
-                 cost: StepCostModel | None = None) -> None:
+                 cost: OnlinePipelineCost | None = None) -> None:
         if time_budget_s is not None and time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be > 0, got {time_budget_s!r}")
         super().__init__(token_budget)
         self.time_budget_s = time_budget_s
-        self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
+        self.cost = cost if cost is not None else OnlinePipelineCost(1)
 
     def current_time_budget_s(self) -> float:
         if self.time_budget_s is not None:
             return self.time_budget_s
-        return self.cost.predict([(self._token_budget, 0)])
+        return self.cost.current.pace(BatchShape(((self._token_budget, 0),)))
 
     def new_budget(self, token_budget: int | None, max_seqs: int | None) -> TokenBudget:
-        if token_budget is None:  # a policy without a token budget has no time budget either
-            return TokenBudget(None, max_seqs)
-        return TimeBudget(token_budget, max_seqs, self.cost, self.current_time_budget_s())
-
-    def observe(self, out: SchedulerOutput, stage_seconds: Sequence[float], now: float,
-                finished: Collection[str]) -> None:
-        if stage_seconds and not out.is_empty:
-            self.cost.observe(out.chunks(), max(stage_seconds))
+        if token_budget is None or not self.cost.calibrated:  # no token budget: no time budget either
+            return TokenBudget(token_budget, max_seqs)
+        return TimeBudget(token_budget, max_seqs, self.cost.current, self.current_time_budget_s())
 
 
 class AdaptiveTokenBudget(_BudgetModeBase):
@@ -223,8 +239,8 @@ class AdaptiveTokenBudget(_BudgetModeBase):
 
     Model: a decode's next token is scheduled when its microbatch returns and comes back after the
     `num_stages` microbatches in flight ahead of it went through the slowest stage, so with every microbatch
-    full, TBT ~= num_stages * T(budget), T from an online `StepCostModel` (as in the time mode) for one chunk
-    of `budget` tokens at the recent mean prefill context. The budget is the largest with
+    full, TBT ~= num_stages * T(budget), T the pace of the scheduler's `OnlinePipelineCost` (as in the time
+    mode) for one chunk of `budget` tokens at the recent mean prefill context. The budget is the largest with
     num_stages * T(budget) <= tbt_slo_s * safety * k, within [min_budget, max_budget].
 
     Feedback: TBT is measured on the scheduler's own (injected) clock, the gap between two returns
@@ -240,7 +256,7 @@ class AdaptiveTokenBudget(_BudgetModeBase):
 
     def __init__(self, tbt_slo_s: float, start: int, num_stages: int = 1, min_budget: int = 1, max_budget: int = 8192,
                  safety: float = 0.9, min_samples: int = 512, gain: float = 1.0,
-                 cost: StepCostModel | None = None) -> None:
+                 cost: OnlinePipelineCost | None = None) -> None:
         if tbt_slo_s <= 0 or not 0 < safety <= 1 or min_samples < 1 or gain <= 0 or num_stages < 1:
             raise ValueError(
                 f"bad adaptive budget settings: tbt_slo_s={tbt_slo_s!r} safety={safety!r} "
@@ -256,7 +272,7 @@ class AdaptiveTokenBudget(_BudgetModeBase):
         self.max_budget = max_budget
         self.min_samples = min_samples
         self.gain = gain
-        self.cost: StepCostModel = cost if cost is not None else LinearStepCost()
+        self.cost = cost if cost is not None else OnlinePipelineCost(num_stages)
         self.correction = 1.0  # k above
         self._start = self._token_budget
         self._context = 0.0  # running mean context of prefill chunks, weighted by their tokens
@@ -278,9 +294,8 @@ class AdaptiveTokenBudget(_BudgetModeBase):
             self._last_token[rid] = now
         for rid in finished:
             self._last_token.pop(rid, None)
-        if stage_seconds and not out.is_empty:
+        if stage_seconds and not out.is_empty:  # the scheduler feeds the cost model; this tracks the context
             chunks = out.chunks()
-            self.cost.observe(chunks, max(stage_seconds))
             prefill = [(n, ctx) for n, ctx in chunks if n > 1]
             if prefill:
                 tokens = sum(n for n, _ in prefill)
@@ -297,7 +312,7 @@ class AdaptiveTokenBudget(_BudgetModeBase):
             # How far the model's bound for the largest budget in force undershot what was measured
             # (transfers, engine overhead, model error): trust the model that much less. Misses act at
             # once, recovery is gradual; an early transient under the start budget is no model error.
-            bound = self.num_stages * self.cost.predict([(self._window_budget, round(self._context))])
+            bound = self.num_stages * self._step_s(self._window_budget)
             k = min(1.0, bound / p99_s) if p99_s > 0 else 1.0
             self.correction = k if k < self.correction else self.correction + 0.25 * (k - self.correction)
         elif p99_s > self.target_s:  # no stage times: steer by the measured TBT alone, downward only
@@ -308,23 +323,31 @@ class AdaptiveTokenBudget(_BudgetModeBase):
     def _choose(self) -> int:
         if not self.cost.calibrated:  # no stage times (yet): only the measured TBT steers, from the start
             return min(self.max_budget, max(self.min_budget, round(self._start * self.correction)))
-        per_step = self.target_s * self.correction / self.num_stages - self.cost.base_s
-        n = self.cost.max_tokens(per_step, round(self._context), self.max_budget)
+        per_step = self.target_s * self.correction / self.num_stages
+        ctx = round(self._context)
+        n = min(s.max_tokens(per_step - s.floor_s, ctx, self.max_budget) for s in self.cost.current.stages)
         return min(self.max_budget, max(self.min_budget, n))
 
+    def _step_s(self, budget: int) -> float:
+        """The pace of a microbatch that is one chunk of `budget` tokens at the recent prefill context."""
+        return self.cost.current.pace(BatchShape(((budget, round(self._context)),)))
 
-def make_budget_mode(config: SchedulerConfig, num_stages: int = 1) -> BudgetMode:
-    """The budget mode a scheduler config asks for (fixed token budget unless told otherwise)."""
+
+def make_budget_mode(config: SchedulerConfig, num_stages: int = 1,
+                     cost: OnlinePipelineCost | None = None) -> BudgetMode:
+    """The budget mode a scheduler config asks for (fixed token budget unless told otherwise); `cost` is
+    the scheduler's live cost model, which the time and TBT modes price with."""
+    cost = cost if cost is not None else OnlinePipelineCost(num_stages)
     mode: BudgetMode
     if config.tbt_slo_ms is not None:
         # Never below one decode seat per request of a full microbatch: a smaller budget would
         # stall decodes and lengthen TBT, the opposite of what the controller wants.
         floor = min(config.max_token_budget, max(1, math.ceil(config.max_num_seqs / num_stages)))
         mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, num_stages, min_budget=floor,
-                                   max_budget=config.max_token_budget)
+                                   max_budget=config.max_token_budget, cost=cost)
     elif config.budget_mode == "time":
         tb = None if config.time_budget_ms is None else config.time_budget_ms * 1e-3
-        mode = TimeBudgetMode(config.token_budget, tb)
+        mode = TimeBudgetMode(config.token_budget, tb, cost)
     else:
         mode = FixedTokenBudget(config.token_budget)
     return mode

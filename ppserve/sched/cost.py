@@ -1,32 +1,60 @@
-"""A microbatch's step time predicted from its shape, calibrated online from measured stage times.
+"""The one step-cost vocabulary: what a microbatch costs on each pipeline stage (ARCHITECTURE.md §3, §11).
 
-The model is linear in four features of a microbatch whose requests compute `n` new tokens on top
-of `ctx` tokens already in their KV cache:
+A microbatch whose requests compute `n` new tokens on top of `ctx` tokens already in their KV cache
+costs, on stage s,
 
-    seconds = a + b * sum(n) + c * sum over chunks (n > 1) of (n * ctx + n * (n + 1) / 2)
-                             + d * sum over decodes (n == 1) of (ctx + 1)
+    seconds_s = floor_s + token_s * sum(n)
+                        + prefill_key_s * sum over chunks (n > 1) of (n * ctx + n * (n + 1) / 2)
+                        + decode_key_s * sum over decodes (n == 1) of (ctx + 1)
+                        + sample_s * (requests that get logits: decodes and last prompt chunks)
 
-`a` is the fixed cost of a step (kernel launches, weight reads of a memory-bound step), `b` the cost
-of a token through the linear layers, `c` the cost of one query-key pair of a prefill chunk's causal
-attention (compute-bound: a chunk late in a long prompt costs more than its token count says), `d`
-the cost of one cached token a decode reads (memory-bound: a different price per key than `c`). The fit is exponentially weighted least squares with a weak ridge prior, solved on
-demand, so it follows drift (warm-up, a changed workload) and never becomes singular when every
-microbatch looks alike. Pure Python: no torch, numpy or clock.
+and the pipeline runs at the pace of its slowest stage, max_s seconds_s. `floor` is what a stage pays
+per step whatever it holds (reading its weights, launches, syncs: on a GPU the whole of a small decode
+step), `token` a token through the linear layers, `prefill_key` one query-key pair of a chunk's causal
+attention (compute-bound), `decode_key` one cached token a decode reads (memory-bound: on an A100 about
+ten times a prefill key's price, so the two are kept apart), `sample` the LM head and sampling of one
+token, on the last stage only (the fit finds it zero elsewhere).
+
+- `StepCost`: one stage's coefficients (also one decoder layer's, or the LM head's: `LayerCosts`).
+- `PipelineCost`: a StepCost per stage; what the scheduler, the partitioner and the simulator share.
+- `StepCostFit` / `OnlinePipelineCost`: fitted online from the stage times every `StepResult` carries,
+  by exponentially weighted least squares with a weak ridge toward a prior (a saved profile, a
+  start-up calibration or the simulator's roofline), solved on demand, so it follows drift and never
+  becomes singular when every microbatch looks alike.
+- `LayerCosts`: per decoder layer and for what the last stage adds; a pipeline's `PipelineCost` from
+  any layer split (the partitioner's objective), and back from a measured one (`fit_layer_costs`).
+
+Pure Python: no torch, numpy or clock.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import astuple, dataclass, fields
 
 from ppserve.sched.output import SchedulerOutput
 
-__all__ = ["BatchShape", "Chunks", "LinearStepCost", "StepCostModel", "attention_keys", "solve_linear"]
+__all__ = [
+    "BatchShape",
+    "Chunks",
+    "Features",
+    "LayerCosts",
+    "OnlinePipelineCost",
+    "PipelineCost",
+    "StepCost",
+    "StepCostFit",
+    "attention_keys",
+    "features",
+    "fit_layer_costs",
+    "solve_linear",
+]
 
 # Per request in a microbatch: (tokens computed this step, tokens already in its KV cache).
 Chunks = Sequence[tuple[int, int]]
+# (1, tokens, prefill attention keys, decode keys, sampled tokens): what every coefficient multiplies.
+Features = tuple[float, float, float, float, float]
+NUM_FEATURES = 5
 
 
 def attention_keys(num_tokens: int, context: int) -> float:
@@ -60,31 +88,8 @@ class BatchShape:
         return sum(n for n, _ in self.chunks)
 
 
-class StepCostModel(Protocol):
-    """Predicts a microbatch's time (seconds) from its chunks; learns from measured times."""
-
-    @property
-    def calibrated(self) -> bool: ...
-
-    @property
-    def base_s(self) -> float:
-        """The fixed part of a step: what an empty microbatch would cost."""
-        ...
-
-    def marginal_s(self, num_tokens: int, context: int) -> float:
-        """What adding one request's chunk of `num_tokens` after `context` cached tokens costs."""
-        ...
-
-    def max_tokens(self, seconds: float, context: int, limit: int) -> int:
-        """The longest chunk (<= limit) after `context` cached tokens whose marginal cost fits `seconds`."""
-        ...
-
-    def predict(self, chunks: Chunks) -> float: ...
-
-    def observe(self, chunks: Chunks, seconds: float) -> None: ...
-
-
-def _features(chunks: Iterable[tuple[int, int]]) -> tuple[float, float, float, float]:
+def features(chunks: Iterable[tuple[int, int]], num_sampled: int) -> Features:
+    """The five features of a microbatch (see the module doc); a one-token chunk is priced as a decode."""
     tokens = keys = decode_keys = 0.0
     for n, ctx in chunks:
         tokens += n
@@ -92,7 +97,129 @@ def _features(chunks: Iterable[tuple[int, int]]) -> tuple[float, float, float, f
             decode_keys += ctx + 1
         else:
             keys += attention_keys(n, ctx)
-    return 1.0, tokens, keys, decode_keys
+    return 1.0, tokens, keys, decode_keys, float(num_sampled)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds = floor_s + token_s * tokens + prefill_key_s * prefill keys + decode_key_s * decode keys
+    + sample_s * sampled tokens: one stage's step (or one layer's, or the LM head's)."""
+
+    floor_s: float = 0.0
+    token_s: float = 0.0
+    prefill_key_s: float = 0.0
+    decode_key_s: float = 0.0
+    sample_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"step cost {f.name} must be a finite number >= 0, got {v!r}")
+
+    @classmethod
+    def of(cls, coefficients: Sequence[float]) -> StepCost:
+        """From (floor, token, prefill key, decode key, sample), negatives clamped to 0: a step never
+        gets cheaper by adding work."""
+        if len(coefficients) != NUM_FEATURES:
+            raise ValueError(f"a step cost has {NUM_FEATURES} coefficients, got {len(coefficients)}")
+        return cls(*(max(0.0, float(c)) for c in coefficients))
+
+    @property
+    def coefficients(self) -> Features:
+        return self.floor_s, self.token_s, self.prefill_key_s, self.decode_key_s, self.sample_s
+
+    def of_features(self, x: Sequence[float]) -> float:
+        return math.fsum(c * f for c, f in zip(self.coefficients, x, strict=True))
+
+    def predict(self, shape: BatchShape) -> float:
+        return self.of_features(features(shape.chunks, shape.num_sampled))
+
+    def chunk_s(self, num_tokens: int, context: int, sampled: bool) -> float:
+        """What one request's chunk of `num_tokens` after `context` cached tokens adds to a step."""
+        t = self.token_s * num_tokens + (self.sample_s if sampled else 0.0)
+        if num_tokens == 1:
+            return t + self.decode_key_s * (context + 1)
+        return t + self.prefill_key_s * attention_keys(num_tokens, context)
+
+    def max_tokens(self, seconds: float, context: int, limit: int) -> int:
+        """The longest chunk (<= limit, 0 when none) after `context` cached tokens that adds at most
+        `seconds` without sampling (a one-token chunk is priced as a decode). Solves
+        token_s * n + prefill_key_s * (n * ctx + n (n + 1) / 2) <= seconds."""
+        if limit <= 0 or seconds < 0:
+            return 0
+        if limit == 1 or self.chunk_s(2, context, False) > seconds:
+            return 1 if self.chunk_s(1, context, False) <= seconds else 0
+        b, c = self.token_s, self.prefill_key_s
+        lin = b + c * (context + 0.5)  # the coefficient of n; c / 2 is that of n^2
+        if lin <= 0 and c <= 0:
+            return limit  # it charges nothing per token
+        # The root of (c / 2) n^2 + lin n - seconds, in the form that does not cancel when c is tiny.
+        n = 2.0 * seconds / (lin + math.sqrt(lin * lin + 2.0 * c * seconds))
+        k = max(2, min(limit, int(n)))  # two tokens fit (checked above)
+        # Guard against rounding on either side of the root.
+        while k > 2 and self.chunk_s(k, context, False) > seconds:
+            k -= 1
+        while k < limit and self.chunk_s(k + 1, context, False) <= seconds:
+            k += 1
+        return k
+
+    def plus(self, other: StepCost) -> StepCost:
+        return StepCost(*(a + b for a, b in zip(self.coefficients, other.coefficients, strict=True)))
+
+    def times(self, k: float) -> StepCost:
+        return StepCost(*(k * a for a in self.coefficients))
+
+    def to_json(self) -> dict[str, float]:
+        return dict(zip((f.name for f in fields(self)), astuple(self), strict=True))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> StepCost:
+        names = [f.name for f in fields(cls)]
+        unknown = set(data) - set(names)
+        if unknown:
+            raise ValueError(f"unknown step-cost keys {sorted(unknown)}; known: {names}")
+        try:
+            return cls(**{k: float(v) for k, v in data.items()})  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"not a step cost ({', '.join(names)}): {e}") from None
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """A `StepCost` per pipeline stage; the pipeline's pace is its slowest stage."""
+
+    stages: tuple[StepCost, ...]
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a pipeline cost needs at least one stage")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_times(self, shape: BatchShape) -> list[float]:
+        x = features(shape.chunks, shape.num_sampled)
+        return [s.of_features(x) for s in self.stages]
+
+    def pace(self, shape: BatchShape) -> float:
+        """The predicted time of the slowest stage: how long the pipeline takes per microbatch like this."""
+        return max(self.stage_times(shape))
+
+    @property
+    def floor_s(self) -> float:
+        """The slowest stage's floor: what the smallest microbatch costs the pipeline."""
+        return max(s.floor_s for s in self.stages)
+
+    def to_json(self) -> list[dict[str, float]]:
+        return [s.to_json() for s in self.stages]
+
+    @classmethod
+    def from_json(cls, data: object) -> PipelineCost:
+        if not isinstance(data, list):
+            raise ValueError(f"a pipeline cost is a list of stage costs, got {type(data).__name__}")
+        return cls(tuple(StepCost.from_json(s) for s in data))
 
 
 def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float], rel_tol: float = 1e-12) -> list[float] | None:
@@ -113,131 +240,190 @@ def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float], rel_tol: floa
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-class LinearStepCost:
-    """seconds = a + b * tokens + c * prefill attention keys + d * decode keys, fitted online.
+class StepCostFit:
+    """One stage's `StepCost`, fitted online from (microbatch features, measured seconds).
 
     `forgetting` < 1 weighs old samples down geometrically (0.995: a memory of ~200 microbatches).
-    `prior` holds (a, b, c, d) used before `min_samples` observations and as the ridge target; the
-    ridge is weak (`ridge` times a typical feature scale) so data overrules it quickly. Fitted
-    coefficients are clamped at >= 0: a step never gets cheaper by adding work.
+    `prior` is used before `min_samples` observations and is the ridge target; the ridge is weak
+    (`ridge` times the data's own weight) so data overrules it quickly. Coefficients are clamped >= 0.
+    Past its first `WARM_UP` samples the solve runs every `refit_every` observations (the sums are
+    kept on every one): with the memory of hundreds of microbatches the fit barely moves in between,
+    and a solve per stage per step would cost the engine's loop a fraction of a millisecond each time.
     """
 
-    # Feature scales: a typical microbatch (hundreds of tokens, ~1e5 attention keys). The ridge
-    # penalty and the solve work in these units so all four columns are of order one.
-    _SCALE = (1.0, 256.0, 256.0 * 512.0, 64.0 * 1024.0)
-    _N = 4
+    WARM_UP = 128  # samples over which every observation refits: the fit moves fast while it learns
 
-    def __init__(
-        self,
-        prior: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
-        forgetting: float = 0.995,
-        ridge: float = 1e-6,
-        min_samples: int = 8,
-    ) -> None:
+    # Feature scales: a typical microbatch (hundreds of tokens, ~1e5 attention keys, tens of samples).
+    # The ridge and the solve work in these units so every column is of order one.
+    _SCALE: Features = (1.0, 256.0, 256.0 * 512.0, 64.0 * 1024.0, 64.0)
+
+    def __init__(self, prior: StepCost | None = None, forgetting: float = 0.995, ridge: float = 1e-6,
+                 min_samples: int = 8, refit_every: int = 8) -> None:
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting!r}")
-        if ridge < 0 or min_samples < 1:
-            raise ValueError(f"need ridge >= 0 and min_samples >= 1, got {ridge!r}, {min_samples!r}")
-        self.prior = prior
+        if ridge < 0 or min_samples < 1 or refit_every < 1:
+            raise ValueError(f"need ridge >= 0, min_samples >= 1 and refit_every >= 1, got {ridge!r}, "
+                             f"{min_samples!r}, {refit_every!r}")
+        self.refit_every = refit_every
+        self.prior = prior or StepCost()
         self.forgetting = forgetting
         self.ridge = ridge
         self.min_samples = min_samples
         self.num_samples = 0
-        self._xtx = [[0.0] * self._N for _ in range(self._N)]  # weighted sums in scaled units
-        self._xty = [0.0] * self._N
+        n = NUM_FEATURES
+        self._xtx = [[0.0] * n for _ in range(n)]  # weighted sums in scaled units
+        self._xty = [0.0] * n
         self._yy = 0.0
-        self._coef = prior
+        self._cost = self.prior
         self._dirty = False
 
-    # ---- fitting -------------------------------------------------------------------------------
-    def observe(self, chunks: Chunks, seconds: float) -> None:
+    def observe(self, x: Sequence[float], seconds: float) -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
             return  # a broken measurement teaches nothing
-        x = [f / s for f, s in zip(_features(chunks), self._SCALE, strict=True)]
+        z = [f / s for f, s in zip(x, self._SCALE, strict=True)]
         lam = self.forgetting
-        for i in range(self._N):
-            self._xty[i] = lam * self._xty[i] + x[i] * seconds
+        for i, zi in enumerate(z):
+            self._xty[i] = lam * self._xty[i] + zi * seconds
             row = self._xtx[i]
-            for j in range(self._N):
-                row[j] = lam * row[j] + x[i] * x[j]
+            for j, zj in enumerate(z):
+                row[j] = lam * row[j] + zi * zj
         self._yy = lam * self._yy + seconds * seconds
         self.num_samples += 1
-        self._dirty = True
+        self._dirty = (self._dirty or self.num_samples % self.refit_every == 0
+                       or self.num_samples <= self.min_samples + self.WARM_UP)
 
     @property
     def calibrated(self) -> bool:
         return self.num_samples >= self.min_samples
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        """(a s, b s per token, c s per prefill attention key, d s per decode key) as used for predictions."""
+    def cost(self) -> StepCost:
+        """The coefficients in force: the prior until calibrated, then the latest fit."""
         if self._dirty:
             self._dirty = False
             if self.calibrated:
-                self._coef = self._fit()
-        return self._coef
+                self._cost = self._fit()
+        return self._cost
 
-    def _fit(self) -> tuple[float, float, float, float]:
-        # Ridge toward the prior, scaled by the data's own magnitude so it stays weak.
-        mag = max(self._xtx[0][0], 1e-12)
-        lam = self.ridge * mag
-        prior_scaled = [p * s for p, s in zip(self.prior, self._SCALE, strict=True)]
-        n = self._N
+    def _fit(self) -> StepCost:
+        # Ridge toward the prior, scaled by the data's own weight so it stays weak.
+        lam = self.ridge * max(self._xtx[0][0], 1e-12)
+        prior = [p * s for p, s in zip(self.prior.coefficients, self._SCALE, strict=True)]
+        n = NUM_FEATURES
         m = [[self._xtx[i][j] + (lam if i == j else 0.0) for j in range(n)] for i in range(n)]
-        v = [self._xty[i] + lam * prior_scaled[i] for i in range(n)]
+        v = [self._xty[i] + lam * prior[i] for i in range(n)]
         sol = solve_linear(m, v)
         if sol is None:
-            return self._coef
-        coef = [max(0.0, w / s) for w, s in zip(sol, self._SCALE, strict=True)]
-        return coef[0], coef[1], coef[2], coef[3]
-
-    # ---- predictions ---------------------------------------------------------------------------
-    @property
-    def base_s(self) -> float:
-        return self.coefficients[0]
-
-    def marginal_s(self, num_tokens: int, context: int) -> float:
-        _, b, c, d = self.coefficients
-        if num_tokens == 1:
-            return b + d * (context + 1)
-        return b * num_tokens + c * attention_keys(num_tokens, context)
-
-    def predict(self, chunks: Chunks) -> float:
-        a, b, c, d = self.coefficients
-        _, tokens, keys, decode_keys = _features(chunks)
-        return a + b * tokens + c * keys + d * decode_keys
-
-    def max_tokens(self, seconds: float, context: int, limit: int) -> int:
-        """Solve b*n + c*(n*ctx + n(n+1)/2) <= seconds for the largest integer n in [0, limit]
-        (a one-token chunk is priced as a decode)."""
-        if limit <= 0 or seconds <= 0:
-            return 0
-        if limit == 1 or self.marginal_s(2, context) > seconds:
-            return 1 if self.marginal_s(1, context) <= seconds else 0
-        _, b, c, _ = self.coefficients
-        lin = b + c * (context + 0.5)  # coefficient of n; c/2 is the coefficient of n^2
-        if c > 0:
-            n = (-lin + math.sqrt(lin * lin + 2.0 * c * seconds)) / c
-        elif lin > 0:
-            n = seconds / lin
-        else:
-            return limit  # the model charges nothing per token yet
-        k = min(limit, max(0, int(n)))
-        # Guard against rounding on either side of the root.
-        k = max(k, 2)  # two tokens fit (checked above)
-        while k > 2 and self.marginal_s(k, context) > seconds:
-            k -= 1
-        while k < limit and self.marginal_s(k + 1, context) <= seconds:
-            k += 1
-        return k
+            return self._cost
+        return StepCost.of([w / s for w, s in zip(sol, self._SCALE, strict=True)])
 
     def rms_residual(self) -> float:
         """Weighted RMS of the fit's residuals over the (forgotten-down) samples; 0 before any."""
         w = self._xtx[0][0]
         if w <= 0:
             return 0.0
-        coef = [c * s for c, s in zip(self.coefficients, self._SCALE, strict=True)]
+        c = [k * s for k, s in zip(self.cost.coefficients, self._SCALE, strict=True)]
         # sum (y - x.c)^2 = yy - 2 c.xty + c.XtX.c
-        sse = self._yy - 2 * sum(c * v for c, v in zip(coef, self._xty, strict=True))
-        sse += sum(coef[i] * self._xtx[i][j] * coef[j] for i in range(self._N) for j in range(self._N))
+        sse = self._yy - 2 * sum(ci * v for ci, v in zip(c, self._xty, strict=True))
+        sse += sum(c[i] * self._xtx[i][j] * c[j] for i in range(NUM_FEATURES) for j in range(NUM_FEATURES))
         return math.sqrt(max(0.0, sse) / w)
+
+
+class OnlinePipelineCost:
+    """A `StepCostFit` per stage, fed every microbatch's measured stage times (`StepResult.stage_seconds`):
+    the scheduler's live `PipelineCost`. `prior` (a saved profile, a calibration, the roofline) is what
+    it predicts before `min_samples` microbatches and what the weak ridge pulls toward."""
+
+    def __init__(self, num_stages: int, prior: PipelineCost | None = None, forgetting: float = 0.995,
+                 ridge: float = 1e-6, min_samples: int = 8, refit_every: int = 8) -> None:
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages!r}")
+        self._num_stages = num_stages
+        self.forgetting = forgetting
+        self.ridge = ridge
+        self.min_samples = min_samples
+        self.refit_every = refit_every
+        self.reset(prior)
+
+    def reset(self, prior: PipelineCost | None = None) -> None:
+        """Forget what was fitted and start again from `prior` (e.g. after the layers were re-split)."""
+        if prior is not None and prior.num_stages != self._num_stages:
+            raise ValueError(f"a prior of {prior.num_stages} stages for a pipeline of {self._num_stages}")
+        priors: Sequence[StepCost | None] = prior.stages if prior is not None else (None,) * self._num_stages
+        self.fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every) for p in priors]
+        self.has_prior = prior is not None
+        self._current: PipelineCost | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.fits)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether predictions mean anything: fitted on enough microbatches, or given a prior."""
+        return self.has_prior or all(f.calibrated for f in self.fits)
+
+    def observe(self, shape: BatchShape, stage_seconds: Sequence[float]) -> None:
+        """One microbatch's compute seconds per stage; ignored when they cover another pipeline."""
+        if len(stage_seconds) != len(self.fits) or not shape.chunks:
+            return
+        x = features(shape.chunks, shape.num_sampled)
+        for fit, seconds in zip(self.fits, stage_seconds, strict=True):
+            fit.observe(x, seconds)
+        if any(f._dirty for f in self.fits):
+            self._current = None
+
+    @property
+    def current(self) -> PipelineCost:
+        if self._current is None:
+            self._current = PipelineCost(tuple(f.cost for f in self.fits))
+        return self._current
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """The cost of one decoder layer and of what the last stage adds to its layers (final norm, LM head,
+    sampling), in the one vocabulary; `pipeline` gives any layer split's `PipelineCost`. The embedding
+    lookup on the first stage is a gather, counted as free."""
+
+    layer: StepCost
+    head: StepCost
+
+    def stage(self, num_layers: int, is_last: bool) -> StepCost:
+        cost = self.layer.times(num_layers)
+        return cost.plus(self.head) if is_last else cost
+
+    def pipeline(self, ranges: Sequence[tuple[int, int]]) -> PipelineCost:
+        last = len(ranges) - 1
+        return PipelineCost(tuple(self.stage(end - start, s == last) for s, (start, end) in enumerate(ranges)))
+
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {"layer": self.layer.to_json(), "head": self.head.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> LayerCosts:
+        try:
+            layer, head = data["layer"], data["head"]
+        except KeyError as e:
+            raise ValueError(f"layer costs need 'layer' and 'head', missing {e}") from None
+        if not isinstance(layer, Mapping) or not isinstance(head, Mapping):
+            raise ValueError("layer costs: 'layer' and 'head' must be step costs")
+        return cls(StepCost.from_json(layer), StepCost.from_json(head))
+
+
+def fit_layer_costs(stages: PipelineCost, ranges: Sequence[tuple[int, int]]) -> LayerCosts:
+    """Per-layer and head costs from a pipeline's measured per-stage costs: the non-last stages hold
+    decoder layers only (their cost per layer, weighted by their layers, is the layer's), and the head
+    is what the last stage costs beyond its own layers at that rate. Needs two stages or more."""
+    if len(ranges) < 2 or len(ranges) != stages.num_stages:
+        raise ValueError(f"fitting layer costs needs two stages or more, one range each; got "
+                         f"{stages.num_stages} stages, {len(ranges)} ranges")
+    counts = [end - start for start, end in ranges]
+    front = sum(counts[:-1])
+    total = StepCost()
+    for cost in stages.stages[:-1]:
+        total = total.plus(cost)
+    layer = total.times(1.0 / front)
+    head = StepCost.of([t - counts[-1] * c for t, c in
+                        zip(stages.stages[-1].coefficients, layer.coefficients, strict=True)])
+    return LayerCosts(layer, head)

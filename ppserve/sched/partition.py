@@ -1,12 +1,13 @@
 """Layer ranges per pipeline stage: even, explicit, cost-aware, or calibrated (pure Python, no torch).
 
-Cost-aware partitioning counts what the first and last stages do besides decoder layers: the
-embedding lookup (nearly free) and the LM head, whose matmul runs only for tokens that get logits.
-For SmolLM2 the tied 49152x576 head has as many weights as ~8 decoder layers, so for decode-heavy
-work the last stage should hold fewer layers. The analytic `cost` mode prices the head as if every
-token got logits; `calibrated` measures it instead: the stages' own compute times on a short run at
-the configured budget (or a saved profile) give the per-layer and head costs (`fit_stage_costs`), and
-the same exact split minimizes the slowest stage.
+Cost-aware partitioning prices each stage in the one step-cost vocabulary (`ppserve.sched.cost`):
+its decoder layers, and on the last stage what comes after them (final norm, LM head, sampling),
+whose matmul runs only for tokens that get logits (`LayerCosts`). For SmolLM2 the tied 49152x576 head
+has as many weights as ~8 decoder layers, so for decode-heavy work the last stage should hold fewer
+layers. The analytic `cost` mode prices by weights per token (`weight_costs`) with every token getting
+logits; `calibrated` measures instead: the stages' own compute times on a short run at the configured
+budget (or a saved `CostProfile`) give the per-layer and head costs (`fit_cost_profile`), and the same
+exact split minimizes the slowest stage at that run's mean microbatch.
 """
 
 from __future__ import annotations
@@ -15,39 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ppserve.sched.cost import BatchShape, LayerCosts, OnlinePipelineCost, StepCost, features, fit_layer_costs
 from ppserve.sched.moe_cost import mlp_weights_per_token
 
-
-@dataclass(frozen=True)
-class StageCostModel:
-    """Relative costs in units of one decoder layer per token."""
-
-    layer: float = 1.0
-    embedding: float = 0.0
-    lm_head: float = 0.0  # per token that gets logits, already weighted by how often that happens
-
-    @classmethod
-    def for_llama(
-        cls,
-        hidden: int,
-        intermediate: int,
-        num_heads: int,
-        num_kv_heads: int,
-        vocab: int,
-        logits_fraction: float = 1.0,
-        head_dim: int = 0,
-        mlp_weights: float | None = None,
-    ) -> StageCostModel:
-        """Weights-per-token ratio (matmul FLOPs are proportional to weights per token).
-
-        `logits_fraction`: share of a microbatch's tokens that produce logits (1.0 for decode-only work,
-        small for prefill-heavy work). `head_dim` 0: hidden / heads; `mlp_weights` None: a dense SwiGLU
-        MLP (sched/moe_cost.py prices a mixture of experts)."""
-        head_dim = head_dim or hidden // num_heads
-        attn = hidden * (num_heads * head_dim) * 2 + hidden * (num_kv_heads * head_dim) * 2
-        mlp = 3 * hidden * intermediate if mlp_weights is None else mlp_weights
-        layer = attn + mlp
-        return cls(layer=1.0, embedding=0.0, lm_head=logits_fraction * vocab * hidden / layer)
+# What the analytic split prices: a microbatch in which every token gets logits (decode-heavy serving).
+DECODE_REFERENCE = features(((1, 0),), 1)
 
 
 def _validate(num_layers: int, num_stages: int) -> None:
@@ -72,21 +45,17 @@ def even_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return ranges_from_counts([base + (1 if s < extra else 0) for s in range(num_stages)])
 
 
-def stage_costs(ranges: Sequence[tuple[int, int]], num_layers: int, cost: StageCostModel) -> list[float]:
-    costs = []
-    for start, end in ranges:
-        c = (end - start) * cost.layer
-        if start == 0:
-            c += cost.embedding
-        if end == num_layers:
-            c += cost.lm_head
-        costs.append(c)
-    return costs
+def stage_costs(ranges: Sequence[tuple[int, int]], costs: LayerCosts, reference: Sequence[float]) -> list[float]:
+    """Each stage's predicted time for a microbatch with the features `reference` (sched.cost.features)."""
+    return [c.of_features(reference) for c in costs.pipeline(ranges).stages]
 
 
-def cost_partition(num_layers: int, num_stages: int, cost: StageCostModel) -> list[tuple[int, int]]:
-    """Contiguous split minimizing the most expensive stage (exact, by dynamic programming)."""
+def cost_partition(num_layers: int, num_stages: int, costs: LayerCosts,
+                   reference: Sequence[float] = DECODE_REFERENCE) -> list[tuple[int, int]]:
+    """Contiguous split minimizing the slowest stage's time at `reference` (exact, by dynamic programming)."""
     _validate(num_layers, num_stages)
+    layer = costs.layer.of_features(reference)
+    head = costs.head.of_features(reference)
     inf = float("inf")
     # best[s][n]: the lowest max-stage cost placing the first n layers on the first s stages.
     best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
@@ -97,10 +66,10 @@ def cost_partition(num_layers: int, num_stages: int, cost: StageCostModel) -> li
             for m in range(s - 1, n):
                 if best[s - 1][m] == inf:
                     continue
-                c = stage_costs([(m, n)], num_layers, cost)[0]
+                c = (n - m) * layer + (head if n == num_layers else 0.0)
                 val = max(best[s - 1][m], c)
                 # Ties go to the later cut, which gives earlier stages more layers (deterministic).
-                if val < best[s][n] - 1e-12 or (abs(val - best[s][n]) <= 1e-12 and m > cut[s][n]):
+                if val < best[s][n] - 1e-12 * abs(val) or (abs(val - best[s][n]) <= 1e-12 * abs(val) and m > cut[s][n]):
                     best[s][n], cut[s][n] = val, m
     bounds, n = [], num_layers
     for s in range(num_stages, 0, -1):
@@ -115,9 +84,11 @@ def partition_layers(
     num_stages: int,
     explicit: Sequence[int] | None = None,
     mode: str = "even",
-    cost: StageCostModel | None = None,
+    costs: LayerCosts | None = None,
+    reference: Sequence[float] = DECODE_REFERENCE,
 ) -> list[tuple[int, int]]:
-    """Layer ranges [start, end) per stage: `explicit` counts win, then `mode` (even | cost)."""
+    """Layer ranges [start, end) per stage: `explicit` counts win, then `mode` (even | cost, by `costs`
+    at `reference`; without costs every layer costs the same and the head nothing)."""
     _validate(num_layers, num_stages)
     if explicit is not None:
         counts = list(explicit)
@@ -129,7 +100,7 @@ def partition_layers(
     if mode == "even":
         return even_partition(num_layers, num_stages)
     if mode == "cost":
-        return cost_partition(num_layers, num_stages, cost or StageCostModel())
+        return cost_partition(num_layers, num_stages, costs or LayerCosts(StepCost(token_s=1.0), StepCost()), reference)
     raise ValueError(f"partition mode must be even or cost, got {mode!r}")
 
 
@@ -164,69 +135,85 @@ class PartitionSettings(Protocol):
     def partition_mode(self) -> str: ...
 
 
+def weight_costs(model: ModelShape) -> LayerCosts:
+    """Relative costs by weights per token (matmul FLOPs are proportional to them): a decoder layer's
+    attention and MLP weights per token, the LM head's vocab x hidden per token that gets logits. The
+    one place a model's per-layer cost is computed from its shape."""
+    head_dim = getattr(model, "head_dim", 0) or model.hidden_size // model.num_heads
+    attn = model.hidden_size * (model.num_heads * head_dim) * 2 + model.hidden_size * (model.num_kv_heads * head_dim) * 2
+    mlp = mlp_weights_per_token(model)  # a sparse layer's k experts and router, not all its experts
+    return LayerCosts(StepCost(token_s=float(attn + mlp)), StepCost(sample_s=float(model.vocab_size * model.hidden_size)))
+
+
 def initial_ranges(par: PartitionSettings, model: ModelShape) -> list[tuple[int, int]]:
     """The layer ranges a pipeline starts with: explicit counts, even, or cost-aware (the LM head priced
     as if every token got logits); `calibrated` starts even and is refined from measured stage times."""
-    cost = None
     mode = par.partition_mode
-    if mode == "cost":
-        cost = StageCostModel.for_llama(model.hidden_size, model.intermediate_size, model.num_heads,
-                                        model.num_kv_heads, model.vocab_size, logits_fraction=1.0,
-                                        head_dim=getattr(model, "head_dim", 0),
-                                        mlp_weights=mlp_weights_per_token(model))
-    elif mode == "calibrated":
+    costs = weight_costs(model) if mode == "cost" else None
+    if mode == "calibrated":
         mode = "even"
-    return partition_layers(model.num_layers, par.pipeline_parallel_size, par.layer_partition, mode, cost)
+    return partition_layers(model.num_layers, par.pipeline_parallel_size, par.layer_partition, mode, costs)
+
+
+PROFILE_FORMAT = "ppserve-cost-profile"
 
 
 @dataclass(frozen=True)
-class MeasuredStageCosts:
-    """Per-microbatch costs measured on a running pipeline: one decoder layer, and the last stage's LM
-    head with sampling, each in mean seconds over the microbatches measured (so the shares of prefill
-    and decode work of that run are built in). Saved as JSON; `cost_model()` feeds `cost_partition`."""
+class CostProfile:
+    """Per-layer and head costs measured on a running pipeline (`LayerCosts`, in seconds), with the mean
+    features of the microbatches they were measured on: the partitioner's reference (so the shares of
+    prefill and decode work of that run are built in) and, through `LayerCosts.pipeline`, the prior of
+    the scheduler's online cost model. Saved as JSON (a calibration's cache, `parallel.partition_profile`)."""
 
-    layer_s: float
-    head_s: float
+    costs: LayerCosts
+    reference: tuple[float, ...]
     num_microbatches: int
     source: str = ""
 
-    def cost_model(self) -> StageCostModel:
-        return StageCostModel(layer=1.0, embedding=0.0, lm_head=self.head_s / self.layer_s if self.layer_s > 0 else 0.0)
+    def ranges(self, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+        return partition_layers(num_layers, num_stages, mode="cost", costs=self.costs, reference=self.reference)
 
-    def to_json(self) -> dict[str, float | int | str]:
-        return {"layer_s": self.layer_s, "head_s": self.head_s, "num_microbatches": self.num_microbatches,
-                "source": self.source}
+    @property
+    def head_in_layers(self) -> float:
+        """The head's cost at the reference in decoder layers (what a log line can say)."""
+        layer = self.costs.layer.of_features(self.reference)
+        return self.costs.head.of_features(self.reference) / layer if layer > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {"format": PROFILE_FORMAT, "version": 1, **self.costs.to_json(), "reference": list(self.reference),
+                "num_microbatches": self.num_microbatches, "source": self.source}
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> MeasuredStageCosts:
+    def from_json(cls, data: dict[str, object]) -> CostProfile:
+        if data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"not a ppserve cost profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
         try:
-            return cls(float(data["layer_s"]), float(data["head_s"]),  # type: ignore[arg-type]
-                       int(data["num_microbatches"]), str(data.get("source", "")))  # type: ignore[call-overload]
+            reference = tuple(float(x) for x in data["reference"])  # type: ignore[attr-defined]
+            num = int(data["num_microbatches"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not a stage-cost profile (layer_s, head_s, num_microbatches): {e}") from None
+            raise ValueError(f"cost profile: bad or missing reference / num_microbatches: {e}") from None
+        if len(reference) != len(DECODE_REFERENCE):
+            raise ValueError(f"cost profile: reference needs {len(DECODE_REFERENCE)} features, got {len(reference)}")
+        return cls(LayerCosts.from_json(data), reference, num, str(data.get("source", "")))
 
 
-def fit_stage_costs(stage_seconds: Sequence[Sequence[float]], ranges: Sequence[tuple[int, int]],
-                    source: str = "") -> MeasuredStageCosts:
-    """Per-layer and LM-head costs from each microbatch's compute seconds per stage.
-
-    Every stage runs decoder layers; only the last adds the head (the embedding lookup on the first is
-    negligible). So a microbatch's layer cost is the non-last stages' time over their layers, and its
-    head cost is what the last stage took beyond its own layers at that rate. Needs two stages or more.
-    """
+def fit_cost_profile(samples: Sequence[tuple[BatchShape, Sequence[float]]], ranges: Sequence[tuple[int, int]],
+                     source: str = "") -> CostProfile:
+    """Per-layer and head costs from microbatches' shapes and compute seconds per stage: each stage's
+    `StepCost` fitted (sched.cost.StepCostFit, every sample weighed alike), then `fit_layer_costs`.
+    Samples measured on another pipeline (another number of stages) are skipped. Needs two stages."""
     if len(ranges) < 2:
         raise ValueError("fitting stage costs needs a pipeline of two stages or more")
-    counts = [end - start for start, end in ranges]
-    front = sum(counts[:-1])
-    layer_sum = head_sum = 0.0
+    # Offline: every sample weighs alike, no drift; solved once, when read at the end.
+    fit = OnlinePipelineCost(len(ranges), forgetting=1.0, ridge=1e-9, min_samples=1, refit_every=1)
+    total = [0.0] * len(DECODE_REFERENCE)
     n = 0
-    for seconds in stage_seconds:
-        if len(seconds) != len(ranges):
-            continue  # a microbatch measured on another pipeline (or not at all)
-        layer = sum(seconds[:-1]) / front
-        layer_sum += layer
-        head_sum += max(0.0, seconds[-1] - counts[-1] * layer)
+    for shape, seconds in samples:
+        if len(seconds) != len(ranges) or not shape.chunks:
+            continue
+        fit.observe(shape, seconds)
+        total = [t + x for t, x in zip(total, features(shape.chunks, shape.num_sampled), strict=True)]
         n += 1
     if n == 0:
         raise ValueError("no microbatch with a compute time for every stage")
-    return MeasuredStageCosts(layer_sum / n, head_sum / n, n, source)
+    return CostProfile(fit_layer_costs(fit.current, ranges), tuple(t / n for t in total), n, source)

@@ -11,10 +11,15 @@ stalled by a prefill), then the prefill chunks already under way, then new reque
 order, chunked so the microbatch holds exactly its budget. With a pipeline (p = num_stages > 1) the
 formation is *balanced* (`ppserve.sched.balance`): the decodes are spread over the in-flight
 microbatches, about 1/p of all decoding requests each, those in flight counted; while the pipeline
-has slack, the budget shrinks to a fair share of the work in reach, (in flight + schedulable) / p, in
-tokens or, where a cost model prices steps, in predicted seconds (saturated, it stays whole: plain
-Sarathi-Serve); and a prompt's next chunk may join the next microbatch while its previous chunk is
-still in flight, with the budget the other work leaves. So the pipeline holds p microbatches whenever there are p units of
+has slack, the budget shrinks to an equal share of the work in reach, (in flight + schedulable) / p,
+in predicted time on the slowest stage (`self.cost`, the step-cost model fitted online from every
+microbatch's stage times, sched/cost.py; in tokens until it is calibrated); saturated (the work in
+reach fills every share to the token budget, or requests wait beyond the free seats) the budget stays
+whole, in tokens: exactly plain Sarathi-Serve, full budget and every ready decode its quota admits.
+A prompt's next chunk may join the next microbatch while its previous chunk is still in flight, with
+only the budget the other work leaves (ranked with the other prefills, one prompt's chunks took the
+prefill part of consecutive microbatches, and its short last chunk beside a sequence cap full of
+decodes left every few microbatches short: bubbles in a saturated pipeline). So the pipeline holds p microbatches whenever there are p units of
 work, and consecutive microbatches cost the same on every stage. The other policies keep their own
 rules (the baselines are measured as they are).
 
@@ -35,6 +40,7 @@ from ppserve.sched.balance import MIN_SHARE_OF_BUDGET, decode_quota, fair_share
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
+from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
 
@@ -51,12 +57,16 @@ class Scheduler:
         num_stages: int = 1,
         clock: Callable[[], float] = lambda: 0.0,
         budget_mode: BudgetMode | None = None,
+        cost_prior: PipelineCost | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.policy: Policy = make_policy(config.policy, balanced=config.balance)
+        # What a microbatch costs on each stage (sched/cost.py), learned from every microbatch's measured
+        # stage times; `cost_prior` (a saved profile, a calibration, the simulator's roofline) until then.
+        self.cost = OnlinePipelineCost(num_stages, cost_prior)
         # How big each microbatch's budget is (fixed tokens unless the config asks for time or a TBT target).
-        self.budget_mode = budget_mode or make_budget_mode(config, num_stages)
+        self.budget_mode = budget_mode or make_budget_mode(config, num_stages, self.cost)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_model_len = max_model_len
         self.num_stages = num_stages  # the pipeline depth: one microbatch per stage keeps every stage busy
@@ -65,7 +75,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # by id, in admission order
         self.in_flight: deque[SchedulerOutput] = deque()
-        self._in_flight_seconds: deque[float] = deque()  # predicted marginal seconds, aligned with in_flight
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
@@ -156,7 +165,6 @@ class Scheduler:
         is arrival order. Returns the ids requeued.
         """
         self.in_flight.clear()
-        self._in_flight_seconds.clear()
         self._released = []  # the old workers are gone: nothing of theirs to drop
         for rid, req in list(self.requests.items()):
             req.num_in_flight = 0
@@ -217,14 +225,16 @@ class Scheduler:
         return self._emit(b)
 
     def _balance(self, b: BatchBuilder) -> None:
-        """Give the builder its decode quota, and shrink its budget to a fair share (sched/balance.py)
-        unless the pipeline is saturated: then the budget stays whole, as in plain Sarathi-Serve.
+        """Give the builder its decode quota and, unless the pipeline is saturated, shrink its budget to
+        an equal share of the work in reach: in predicted time on the slowest stage once the cost model
+        is calibrated, in tokens before (sched/balance.py, ARCHITECTURE.md §3).
 
-        Saturated means the work in reach fills every share to the budget, or requests wait beyond the
-        free seats (`max_num_seqs` bounds the work then, not demand: new work joins as seats free, so a
-        budget shrunk to what the seats hold would only cut throughput). The quota applies either way:
-        it only moves a decode to the next microbatch when its group is over ~1/p of the decodes,
-        which keeps the decode groups even where plain Sarathi-Serve would leave them as they fell."""
+        Saturated means the work in reach fills every share to the token budget, or requests wait beyond
+        the free seats (`max_num_seqs` bounds the work then, not demand: new work joins as seats free,
+        so a budget shrunk to what the seats hold would only cut throughput). Then the budget stays
+        whole, in tokens, as in plain Sarathi-Serve. The quota applies either way: it only moves a
+        decode to the next microbatch when its group is over ~1/p of the decodes, which keeps the
+        decode groups even where plain Sarathi-Serve would leave them as they fell."""
         stages = self.num_stages
         num_ready = len(b.decodes)
         awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight)  # decode next once back
@@ -236,25 +246,57 @@ class Scheduler:
         cap = budget.token_budget
         assert cap is not None, "a balanced policy has a token budget"
         shares = stages * self.config.balance_rounds  # the microbatches the work in reach is shared among
-        timed = isinstance(budget, TimeBudget) and budget.active
-        if timed:
-            assert isinstance(budget, TimeBudget)
-            cost = budget.cost
-            seconds = sum(self._in_flight_seconds)
-            for req in b.decodes:
-                seconds += cost.marginal_s(1, req.num_computed_tokens)
-            for req in self._prefills_in_reach(b):
-                seconds += cost.marginal_s(req.num_uncomputed_tokens, req.num_computed_tokens)
-            per_step = budget.time_budget_s - cost.base_s
-            budget.limit(cap, cost.base_s + fair_share(seconds, shares, per_step))
-            return
+        reach = self._prefills_in_reach(b)
         tokens = sum(mb.total_tokens for mb in self.in_flight) + num_ready
-        limit = shares * cap  # beyond this the share is the whole budget: stop counting
-        for req in self._prefills_in_reach(b):
+        limit = shares * cap  # beyond this every share is the whole budget: saturated
+        for req in reach:
             if tokens >= limit:
-                break
+                return
             tokens += req.num_uncomputed_tokens
+        if tokens >= limit:
+            return
+        if self.cost.calibrated:
+            b.budget = self._time_share(b, reach, shares, budget)
+            return
         budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=cap * MIN_SHARE_OF_BUDGET)))
+
+    def _time_share(self, b: BatchBuilder, reach: list[Request], shares: int, budget: TokenBudget) -> TimeBudget:
+        """A budget for an equal share, in predicted time, of the work in reach (in flight, the ready
+        decodes, the prefills in reach): on each stage its floor plus its part of that work's time, the
+        slowest stage's share being the one that counts; never more tokens than the token budget."""
+        cost = self.cost.current
+        work = [0.0] * cost.num_stages
+
+        def add(num_tokens: int, context: int, sampled: bool) -> None:
+            for i, stage in enumerate(cost.stages):
+                work[i] += stage.chunk_s(num_tokens, context, sampled)
+
+        for mb in self.in_flight:
+            sampled = set(mb.sample_request_ids)
+            for rid, (n, ctx) in zip(mb.order, mb.chunks(), strict=True):
+                add(n, ctx, rid in sampled)
+        for req in b.decodes:
+            add(1, req.num_computed_tokens, True)
+        for req in reach:  # each prompt's rest, as one piece: its attention keys add up the same in chunks
+            add(req.num_uncomputed_tokens, req.num_computed_tokens, True)
+        share_s = max(stage.floor_s + w / shares for stage, w in zip(cost.stages, work, strict=True))
+        # Never below the decodes this microbatch takes (the share must not move a decode its quota
+        # admits) plus a chunk of a quarter of the budget, the token share's floor (MIN_SHARE_OF_BUDGET):
+        # beside the decodes a stage's time is mostly its floor, and a smaller chunk only delays a prompt.
+        quota = b.decode_quota if b.decode_quota is not None else len(b.decodes)
+        decodes = sorted(b.decodes, key=lambda r: r.ready_seq)[:quota]
+        min_chunk = (budget.token_budget or 0) * MIN_SHARE_OF_BUDGET
+        chunk = max(0, math.ceil(min_chunk) - len(decodes))
+        floor_s = max(
+            stage.floor_s + sum(stage.chunk_s(1, r.num_computed_tokens, True) for r in decodes)
+            + (stage.chunk_s(chunk, 0, False) if chunk else 0.0)
+            for stage in cost.stages
+        )
+        share_s = max(share_s, floor_s * (1 + 1e-9))  # the tolerance: summed in another order
+        if isinstance(budget, TimeBudget):  # budget_mode: time caps it already
+            budget.limit(budget.token_budget or 0, share_s)
+            return budget
+        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=math.ceil(min_chunk))
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way (in flight or not), then the waiting requests that could take the free
@@ -320,10 +362,6 @@ class Scheduler:
         self._released = []
         self._next_step += 1
         self.in_flight.append(out)
-        budget = b.budget
-        self._in_flight_seconds.append(
-            budget.time_used_s - budget.cost.base_s if isinstance(budget, TimeBudget) and budget.active else 0.0
-        )
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
@@ -337,7 +375,6 @@ class Scheduler:
         if missing:
             raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
         self.in_flight.popleft()
-        self._in_flight_seconds.popleft()
         requests = self.requests
         seq = self._next_step
         max_len = self.max_model_len
@@ -372,12 +409,16 @@ class Scheduler:
     @property
     def needs_step_feedback(self) -> bool:
         """Whether `observe_step` does anything: callers may skip measuring stage times when not."""
-        return self.budget_mode.needs_feedback
+        return self.balanced or self.budget_mode.needs_feedback
 
     def observe_step(self, out: SchedulerOutput, stage_seconds: Sequence[float] = ()) -> None:
         """Feedback after `update_from_output(out, ...)`: the measured compute seconds of `out` on each
-        stage (empty when unknown). Calibrates the budget mode's cost model or its TBT controller; the
-        scheduler itself reads no clock but the injected one."""
+        stage (empty when unknown). Fits the cost model (balanced formation, time budgets) and feeds the
+        budget mode's TBT controller; the scheduler itself reads no clock but the injected one."""
+        if not self.needs_step_feedback:
+            return
+        if stage_seconds and not out.is_empty:
+            self.cost.observe(BatchShape.of(out), stage_seconds)
         if not self.budget_mode.needs_feedback:
             return
         finished = [rid for rid in out.order if rid not in self.requests]

@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model_spec(args.model)
     tp = args.tp or cfg.parallel.tensor_parallel_size
     block_size = cfg.cache.block_size or 16  # unset: 16-token blocks, as on most GPU deployments
-    cost, num_blocks = _cost_model(args, cfg, model, tp, block_size)
     max_len = cfg.model.max_model_len or model.max_model_len
+    cost, num_blocks = _cost_model(args, cfg, sched, model, tp, block_size, max_len)
     path, wl = _workload(args, max_len)
 
     res = simulate(wl, cost, SimConfig(sched, num_blocks, block_size, max_len, args.overhead_ms * 1e-3,
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     summary = res.summary(args.window)
     # Every setting that shaped the run, printed and saved beside the figures so a run can be repeated.
     settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
+                "layers_per_stage": list(getattr(cost, "layer_counts", ())) or None,
                 "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
                 "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
                 "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
@@ -105,9 +106,9 @@ def _fit_profile(spans_path: str, profile_out: str) -> int:
 
     prof = fit_profile(_load_spans(spans_path), note=f"fitted from {spans_path}")
     prof.save(profile_out)
-    for i, s in enumerate(prof.stages):
-        print(f"stage {i}: {s.a * 1e3:.4f} ms + {s.b * 1e6:.4f} us/prefill token + {s.c * 1e6:.4f} us/decode "
-              f"token ({s.num_samples} microbatches, rms residual {s.rms_residual_s * 1e3:.4f} ms)")
+    for i, (s, n, rms) in enumerate(zip(prof.cost.stages, prof.num_samples, prof.rms_residual_s, strict=True)):
+        print(f"stage {i}: {s.floor_s * 1e3:.4f} ms + {s.token_s * 1e6:.4f} us/token + {s.sample_s * 1e6:.4f} us/decode "
+              f"({n} microbatches, rms residual {rms * 1e3:.4f} ms)")
     print(f"transfer {prof.transfer_s * 1e3:.4f} ms -> {profile_out}")
     return 0
 
@@ -126,9 +127,11 @@ def _scheduler_config(sc: SchedulerConfig, args: argparse.Namespace) -> Schedule
 
 
 def _cost_model(
-    args: argparse.Namespace, cfg: EngineConfig, model: ModelSpec, tp: int, block_size: int
+    args: argparse.Namespace, cfg: EngineConfig, sched: SchedulerConfig, model: ModelSpec, tp: int, block_size: int,
+    max_len: int,
 ) -> tuple[CostModel, int]:
-    """The cost model (a fitted profile, or the roofline of model on hardware) and the KV blocks it allows."""
+    """The cost model (a fitted profile, or the roofline of model on hardware, its layers split as the
+    engine splits them: parallel.partition_mode) and the KV blocks it allows."""
     from ppserve.sim.cost_model import (
         Profile,
         ProfileCostModel,
@@ -136,6 +139,7 @@ def _cost_model(
         kv_cache_blocks,
         load_hardware,
     )
+    from ppserve.sim.partition import simulated_ranges
 
     if args.hardware.endswith(".json"):
         profiled = ProfileCostModel(Profile.load(args.hardware))
@@ -145,8 +149,10 @@ def _cost_model(
         return profiled, cfg.cache.num_blocks or 1_000_000
     pp = args.pp or cfg.parallel.pipeline_parallel_size
     hw = load_hardware(args.hardware)
-    roofline = RooflineCostModel(model, hw, pp, tp)
-    return roofline, cfg.cache.num_blocks or kv_cache_blocks(model, hw, pp, tp, block_size)
+    num_blocks = cfg.cache.num_blocks or kv_cache_blocks(model, hw, pp, tp, block_size)
+    ranges = simulated_ranges(cfg.parallel, model, hw, pp, tp, sched, max_len, num_blocks, block_size)
+    roofline = RooflineCostModel(model, hw, pp, tp, tuple(end - start for start, end in ranges))
+    return roofline, num_blocks
 
 
 def _workload(args: argparse.Namespace, max_len: int) -> tuple[Path, list[WorkloadRequest]]:

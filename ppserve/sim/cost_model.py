@@ -7,8 +7,10 @@ Three interchangeable models share one small interface (`stage_time`, `transfer_
   (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache); two ring all-reduces per layer
   over NVLink when tp > 1. The last stage adds the LM head for sampled tokens; the embedding is
   ignored (a gather). Stage-to-stage transfer is the hidden state over the inter-node link.
-- `ProfileCostModel`: per stage a + b*prefill_tokens + c*decode_tokens, fitted by `fit_profile` from
-  spans measured on the real pipeline and stored as JSON.
+  `pipeline_cost()` gives the same physics in the scheduler's vocabulary (a `StepCost` per stage,
+  sched/cost.py), which the simulated scheduler starts from.
+- `ProfileCostModel`: a `StepCost` per stage, fitted by `fit_profile` from spans measured on the real
+  pipeline and stored as JSON.
 - `ConstantCostModel`: every microbatch costs the same on every stage (test oracle).
 
 Pure Python (pyyaml for the tables): no torch, numpy optional and unused.
@@ -21,14 +23,14 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import yaml
 
 from ppserve.metrics.spans import Span
-from ppserve.sched.cost import BatchShape, solve_linear
+from ppserve.sched.cost import BatchShape, PipelineCost, StepCost, StepCostFit, features, solve_linear
 from ppserve.sched.moe_cost import Experts, moe_mlp_weights
 from ppserve.sched.partition import even_partition
 
@@ -71,6 +73,14 @@ class CostModel(Protocol):
 
 
 @runtime_checkable
+class PricedCostModel(CostModel, Protocol):
+    """A cost model that can say what it charges in the scheduler's vocabulary (sched/cost.py), which
+    the simulated scheduler then starts from instead of learning it from scratch."""
+
+    def pipeline_cost(self) -> PipelineCost: ...
+
+
+@runtime_checkable
 class PlacedCostModel(CostModel, Protocol):
     """A cost model that knows where its stages sit, so each stage boundary has its own link."""
 
@@ -92,6 +102,9 @@ class ConstantCostModel:
 
     def transfer_time(self, shape: BatchShape) -> float:
         return self.transfer_s
+
+    def pipeline_cost(self) -> PipelineCost:
+        return PipelineCost((StepCost(floor_s=self.step_s),) * self.num_stages)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +329,22 @@ def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int
 # Analytic roofline model
 
 
+def _linearization_grid() -> list[BatchShape]:
+    """Microbatches that vary every feature of the step-cost model (sched/cost.py) apart: decode
+    batches, prefill chunks that do and do not sample, and chunks beside decodes, at several contexts."""
+    grid = []
+    for ctx in (128, 1024, 4096):
+        for k in (1, 4, 16, 64):
+            grid.append(BatchShape(((1, ctx),) * k, k, 0, k))
+    for ctx in (0, 1024, 3072):
+        for n in (32, 128, 512):
+            for sampled in (0, 1):
+                grid.append(BatchShape(((n, ctx),), sampled, n, 0))
+            for k in (8, 32):
+                grid.append(BatchShape(((n, ctx),) + ((1, 2 * ctx + 256),) * k, k, n, k))
+    return grid
+
+
 def _roofline(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -> float:
     # A kernel is bound by whichever resource it exhausts first.
     return max(flops / flops_per_s, nbytes / bytes_per_s)
@@ -424,38 +453,40 @@ class RooflineCostModel:
             return 0.0
         return max(self.boundary_transfer_time(s, shape) for s in range(self.num_stages - 1))
 
+    def pipeline_cost(self) -> PipelineCost:
+        """The roofline in the scheduler's vocabulary: each stage's `StepCost`, least squares over a grid
+        of microbatches (decodes, prefill chunks and mixes, short to long contexts) priced by
+        `stage_time`. Linear where the roofline bends (a matmul turns from bandwidth- to compute-bound
+        at ~100 tokens), so it is the scheduler's prior, not the simulator's truth."""
+        fits = [StepCostFit(forgetting=1.0, ridge=1e-9, min_samples=1) for _ in range(self.num_stages)]
+        for shape in _linearization_grid():
+            x = features(shape.chunks, shape.num_sampled)
+            for stage, fit in enumerate(fits):
+                fit.observe(x, self.stage_time(stage, shape))
+        return PipelineCost(tuple(f.cost for f in fits))
+
 
 # ---------------------------------------------------------------------------------------------
 # Profiles fitted from measured spans
 
 PROFILE_FORMAT = "ppserve-sim-profile"
-
-
-@dataclass(frozen=True)
-class StageFit:
-    """compute seconds = a + b * prefill_tokens + c * decode_tokens, for one stage."""
-
-    a: float
-    b: float
-    c: float
-    num_samples: int = 0
-    rms_residual_s: float = 0.0
-
-    def predict(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
-        return max(0.0, self.a + self.b * num_prefill_tokens + self.c * num_decode_tokens)
+PROFILE_VERSION = 2  # 1 held (a, b, c) per stage over prefill and decode tokens
 
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-stage linear fits plus a stage-to-stage transfer time, as measured on a real pipeline."""
+    """A stage's `StepCost` per stage plus a stage-to-stage transfer time, as measured on a real pipeline."""
 
-    stages: tuple[StageFit, ...]
+    cost: PipelineCost
     transfer_s: float = 0.0
     note: str = ""
+    num_samples: tuple[int, ...] = ()  # microbatches each stage's fit saw
+    rms_residual_s: tuple[float, ...] = ()  # each stage's fit's RMS residual
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        data = {"format": PROFILE_FORMAT, "version": 1, "transfer_s": self.transfer_s, "note": self.note,
-                "stages": [asdict(s) for s in self.stages]}
+        data = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "transfer_s": self.transfer_s,
+                "note": self.note, "stages": self.cost.to_json(), "num_samples": list(self.num_samples),
+                "rms_residual_s": list(self.rms_residual_s)}
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
     @classmethod
@@ -463,25 +494,34 @@ class Profile:
         data = json.loads(Path(path).read_text())
         if data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path} is not a ppserve simulator profile (format {data.get('format')!r})")
-        stages = tuple(StageFit(**s) for s in data["stages"])
-        if not stages:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{path} is a version {data.get('version')!r} profile; this ppserve reads version "
+                             f"{PROFILE_VERSION} (per-stage step costs): fit it again with `ppserve simulate --fit-from`")
+        if not data.get("stages"):
             raise ValueError(f"profile {path} has no stages")
-        return cls(stages, float(data.get("transfer_s", 0.0)), str(data.get("note", "")))
+        return cls(PipelineCost.from_json(data["stages"]), float(data.get("transfer_s", 0.0)), str(data.get("note", "")),
+                   tuple(int(n) for n in data.get("num_samples", ())),
+                   tuple(float(r) for r in data.get("rms_residual_s", ())))
 
 
 @dataclass(frozen=True)
 class ProfileCostModel:
+    """Prices each stage with the profile's `StepCost` (sched/cost.py), the scheduler's own vocabulary."""
+
     profile: Profile
 
     @property
     def num_stages(self) -> int:
-        return len(self.profile.stages)
+        return self.profile.cost.num_stages
 
     def stage_time(self, stage: int, shape: BatchShape) -> float:
-        return self.profile.stages[stage].predict(shape.num_prefill_tokens, shape.num_decode_tokens)
+        return self.profile.cost.stages[stage].predict(shape)
 
     def transfer_time(self, shape: BatchShape) -> float:
         return self.profile.transfer_s
+
+    def pipeline_cost(self) -> PipelineCost:
+        return self.profile.cost
 
 
 def _least_squares(rows: Sequence[tuple[float, float, float]], ys: Sequence[float]) -> tuple[float, float, float]:
@@ -501,11 +541,12 @@ def _least_squares(rows: Sequence[tuple[float, float, float]], ys: Sequence[floa
 
 
 def fit_profile(spans: Iterable[Span], note: str = "") -> Profile:
-    """Fit per-stage compute time = a + b*prefill_tokens + c*decode_tokens from compute spans.
+    """Fit each stage's compute time = floor + token_s * tokens + sample_s * decode tokens from compute spans.
 
     A microbatch's time on a stage is the longest of its tp ranks (the stage waits for all of them).
     Spans carry token counts but not context lengths, so attention's growth with context is folded
-    into b and c (a known limitation: fit on a workload like the one you simulate).
+    into the per-token terms (a known limitation: fit on a workload like the one you simulate), and
+    every decode counts as a sampled token (the last chunks of prompts, which also sample, are few).
     The transfer time is the smallest gap between a microbatch leaving stage s and starting stage
     s+1: that gap is pure transfer whenever the next stage was already idle.
     """
@@ -525,18 +566,21 @@ def fit_profile(spans: Iterable[Span], note: str = "") -> Profile:
         raise ValueError("fit_profile needs compute spans")
     if sorted(per) != list(range(len(per))):
         raise ValueError(f"compute spans cover stages {sorted(per)}; expected 0..{len(per) - 1}")
-    stages = []
+    stages, counts, rmss = [], [], []
     for stage in range(len(per)):
-        rows = [(1.0, float(s.num_prefill_tokens), float(s.num_decode_tokens)) for s in per[stage].values()]
+        rows = [(1.0, float(s.num_prefill_tokens + s.num_decode_tokens), float(s.num_decode_tokens))
+                for s in per[stage].values()]
         ys = [durations[(stage, step)] * 1e-9 for step in per[stage]]
         a, b, c = _least_squares(rows, ys)
-        resid = [y - (a + b * r[1] + c * r[2]) for r, y in zip(rows, ys, strict=True)]
-        rms = math.sqrt(math.fsum(e * e for e in resid) / len(resid))
-        stages.append(StageFit(a, b, c, len(rows), rms))
+        cost = StepCost.of([a, b, 0.0, 0.0, c])  # clamped at >= 0, as every step cost
+        resid = [y - cost.of_features((1.0, r[1], 0.0, 0.0, r[2])) for r, y in zip(rows, ys, strict=True)]
+        stages.append(cost)
+        counts.append(len(rows))
+        rmss.append(math.sqrt(math.fsum(e * e for e in resid) / len(resid)))
     gaps = [
         first_start[(st + 1, step)] - last_end[(st, step)]
         for (st, step) in last_end
         if (st + 1, step) in first_start
     ]
     transfer = max(0, min(gaps)) * 1e-9 if gaps else 0.0
-    return Profile(tuple(stages), transfer, note)
+    return Profile(PipelineCost(tuple(stages)), transfer, note, tuple(counts), tuple(rmss))

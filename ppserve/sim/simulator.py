@@ -33,7 +33,7 @@ from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, SchedulerOutput, StepResult
 from ppserve.sched.budget import BudgetMode
 from ppserve.sched.cost import BatchShape
-from ppserve.sim.cost_model import CostModel, PlacedCostModel
+from ppserve.sim.cost_model import CostModel, PlacedCostModel, PricedCostModel
 from ppserve.sim.workload import WorkloadRequest
 
 __all__ = ["SimConfig", "SimResult", "simulate"]
@@ -251,8 +251,11 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     cfg = config or SimConfig()
     num_stages = cost.num_stages
     clock = SimClock()
+    # The scheduler learns each stage's cost from the stage times, as in the engine, starting from
+    # what the cost model says it charges where it can say so (the roofline's linearization).
+    prior = cost.pipeline_cost() if isinstance(cost, PricedCostModel) else None
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      num_stages=num_stages, clock=clock.seconds, enable_prefix_caching=cfg.enable_prefix_caching)
+                      num_stages=num_stages, clock=clock.seconds, cost_prior=prior, enable_prefix_caching=cfg.enable_prefix_caching)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     check = sched.check_invariants if cfg.check_invariants else None
     executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)

@@ -10,6 +10,7 @@ import pytest
 from ppserve import LLM, SamplingParams
 from ppserve.metrics.bubbles import bubble_report
 from ppserve.metrics.trace import load_chrome_trace, validate_chrome_trace
+from ppserve.sched.cost import BatchShape
 from tests.bench_scripts import load_benchmark
 from tests.oracle import ppserve_greedy, random_prompts, reference_greedy
 
@@ -38,6 +39,27 @@ def test_in_process_pipeline_equals_transformers(tiny_llama_dir, prompts, expect
     assert got == expected
 
 
+def test_calibrated_partition_is_measured_once_and_cached(tiny_llama_dir, prompts, expected, tmp_path, monkeypatch):
+    """partition_mode: calibrated measures the stage costs on a short run, caches the profile under
+    $PPSERVE_CACHE_DIR (keyed: tests/unit/test_partition.py), reads it back the next time (no second
+    run) and starts the scheduler's cost model from it; the tokens are unchanged."""
+    from ppserve.engine import calibration
+
+    monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path))
+    runs = []
+    measure = calibration.measure_cost_profile
+    monkeypatch.setattr(calibration, "measure_cost_profile", lambda e: runs.append(1) or measure(e))
+    monkeypatch.setattr(calibration, "CALIBRATION_OUTPUT", 8)  # a shorter run: the mechanism, not the figure
+    for _ in range(2):
+        got, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=2, token_budget=24,
+                          block_size=4, max_num_seqs=4, overrides=["parallel.partition_mode=calibrated"])
+        assert got == expected
+    assert len(runs) == 1
+    (cached,) = (tmp_path / "partition").glob("*.json")
+    profile = calibration.CostProfile.from_json(json.loads(cached.read_text()))
+    assert profile.num_microbatches > 0 and "calibration run" in profile.source
+
+
 @pytest.mark.parametrize("dispatch,pp,tp", [("compiled", 2, 2), ("classic", 3, 1)])
 def test_other_control_planes_equal_transformers(ray_session, tiny_llama_dir, prompts, expected, dispatch, pp, tp):
     got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=pp, tensor_parallel_size=tp, token_budget=16,
@@ -63,8 +85,8 @@ def test_stage_times_reach_the_scheduler_under_ray(ray_session, tiny_llama_dir, 
         cost = llm.engine.scheduler.budget_mode.cost
     assert [o.token_ids for o in outs] == expected  # time-budgeted batches change nothing in the tokens
     assert seen and all(len(t) == 2 and all(x > 0 for x in t) for t in seen)
-    assert cost.num_samples == len(seen) and cost.calibrated
-    assert cost.coefficients != cost.prior and cost.predict([(16, 0)]) > 0
+    assert cost.fits[0].num_samples == len(seen) and cost.calibrated
+    assert cost.current.stages[1] != cost.fits[1].prior and cost.current.pace(BatchShape(((16, 0),), 1)) > 0
 
 
 def test_tbt_target_learns_under_ray(ray_session, tiny_llama_dir):
@@ -77,7 +99,7 @@ def test_tbt_target_learns_under_ray(ray_session, tiny_llama_dir):
     fig = bench.run_tbt(str(tiny_llama_dir), pp=2, target_ms=250.0, num_requests=16, max_tokens=40)
     print("\n" + bench.report(fig))
     assert fig["cost_calibrated"] and fig["cost_num_samples"] > 20
-    assert fig["cost_coefficients"] != fig["cost_prior"]
+    assert fig["cost_per_stage"] != fig["cost_prior"]
     assert fig["num_gaps"] == 16 * 39  # every token came with its time
     assert fig["tokens"] == reference_greedy(tiny_llama_dir, bench.workload(16), 40)
 

@@ -13,7 +13,7 @@ import pytest
 from ppserve.sched import StepResult
 from ppserve.sched.balance import decode_quota, fair_share
 from ppserve.sched.budget import TimeBudgetMode
-from ppserve.sched.cost import LinearStepCost
+from ppserve.sched.cost import BatchShape, PipelineCost, StepCost
 from tests.unit.sched_helpers import fake_result, make_request, make_scheduler
 
 
@@ -102,15 +102,15 @@ def test_consecutive_microbatches_hold_equal_decodes():
 def test_consecutive_microbatches_cost_the_same_predicted_time():
     """With a cost model, decodes plus prefill chunks fill each microbatch to the same predicted time."""
     pp = 2
-    cost = LinearStepCost(prior=(2e-3, 1e-4, 1e-8, 2e-7), min_samples=1)
-    cost.observe([(64, 0)], 2e-3 + 64e-4 + 64 * 65 / 2 * 1e-8)  # calibrated at its prior
-    mode = TimeBudgetMode(token_budget=512, time_budget_s=0.03, cost=cost)
+    stage = StepCost(2e-3, 1e-4, 1e-8, 2e-7)
+    cost = PipelineCost((stage, stage.plus(StepCost(sample_s=5e-5))))  # the last stage pays for sampling
     # Prefix caching off: under this KV pressure a preempted prompt comes back with most of its blocks
     # cached, computes only its tail, and the next prompt cannot get blocks: a short microbatch that says
     # nothing about the formation this test checks.
     s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, budget_mode="time",
                        prefix_caching=False)
-    s.budget_mode = mode
+    s.cost.reset(cost)  # the scheduler's cost model starts calibrated at this prior
+    s.budget_mode = TimeBudgetMode(token_budget=512, time_budget_s=0.03, cost=s.cost)
     for i in range(16):
         s.add_request(make_request(f"d{i}", 4, max_tokens=500))
     for i in range(6):
@@ -118,7 +118,7 @@ def test_consecutive_microbatches_cost_the_same_predicted_time():
     _, formed = run(s, 60)
     mixed = [o for o in formed[10:40] if o.num_prefill_tokens and o.num_decode_tokens]
     assert len(mixed) >= 10
-    times = [cost.predict(o.chunks()) for o in mixed]
+    times = [cost.pace(BatchShape.of(o)) for o in mixed]
     assert max(times) <= 1.1 * min(times), times
     decodes = [o.num_decode_tokens for o in mixed]  # 16 chatting plus a prompt that just got its token
     assert max(decodes) - min(decodes) <= 1, decodes  # an odd count splits no better than n and n + 1

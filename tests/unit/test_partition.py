@@ -2,7 +2,15 @@
 
 import pytest
 
-from ppserve.sched.partition import StageCostModel, partition_layers, stage_costs
+from ppserve.sched.cost import BatchShape, LayerCosts, StepCost, features
+from ppserve.sched.partition import (
+    DECODE_REFERENCE,
+    CostProfile,
+    fit_cost_profile,
+    partition_layers,
+    stage_costs,
+    weight_costs,
+)
 
 
 def test_even():
@@ -27,32 +35,38 @@ def test_too_many_stages():
 def test_cost_aware_moves_layers_off_the_head_stage():
     # SmolLM2-135M shapes. A layer's weights: q and o (576 x 576), k and v (576 x 192), gate, up and down
     # (576 x 1536); the tied head is 49152 x 576: exactly 8 layers' worth of weights per token with logits.
+    from types import SimpleNamespace
+
     layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
-    cost = StageCostModel.for_llama(576, 1536, 9, 3, 49152, logits_fraction=1.0)
-    assert cost.lm_head == pytest.approx(49152 * 576 / layer) == 8.0
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                            vocab_size=49152)
+    costs = weight_costs(shape)
+    assert costs.head.of_features(DECODE_REFERENCE) / costs.layer.of_features(DECODE_REFERENCE) == 49152 * 576 / layer == 8.0
     # Two stages balance when n = (30 - n) + 8 layers: n = 19.
-    ranges = partition_layers(30, 2, mode="cost", cost=cost)
+    ranges = partition_layers(30, 2, mode="cost", costs=costs)
     assert ranges == [(0, 19), (19, 30)]
-    costs = stage_costs(ranges, 30, cost)
-    even_costs = stage_costs(partition_layers(30, 2), 30, cost)
-    assert max(costs) < max(even_costs)
+    assert max(stage_costs(ranges, costs, DECODE_REFERENCE)) < max(stage_costs(partition_layers(30, 2), costs, DECODE_REFERENCE))
+    # Prefill-heavy work (one sampled token in 512) barely prices the head: the split is nearly even.
+    prefill = features(((512, 0),), 1)
+    assert partition_layers(30, 2, mode="cost", costs=costs, reference=prefill) == [(0, 15), (15, 30)]
 
 
 def test_cost_aware_without_head_cost_is_even():
-    assert partition_layers(12, 3, mode="cost", cost=StageCostModel()) == [(0, 4), (4, 8), (8, 12)]
+    assert partition_layers(12, 3, mode="cost") == [(0, 4), (4, 8), (8, 12)]
 
 
 def test_cost_partition_is_optimal_by_brute_force():
     import itertools
 
-    cost = StageCostModel(layer=1.0, embedding=0.5, lm_head=2.7)
+    costs = LayerCosts(StepCost(floor_s=0.1, token_s=1.0), StepCost(floor_s=0.5, sample_s=2.2))
+    ref = features(((1, 0),), 1)
     for n, p in [(7, 3), (9, 2), (6, 4)]:
         best = min(
-            max(stage_costs(_ranges(c), n, cost))
+            max(stage_costs(_ranges(c), costs, ref))
             for cuts in itertools.combinations(range(1, n), p - 1)
             for c in [_counts(cuts, n)]
         )
-        got = max(stage_costs(partition_layers(n, p, mode="cost", cost=cost), n, cost))
+        got = max(stage_costs(partition_layers(n, p, mode="cost", costs=costs, reference=ref), costs, ref))
         assert got == pytest.approx(best)
 
 
@@ -67,34 +81,51 @@ def _ranges(counts):
     return ranges_from_counts(counts)
 
 
-def test_fit_stage_costs_recovers_layer_and_head_costs():
-    from ppserve.sched.partition import MeasuredStageCosts, fit_stage_costs
+LAYER = StepCost(floor_s=2e-5, token_s=3e-6, prefill_key_s=1e-10, decode_key_s=4e-10)
+HEAD = StepCost(floor_s=3e-4, token_s=1e-7, sample_s=6e-5)
 
+
+def _measured(ranges, n=60, seed=0):
+    """Microbatches of a calibration-like run (prefill chunks, decodes) priced by LAYER and HEAD."""
+    import random
+
+    rng = random.Random(seed)
+    pipe = LayerCosts(LAYER, HEAD).pipeline(ranges)
+    samples = []
+    for _ in range(n):
+        chunks = tuple((1, rng.randint(10, 300)) for _ in range(rng.randint(0, 16)))
+        if rng.random() < 0.6:
+            chunks += ((rng.randint(8, 128), rng.randint(0, 128)),)
+        shape = BatchShape(chunks or ((1, 5),), sum(1 for c, _ in chunks if c == 1) + (rng.random() < 0.3))
+        samples.append((shape, pipe.stage_times(shape)))
+    return samples
+
+
+def test_fit_cost_profile_recovers_layer_and_head_costs():
     ranges = [(0, 8), (8, 15), (15, 30)]
-    layer, head = [0.002, 0.003, 0.001], [0.010, 0.004, 0.0]  # per microbatch: mixed, decode-heavy, prefill
-    times = [(8 * lay, 7 * lay, 15 * lay + h) for lay, h in zip(layer, head, strict=True)]
-    costs = fit_stage_costs(times + [(1.0,)], ranges, source="test")  # a short tuple is skipped
-    assert costs.num_microbatches == 3
-    assert costs.layer_s == pytest.approx(sum(layer) / 3)
-    assert costs.head_s == pytest.approx(sum(head) / 3)
-    assert costs.cost_model().lm_head == pytest.approx(sum(head) / sum(layer))
-    again = MeasuredStageCosts.from_json(costs.to_json())
-    assert again == costs
+    samples = _measured(ranges)
+    profile = fit_cost_profile(samples + [(samples[0][0], (1.0,))], ranges, source="test")  # short: skipped
+    assert profile.num_microbatches == len(samples)
+    assert profile.costs.layer.coefficients == pytest.approx(LAYER.coefficients, rel=1e-3, abs=1e-10)
+    assert profile.costs.head.coefficients == pytest.approx(HEAD.coefficients, rel=1e-3, abs=1e-9)
+    assert CostProfile.from_json(profile.to_json()) == profile
     with pytest.raises(ValueError, match="two stages"):
-        fit_stage_costs(times, [(0, 30)])
+        fit_cost_profile(samples, [(0, 30)])
     with pytest.raises(ValueError, match="no microbatch"):
-        fit_stage_costs([(1.0,)], ranges)
-    with pytest.raises(ValueError, match="stage-cost profile"):
-        MeasuredStageCosts.from_json({"layer_s": 1.0})
+        fit_cost_profile([(samples[0][0], (1.0,))], ranges)
+    with pytest.raises(ValueError, match="cost profile"):
+        CostProfile.from_json({"layer_s": 1.0})
 
 
 def test_calibrated_costs_split_like_the_measured_head():
-    """A head measured at 4 layers' cost moves 2 layers off the last of two stages (30 layers: 17 / 13)."""
-    from ppserve.sched.partition import fit_stage_costs
-
-    times = [(15 * 0.001, 15 * 0.001 + 0.004)] * 5
-    costs = fit_stage_costs(times, [(0, 15), (15, 30)])
-    assert partition_layers(30, 2, mode="cost", cost=costs.cost_model()) == [(0, 17), (17, 30)]
+    """A head measured at 4 layers' cost (at the run's mean microbatch) moves 2 layers off the last of
+    two stages (30 layers: 17 / 13)."""
+    ref = features(((64, 0),), 1)
+    layer = StepCost(token_s=1e-3 / 64)
+    head = StepCost(sample_s=4e-3)
+    profile = CostProfile(LayerCosts(layer, head), ref, 5)
+    assert profile.head_in_layers == pytest.approx(4.0)
+    assert profile.ranges(30, 2) == [(0, 17), (17, 30)]
 
 
 def test_initial_ranges_follow_the_mode():
@@ -110,3 +141,25 @@ def test_initial_ranges_follow_the_mode():
     assert initial_ranges(par, shape) == [(0, 15), (15, 30)]
     par.layer_partition = (10, 20)
     assert initial_ranges(par, shape) == [(0, 10), (10, 30)]
+
+
+def test_profile_cache_is_keyed_and_honours_the_cache_variables(tmp_path, monkeypatch):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ppserve.config import EngineConfig, ParallelConfig, SchedulerConfig
+    from ppserve.engine.calibration import cache_root, profile_cache_path
+
+    def engine(**sched):
+        cfg = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2), scheduler=SchedulerConfig(**sched))
+        return SimpleNamespace(config=cfg, model_dir=Path("/models/tiny"))
+
+    monkeypatch.delenv("PPSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "ppserve"
+    monkeypatch.setenv("PPSERVE_CACHE_DIR", str(tmp_path / "pp"))
+    path = profile_cache_path(engine())
+    assert path.parent == tmp_path / "pp" / "partition" and path.name.startswith("tiny-")
+    assert profile_cache_path(engine()) == path  # the same settings: the same file
+    assert profile_cache_path(engine(token_budget=64)) != path
+    assert profile_cache_path(engine(max_num_seqs=8)) != path

@@ -10,6 +10,7 @@ import pytest
 from ppserve.config import SchedulerConfig
 from ppserve.metrics import gpipe_bubble_fraction
 from ppserve.metrics.spans import Span
+from ppserve.sched.cost import StepCost
 from ppserve.sim import (
     BatchShape,
     ConstantCostModel,
@@ -27,7 +28,6 @@ from ppserve.sim import (
     simulate,
     with_poisson_arrivals,
 )
-from ppserve.sim.cost_model import StageFit
 from ppserve.sim.workload import clip_to_context, fixed_ratio, uniform_lengths, zipf_lengths
 from tests.unit.imports import assert_imports_without
 
@@ -93,9 +93,10 @@ def test_dispatch_latency_delays_every_stage_start():
 def test_arrivals_idle_gaps_are_starvation():
     wl = [WorkloadRequest(0.0, 64, 1), WorkloadRequest(1.0, 64, 1)]
     res = simulate(wl, ConstantCostModel(2, 0.01), sim_cfg())
-    # A lone 64-token prompt on two stages is cut into two 32-token chunks that follow each other down
-    # the pipeline (balanced formation): stage 1 finishes the second chunk after three step times.
-    assert res.work_intervals == [(0, 30 * MS), (1000 * MS, 1030 * MS)]
+    # Every microbatch costs the same whatever it holds, and the cost model says so to the scheduler
+    # (its prior): cutting the lone 64-token prompt into chunks would only add steps, so it goes down
+    # the two stages in one microbatch, two step times.
+    assert res.work_intervals == [(0, 20 * MS), (1000 * MS, 1020 * MS)]
     rep = res.bubble_report("all")
     assert rep.mean_starvation_fraction > 0.9
     assert res.timings["r1"].first_scheduled_s == pytest.approx(1.0)
@@ -214,9 +215,10 @@ def synthetic_spans(coefs, transfer_ns: int = 50_000) -> list[Span]:
 def test_fit_profile_recovers_coefficients(tmp_path):
     coefs = [(1e-3, 20e-6, 50e-6), (2e-3, 10e-6, 80e-6)]
     prof = fit_profile(synthetic_spans(coefs))
-    for fit, (a, b, c) in zip(prof.stages, coefs, strict=True):
-        assert (fit.a, fit.b, fit.c) == pytest.approx((a, b, c), rel=1e-5, abs=1e-9)
-        assert fit.rms_residual_s < 1e-8
+    # In the step-cost vocabulary: every token pays b, a decode (a sampled token) c - b more.
+    for fit, rms, (a, b, c) in zip(prof.cost.stages, prof.rms_residual_s, coefs, strict=True):
+        assert fit.coefficients == pytest.approx(StepCost(a, b, 0.0, 0.0, c - b).coefficients, rel=1e-5, abs=1e-9)
+        assert rms < 1e-8
     assert prof.transfer_s == pytest.approx(50e-6)
     prof.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
@@ -231,9 +233,9 @@ def test_fit_profile_recovers_coefficients(tmp_path):
 def test_fit_profile_degenerate_columns():
     # Decode-only spans: the prefill column never varies and is left out.
     spans = [Span("compute", 0, round((1e-3 + 5e-5 * d) * 1e9), 0, 0, i, 0, d) for i, d in enumerate((1, 4, 9, 30))]
-    fit = fit_profile(spans).stages[0]
-    assert fit.b == 0 and fit.c == pytest.approx(5e-5) and fit.a == pytest.approx(1e-3)
-    assert StageFit(-1.0, 0.0, 0.0).predict(0, 0) == 0.0
+    fit = fit_profile(spans).cost.stages[0]
+    assert fit.sample_s == 0 and fit.token_s == pytest.approx(5e-5) and fit.floor_s == pytest.approx(1e-3)
+    assert StepCost.of([-1.0, 0.0, 0.0, 0.0, 0.0]).predict(BatchShape.uniform(0, 1)) == 0.0  # clamped at >= 0
 
 
 # --- workloads --------------------------------------------------------------------------------
@@ -308,7 +310,7 @@ def test_simulate_cli_and_profile_round_trip(tmp_path, capsys):
     assert "finished 20 requests" in out and trace.exists()
     prof = tmp_path / "p.json"
     assert main(["simulate", "--fit-from", str(trace), "--profile-out", str(prof)]) == 0
-    assert Profile.load(prof).stages[0].num_samples > 0
+    assert Profile.load(prof).num_samples[0] > 0
     assert main(["simulate", "--hardware", str(prof), "--workload", str(csv), "--num-requests", "20",
                  "--token-budget", "64"]) == 0
     assert math.isfinite(Profile.load(prof).transfer_s)
