@@ -5,7 +5,8 @@ Two measurements in one run:
    (no model), averaged over many steps.
 2. Real engine: 512 requests decoding through the default model (pp=1, all prompts in one prefill); the
    engine's own `schedule` spans are compared with the stage's `compute` spans of the same microbatches.
-Goal (issue 2 / issue 7): schedule() <= 1 % of a step.
+Goal (issue 2 / issue 7): schedule() <= 1 % of a step. The pure measurement runs with prefix caching off
+and on side by side (issue 23: on <= 1.1x off); every request's prompt is its own, so both do the same work.
 
     python benchmarks/bench_schedule.py [--requests 512] [--out results/bench_schedule.json]
 """
@@ -24,13 +25,15 @@ from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, StepResult
 
 
-def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[str, float]:
+def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1, prefix_caching: bool = True) -> dict[str, float]:
     """Median schedule() and update_from_output() per microbatch with `num_requests` decoding requests on a
     pipeline of `pp` slots (pp microbatches in flight, each about num_requests / pp decodes)."""
     cfg = SchedulerConfig(policy="sarathi", token_budget=num_requests, max_num_seqs=num_requests)
-    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, num_stages=pp)
-    for i in range(num_requests):
-        s.add_request(Request(f"r{i}", list(range(1, 33)), SamplingParams(max_tokens=10_000, ignore_eos=True)))
+    s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, num_stages=pp,
+                  enable_prefix_caching=prefix_caching)
+    for i in range(num_requests):  # distinct prompts: caching on computes what caching off does
+        prompt = list(range(1 + 32 * i, 33 + 32 * i))
+        s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True)))
 
     def complete_oldest() -> None:
         out = s.in_flight[0]
@@ -95,12 +98,15 @@ def main() -> None:
     result: dict[str, Any] = {"requests": args.requests, "pure": {}}
     for pp in args.pp:
         for n in sorted({args.requests // 4, args.requests // 2, args.requests, 2 * args.requests}):
+            off = pure_schedule_us(n, pp=pp, prefix_caching=False)
             r = pure_schedule_us(n, pp=pp)
-            result["pure"][f"pp{pp}-{n}"] = r
             total = r["schedule_us_median"] + r["update_us_median"]
+            total_off = off["schedule_us_median"] + off["update_us_median"]
+            result["pure"][f"pp{pp}-{n}"] = {**r, "caching_off": off, "on_over_off": total / total_off}
             print(f"pure scheduler, pp={pp}, {n} decoding requests: schedule() {r['schedule_us_median']:.0f} us + "
                   f"update_from_output() {r['update_us_median']:.0f} us = {total:.0f} us per microbatch of {n // pp} "
-                  f"decodes ({1e3 * total / n:.0f} ns per running request; medians)")
+                  f"decodes ({1e3 * total / n:.0f} ns per running request; medians); prefix caching off "
+                  f"{total_off:.0f} us: on/off {total / total_off:.2f}x (goal <= 1.1x)")
     if not args.skip_engine:
         eng = engine_ratio(args.requests, args.max_tokens)
         result["engine"] = eng

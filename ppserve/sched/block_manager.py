@@ -51,6 +51,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._pack_block = struct.Struct(f"<{block_size}q").pack  # block_key's encoding of a full block, compiled
         # FIFO reuse spreads writes over the cache; any order is correct. Never-keyed blocks go first,
         # so cached prefixes survive as long as there is other room.
         self._free: deque[int] = deque(range(num_blocks))
@@ -58,7 +59,8 @@ class BlockManager:
         self._refs: dict[int, int] = {}  # block -> how many requests hold it (absent: none)
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-        self._writer: dict[int, str] = {}  # block -> the request it was allocated to (the only one to write it)
+        # block -> the request it was allocated to, the only one that writes it (read by the scheduler's check)
+        self.writer_of: dict[int, str] = {}
         # Prefix-cache counters, in tokens (vLLM's definitions): every admission queries its known
         # tokens and hits the cached prefix it starts from.
         self.num_query_tokens = 0
@@ -115,7 +117,7 @@ class BlockManager:
                 lo, hi = i * bs, (i + 1) * bs
                 toks = prompt[lo:hi] if hi <= np else (prompt[lo:] + outputs[: hi - np] if lo < np
                                                        else outputs[lo - np: hi - np])
-                parent = block_key(parent, toks)
+                parent = hashlib.sha256(parent + self._pack_block(*toks)).digest()  # = block_key(parent, toks)
                 keys.append(parent)
         return keys
 
@@ -160,11 +162,19 @@ class BlockManager:
         cached under another block stays unkeyed (its copy is freed as a plain block)."""
         if not self.enable_prefix_caching:
             return
-        full = min(num_tokens // self.block_size, len(req.block_ids))
+        bs = self.block_size
+        full = min(num_tokens // bs, len(req.block_ids))
         done = req.num_blocks_keyed
         if full <= done:
             return
-        keys = self._extend_keys(req, full)
+        keys = req.block_keys
+        np = len(req.prompt_token_ids)
+        if full == done + 1 == len(keys) + 1 and done and done * bs >= np:
+            # A decode filled a block of output tokens: the one key, without the general path's slicing.
+            toks = req.output_token_ids[done * bs - np: full * bs - np]
+            keys.append(hashlib.sha256(keys[-1] + self._pack_block(*toks)).digest())  # = block_key(...)
+        else:
+            keys = self._extend_keys(req, full)
         key_of, block_of = self._key_of, self._block_of
         for i in range(done, full):
             key = keys[i]
@@ -199,7 +209,7 @@ class BlockManager:
         rid = req.request_id
         for b in new:
             self._refs[b] = 1
-            self._writer[b] = rid
+            self.writer_of[b] = rid
         req.block_ids.extend(new)
         return new
 
@@ -229,7 +239,7 @@ class BlockManager:
         """Assert that `req` writes tokens [start, start + num_tokens) only into blocks allocated to it:
         a block it shares through a cache hit is read, never written (another request filled it)."""
         bs = self.block_size
-        writer = self._writer
+        writer = self.writer_of
         rid = req.request_id
         for i in range(start // bs, (start + num_tokens - 1) // bs + 1):
             b = req.block_ids[i]

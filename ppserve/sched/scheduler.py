@@ -313,6 +313,7 @@ class Scheduler:
         kv = self.blocks
         block_size = kv.block_size
         caching = kv.enable_prefix_caching
+        writer_of = kv.writer_of
         for req, n in zip(b.chosen_requests, b.chosen.values(), strict=True):
             rid = req.request_id
             done = req.num_computed_tokens
@@ -340,9 +341,12 @@ class Scheduler:
             else:
                 decode_tokens += n
             computed.append(done)
-            kv.check_writable(req, done, n)
+            # No stage writes into a block another request filled (one lookup for a decode's one block).
+            if n > 1 or writer_of.get(req.block_ids[done // block_size]) != rid:
+                kv.check_writable(req, done, n)
             req.num_computed_tokens = done + n
-            if caching and done + n >= (req.num_blocks_keyed + 1) * block_size:  # a decode filled a block
+            # A decode that fills its block keys it here (the builder keys what its chunks fill as it adds them).
+            if caching and not (done + n) % block_size:
                 kv.cache_full_blocks(req, done + n)
             if done + n == num_tokens:
                 sample.append(rid)

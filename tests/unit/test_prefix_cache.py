@@ -260,3 +260,11 @@ def test_multi_turn_workload_hits_the_previous_turn_and_answer():
         cached.append(req.num_cached_tokens)
     # Turn 2 re-sends 40 + 6 answer tokens of history: 11 full blocks of 4 are cached (44 tokens).
     assert cached == [0, 0, 44, 44, 60, 60]
+
+
+def test_the_manager_keys_blocks_as_block_key_defines():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    r = Request("a", [5, 6, 7, 8, 9], SamplingParams())
+    bm.lookup(r)
+    first = block_key(root_key(r), [5, 6])
+    assert r.block_keys == [first, block_key(first, [7, 8])]
