@@ -1,0 +1,91 @@
+"""How true the scheduler's step-cost model is on the real CPU pipeline (issue 21): every microbatch's
+predicted time on each stage, taken just before its measured stage times teach the model (so each
+prediction is out of sample, one step ahead), against those measured times.
+
+The run is the busy-load policy comparison's (`bench_policies.py --rate 3.0 --num-requests 48
+--prefill-scale 0.15 --decode-scale 0.15 --token-budget 128 --max-num-seqs 32`, sarathi, the default
+partition) unless told otherwise. Printed and written per stage and for the pace (the slowest stage):
+median / p90 absolute relative error, over the microbatches after the model's first `--skip`
+observations (before then it predicts from nothing, or its prior). Goal: <= 10 % / <= 25 %.
+
+    python benchmarks/bench_cost_model.py [--rate 3.0] [--num-requests 48] [--out results/bench_cost_model.json]
+        [--set parallel.partition_mode=calibrated]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from ppserve.bench.harness import EngineSpec, build_llm, replay, warm_up
+from ppserve.bench.report import write_json
+from ppserve.bench.suites import load_prompt_builder
+from ppserve.bench.workloads import WorkloadSpec, build_workload
+from ppserve.metrics.latency import percentile
+from ppserve.sched.cost import BatchShape
+
+
+def _errors(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+    errs = [abs(p - m) / m for p, m in zip(pred, meas, strict=True) if m > 0]
+    return {"median": percentile(errs, 50), "p90": percentile(errs, 90), "n": len(errs)}
+
+
+def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, Any]:
+    reqs = build_workload(workload)
+    prompts = load_prompt_builder(spec, workload.seed).build([r.prompt_len for r in reqs])
+    llm = build_llm(spec, "sarathi")
+    rows: list[tuple[list[float], tuple[float, ...]]] = []
+    try:
+        warm_up(llm.engine)
+        sched = llm.engine.scheduler
+        observe = sched.observe_step
+
+        def predicting_observe(out: Any, stage_seconds: Sequence[float] = ()) -> None:
+            # Predict before the model sees this microbatch's times: an out-of-sample, one-step-ahead figure.
+            if stage_seconds and not out.is_empty and sched.cost.fits[0].num_samples >= skip:
+                rows.append((sched.cost.current.stage_times(BatchShape.of(out)), tuple(stage_seconds)))
+            observe(out, stage_seconds)
+
+        sched.observe_step = predicting_observe  # type: ignore[method-assign]
+        run = replay(llm.engine, reqs, prompts, name="cost-model", progress=False)
+    finally:
+        llm.shutdown()
+    stages = len(rows[0][1]) if rows else 0
+    per_stage = [_errors([p[s] for p, _ in rows], [m[s] for _, m in rows]) for s in range(stages)]
+    pace = _errors([max(p) for p, _ in rows], [max(m) for _, m in rows])
+    summary = run.summary()
+    return {"per_stage": per_stage, "pace": pace, "num_microbatches": len(rows), "skip": skip,
+            "mean_bubble_fraction": summary.get("bubbles", {}).get("mean_bubble_fraction"),
+            "final_cost": sched.cost.current.to_json()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=3.0)
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--workload", default="trace:splitwise_conv.csv")
+    ap.add_argument("--prefill-scale", type=float, default=0.15)
+    ap.add_argument("--decode-scale", type=float, default=0.15)
+    ap.add_argument("--token-budget", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--skip", type=int, default=32, help="microbatches the model learns from before it is scored")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value (repeatable)")
+    ap.add_argument("--out", default="results/bench_cost_model.json")
+    args = ap.parse_args()
+    spec = EngineSpec(pp=args.pp, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
+                      overrides=tuple(args.overrides))
+    workload = WorkloadSpec(source=args.workload, num_requests=args.num_requests, prefill_scale=args.prefill_scale,
+                            decode_scale=args.decode_scale, rate=args.rate)
+    fig = measure(spec, workload, args.skip)
+    print(f"{fig['num_microbatches']} microbatches scored (after the model's first {args.skip})")
+    for name, e in [*((f"stage {s}", e) for s, e in enumerate(fig["per_stage"])), ("pace", fig["pace"])]:
+        print(f"{name:>8}: |predicted - measured| / measured  median {100 * e['median']:.1f} %  "
+              f"p90 {100 * e['p90']:.1f} %  (goal <= 10 % / <= 25 %)")
+    write_json(args.out, {"args": vars(args), **fig})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
