@@ -110,15 +110,16 @@ def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: i
             "grouped_ms": grouped_s * 1e3, "per_token_loop_ms": loop_s * 1e3, "speedup": loop_s / grouped_s}
 
 
-def simulate(model: str, pp: int, tp: int, policy: str, requests: int) -> dict[str, object]:
+def simulate(model: str, pp: int, tp: int, policy: str, requests: int, at_once: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sim.json"
         subprocess.run([sys.executable, "-m", "ppserve.cli", "simulate", "--model", model, "--hardware", "h100",
                         "--pp", str(pp), "--tp", str(tp), "--policy", policy, "--workload", str(TRACE),
-                        "--num-requests", str(requests), "--json", str(out)], check=True, capture_output=True)
+                        "--num-requests", str(requests), "--json", str(out), *(["--at-once"] if at_once else [])],
+                       check=True, capture_output=True)
         data = json.loads(out.read_text())
     summary = data.get("summary", data)
-    return {"model": model, "pp": pp, "tp": tp, "policy": policy,
+    return {"model": model, "pp": pp, "tp": tp, "policy": policy, "arrivals": "at once" if at_once else "trace",
             "output_tok_s": summary["throughput"]["output_tokens_per_s"],
             "requests_per_s": summary["throughput"]["requests_per_s"],
             "mean_bubble": summary["bubbles"]["mean_bubble_fraction"],
@@ -156,13 +157,15 @@ def main() -> None:
               f"transformers with its eager experts loop {r['transformers_eager_experts_tok_s']:.0f} tok/s: "
               f"{r['speedup_vs_eager_experts']:.2f}x")
     if "sim" in parts:
-        rows = [simulate(model, pp, 8, policy, args.sim_requests)
-                for model in ("qwen3-235b-a22b", "mixtral-8x22b") for pp in (4, 2) for policy in ("sarathi", "vllm")]
+        # The trace's own arrivals (what a service sees) and all at once (what the pipeline can take).
+        rows = [simulate(model, pp, 8, policy, args.sim_requests, at_once)
+                for at_once in (False, True) for model in ("qwen3-235b-a22b", "mixtral-8x22b") for pp in (4, 2)
+                for policy in ("sarathi", "vllm")]
         results["sim"] = rows
-        print("| model | PP x TP | policy | output tok/s | req/s | mean bubble |")
-        print("|---|---|---|---|---|---|")
+        print("| arrivals | model | PP x TP | policy | output tok/s | req/s | mean bubble |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['model']} | {r['pp']}x{r['tp']} | {r['policy']} | {r['output_tok_s']:.0f} | "
+            print(f"| {r['arrivals']} | {r['model']} | {r['pp']}x{r['tp']} | {r['policy']} | {r['output_tok_s']:.0f} | "
                   f"{r['requests_per_s']:.2f} | {100 * r['mean_bubble']:.1f}% |")
     write_json(args.out, results)
     print(f"wrote {args.out}")
