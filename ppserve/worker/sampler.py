@@ -113,7 +113,9 @@ def draw(weights: Tensor, u: Tensor) -> Tensor:
     nblocks = -(-vocab // BLOCK)
     padded = (weights if vocab == nblocks * BLOCK
               else torch.nn.functional.pad(weights, (0, nblocks * BLOCK - vocab))).view(n, nblocks, BLOCK)
-    block_cum = padded.sum(-1, dtype=torch.float64).cumsum(-1)  # [n, nblocks]
+    # Block sums in float32 (a sum of 256 is exact to ~1e-7 of itself; summing in float64 would first
+    # copy all [n, V] weights), then accumulated over the blocks in float64.
+    block_cum = padded.sum(-1).double().cumsum(-1)  # [n, nblocks]
     target = u * block_cum[:, -1]
     block = _pick(block_cum, target)  # [n]
     before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
@@ -141,32 +143,29 @@ def nucleus_threshold(weights: Tensor, top_p: Tensor) -> Tensor:
     reaches top_p of the row's total; the token crossing it stays), found without sorting.
 
     Weights >= 0 have float bit patterns ordered like their values, and weights <= 1.0 (0x3F800000) use
-    30 bits. Three rounds of a radix search, 10 bits each: a histogram of the mass per next 10-bit digit
-    among the tokens sharing the digits found so far, its suffix sums plus the mass already above, and
-    the last digit whose mass from above still reaches the target. Each round is a few passes of fixed
-    shape over the rows (a sort of 49k tokens is ~100 of them), with no sync."""
+    30 bits. Three rounds of a radix search, 10 bits each: every token's bits above this round's digit
+    are compared with the threshold's found so far, so a histogram of mass has a bin below (dropped),
+    1024 bins for the tokens that share the prefix, and a bin above; its suffix sums give the last digit
+    whose mass from above still reaches the target. A round is ~5 passes of fixed shape over the rows
+    (a sort of 49k tokens costs ~100), with no sync."""
     n = weights.shape[0]
     bits = weights.contiguous().view(torch.int32)
-    prefix = torch.zeros(n, dtype=torch.int64, device=weights.device)  # the threshold's bits found so far
-    mass_over = torch.zeros(n, dtype=torch.float64, device=weights.device)  # mass above the prefix's range
+    prefix = torch.zeros(n, 1, dtype=torch.int32, device=weights.device)  # the threshold's bits found so far
     target = None
     for shift in (20, 10, 0):
-        key = bits >> shift
-        if target is None:  # the first digit: every token counts (the clamp only keeps a NaN row in range)
-            digit, mass = key.clamp_(0, 1023), weights
-        else:
-            digit, mass = key & 1023, torch.where((key >> 10) == prefix[:, None], weights, 0.0)
-        hist = torch.zeros(n, 1024, dtype=weights.dtype, device=weights.device).scatter_add_(1, digit.long(), mass)
+        # Bin 0: below the prefix; 1 + digit: sharing it; 1025: above it. The first round has no prefix
+        # (the clamp then only keeps a NaN row in range).
+        key = (bits >> shift) - ((prefix << 10) - 1)
+        bins = key.clamp_(0, 1025).long()
+        hist = torch.zeros(n, 1026, dtype=weights.dtype, device=weights.device).scatter_add_(1, bins, weights)
         hist = hist.double()
-        cum = hist.cumsum(-1)
         if target is None:
-            target = top_p.double() * cum[:, -1]
-        above = (mass_over + cum[:, -1])[:, None] - cum + hist  # above[d]: the mass of digits >= d and higher
-        # Rounding between the rounds' sums can leave even digit 0 a hair short: it is then the answer.
-        d = ((above >= target[:, None]).sum(-1) - 1).clamp_(min=0)
-        mass_over = above.gather(1, d[:, None])[:, 0] - hist.gather(1, d[:, None])[:, 0]
-        prefix = (prefix << 10) | d
-    return prefix.to(torch.int32)[:, None].view(torch.float32)[:, 0]
+            target = top_p.double()[:, None] * hist.sum(-1, keepdim=True)
+        above = hist.flip(-1).cumsum(-1).flip(-1)[:, 1:1025]  # above[d]: the mass of digits >= d and higher
+        # Rounding can leave even digit 0 a hair short of the target: it is then the answer.
+        digit = ((above >= target).sum(-1, keepdim=True) - 1).clamp_(min=0)
+        prefix = (prefix << 10) | digit.to(torch.int32)
+    return prefix.view(torch.float32)[:, 0]
 
 
 # ---- the row groups -------------------------------------------------------------------------------
