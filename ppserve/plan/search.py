@@ -32,7 +32,7 @@ from ppserve.sim.cost_model import CostModel, ModelSpec, RooflineCostModel
 from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
 
-__all__ = ["PlanContext", "Candidate", "probe", "estimate_rate", "search", "CostModelFactory"]
+__all__ = ["PlanContext", "Candidate", "probe", "estimate_rate", "search", "capacities", "CostModelFactory"]
 
 # How a context prices a deployment's replica: the roofline of the model on the cluster's hardware by
 # default; a fitted profile re-split over the deployment's shape where one was given.
@@ -181,6 +181,15 @@ def _run_all(ctx: PlanContext, tasks: Sequence[_Task], jobs: int,
     return out
 
 
+def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: float = 0.05, max_evals: int = 10,
+               jobs: int | None = None, progress: Callable[[], None] | None = None) -> list[Candidate]:
+    """Every deployment's capacity bracketed to `rel_tol` over the context's duration, unpruned, in the
+    order given (for side-by-side tables such as the Sarathi-Serve reproduction)."""
+    tasks = [_Task(i, d, 0.5 * estimate_rate(ctx, d), rel_tol, max_evals) for i, d in enumerate(deployments)]
+    results = _run_all(ctx, tasks, jobs or os.cpu_count() or 1, progress or (lambda: None))
+    return [Candidate(d, results[i], refined=True) for i, d in enumerate(deployments)]
+
+
 def _representatives(deployments: Sequence[Deployment]) -> dict[tuple[int, int], int]:
     """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi with the budget
     nearest 512 where there is one, else the shape's first deployment."""
@@ -199,7 +208,7 @@ def _rep_score(d: Deployment) -> tuple[int, float]:
 
 def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | None = None,
            coarse_tol: float = 0.25, fine_tol: float = 0.05, refine: int = 4, keep_shapes: float = 0.5,
-           coarse_duration_s: float | None = None, coarse_evals: int = 6, fine_evals: int = 7,
+           coarse_duration_s: float | None = None, coarse_evals: int = 6, fine_evals: int = 8,
            progress: Callable[[str, int], Callable[[], None]] | None = None) -> list[Candidate]:
     """The capacity of the deployments, pruned in three rounds:
 
@@ -236,9 +245,9 @@ def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | N
         todo = [i for i in ranked if not cands[i].refined and cands[i].capacity > 0]
         if not todo:
             break
-        # Start at the coarse capacity and step down by the fine tolerance twice over: few probes if the
-        # coarse figure was close, a few more if the backlog needed the longer run to show.
-        tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + 2 * fine_tol) for i in todo]
+        # Start at the coarse capacity and step by the coarse tolerance: one probe if the coarse figure
+        # holds, more where the longer run lets a backlog show (a small KV cache can halve it).
+        tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + coarse_tol) for i in todo]
         for i, res in _run_all(ctx, tasks, jobs, tick("refine", len(tasks))).items():
             cands[i] = Candidate(deployments[i], res, refined=True)
     return sorted(cands.values(), key=lambda c: -c.capacity_per_gpu)
