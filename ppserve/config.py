@@ -41,6 +41,7 @@ class ModelConfig:
     amx_kernels: bool = True  # the AMX GEMM and prefill attention where the CPU has AMX (PPSERVE_DISABLE_AMX=1)
     linear_path: str = "auto"  # bf16 oneDNN linears: auto (timed per shape) | packed | plain (PPSERVE_LINEAR_PATH)
     kernel_cache_dir: str | None = None  # built kernels; None = ~/.cache/ppserve/kernels (PPSERVE_KERNEL_CACHE)
+    moe_kernel: str = "auto"  # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,6 +55,8 @@ class ModelConfig:
             raise ValueError(f"model.cuda_graphs must be auto, off, capture or eager, got {self.cuda_graphs!r}")
         if self.linear_path not in ("auto", "packed", "plain"):
             raise ValueError(f"model.linear_path must be auto, packed or plain, got {self.linear_path!r}")
+        if self.moe_kernel not in ("auto", "grouped", "triton"):
+            raise ValueError(f"model.moe_kernel must be auto, grouped or triton, got {self.moe_kernel!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"model.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch!r}")
 

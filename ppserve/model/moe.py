@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ppserve.model.arch import MoeSpec
 from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
 from ppserve.model.ops import moe as moe_ops
+from ppserve.model.ops import settings
 from ppserve.model.parallel import TPContext
 from ppserve.model.stage_model import SelfCheckedShard, WeightMap
 
@@ -161,9 +162,10 @@ class SparseMoeBlock(nn.Module):
     """Router + experts + the one all-reduce: hidden [T, H] -> [T, H]."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, tp: TPContext, dtype: torch.dtype,
-                 device: torch.device | str, kernel: str = "auto") -> None:
+                 device: torch.device | str, kernel: str | None = None) -> None:
         super().__init__()
-        self.tp, self.kernel = tp, kernel
+        # None: the process's kernel settings (model.moe_kernel), which a stage worker sets before building.
+        self.tp, self.kernel = tp, kernel if kernel is not None else settings.current().moe_kernel
         self.gate = TopKRouter(hidden_size, spec, dtype, device)
         self.experts = nn.Module()
         self.experts.gate_up = ExpertWeights("gate_up", spec, hidden_size, tp, dtype, device)

@@ -187,3 +187,26 @@ def test_moe_models_capture_only_on_the_triton_kernel(tmp_path):
     assert stage.capturable == (triton_available())
     with pytest.raises(ValueError, match="cuda_graphs=eager: this model's MoE layers run the grouped expert path"):
         LLM(str(model_dir), dtype="float32", executor="inproc", overrides=["model.cuda_graphs=eager"])
+
+
+@needs_triton
+@needs_interpreter
+def test_a_model_on_the_triton_moe_kernel_equals_transformers(tmp_path):
+    """model.moe_kernel=triton: every sparse layer of a pipeline (pp=2, chunked prefill, decodes) through the
+    fused kernel, under the interpreter; greedy float32 tokens equal transformers."""
+    from ppserve import LLM, SamplingParams
+    from ppserve.model.moe import SparseMoeBlock
+    from tests.model_helpers import make_tiny_qwen3_dir
+    from tests.oracle import reference_greedy
+
+    model_dir = make_tiny_qwen3_dir(tmp_path / "m", num_layers=2, dense_layers=(), experts=4, seed=2)
+    prompts = [[5, 9, 13, 200, 7, 11, 40]]
+    expected = reference_greedy(model_dir, prompts, 3)
+    with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=4,
+             block_size=4, overrides=["model.moe_kernel=triton"]) as llm:
+        blocks = [m for w in llm.engine.executor.workers for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
+        assert len(blocks) == 2 and all(b.kernel == "triton" for b in blocks)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))]
+    assert got == expected
+    with pytest.raises(ValueError, match="model.moe_kernel must be auto, grouped or triton"):
+        LLM(str(model_dir), executor="inproc", overrides=["model.moe_kernel=cutlass"])

@@ -26,8 +26,7 @@ from torch import Tensor
 
 from ppserve.model import triton_moe
 from ppserve.model.ops import silu_mul
-
-MOE_KERNELS = ("auto", "grouped", "triton")
+from ppserve.model.ops.settings import MOE_KERNELS
 
 
 def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 A stage worker calls `configure` once with its stage spec's settings before it builds its model; the
 kernel loaders and the GEMM path choice read `current()`. The environment variables stay as overrides
 for experiments (they win over the config): PPSERVE_DISABLE_NATIVE_KERNELS=1, PPSERVE_DISABLE_AMX=1,
-PPSERVE_LINEAR_PATH=auto|packed|plain, PPSERVE_KERNEL_CACHE=DIR.
+PPSERVE_LINEAR_PATH=auto|packed|plain, PPSERVE_KERNEL_CACHE=DIR, PPSERVE_MOE_KERNEL=auto|grouped|triton.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 LINEAR_PATHS = ("auto", "packed", "plain")
+MOE_KERNELS = ("auto", "grouped", "triton")
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,13 @@ class KernelSettings:
     amx: bool = True  # model.amx_kernels: the AMX GEMM and prefill attention where the CPU has AMX
     linear_path: str = "auto"  # model.linear_path: bf16 oneDNN GEMMs timed per shape, or forced packed | plain
     cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (~/.cache/ppserve/kernels)
+    moe_kernel: str = "auto"  # model.moe_kernel: the MoE experts' path (ops/moe.py): auto | grouped | triton
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
+        if self.moe_kernel not in MOE_KERNELS:
+            raise ValueError(f"MoE kernel must be one of {MOE_KERNELS}, got {self.moe_kernel!r}")
 
     @property
     def kernel_cache(self) -> Path:
@@ -59,4 +63,6 @@ def current() -> KernelSettings:
         s = replace(s, linear_path=env["PPSERVE_LINEAR_PATH"])
     if env.get("PPSERVE_KERNEL_CACHE"):
         s = replace(s, cache_dir=env["PPSERVE_KERNEL_CACHE"])
+    if env.get("PPSERVE_MOE_KERNEL"):
+        s = replace(s, moe_kernel=env["PPSERVE_MOE_KERNEL"])
     return s
