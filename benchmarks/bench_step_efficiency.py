@@ -10,6 +10,10 @@ vLLM runs when its virtual environment exists (benchmarks/install_vllm_cpu.sh) a
     python benchmarks/bench_step_efficiency.py --engines ppserve-pp1,vllm --rounds 3   # ratios over 3 rounds
     python benchmarks/bench_step_efficiency.py --num-requests 2 --min-len 16 --max-len 32 \\
         --output-len 4 --engines ppserve-pp1,hf                     # a smoke run
+    python benchmarks/bench_step_efficiency.py --shared-prefix 8,1024,64 --num-requests 64 --prefix-caching \\
+        --engines ppserve-pp1,ppserve-pp2,vllm                      # shared prompts, both engines caching
+
+Prefix caching is off in every engine unless --prefix-caching turns it on in ppserve and vLLM alike.
 
 Writes results/step_efficiency.json (or --out) and prints a markdown table. Not a test.
 """
@@ -86,13 +90,15 @@ def matmul_rate(shape: ModelShape, threads: int, tokens: int = 512, rounds: int 
 # Engine runners (each runs in its own process: `--run-engine NAME`)
 # ---------------------------------------------------------------------------------------------
 
-def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partition: str = "even") -> EngineResult:
+def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partition: str = "even",
+                prefix_caching: bool = False) -> EngineResult:
     from ppserve import LLM, SamplingParams
 
     prompts, output_len, model_dir = load_workload(workload)
     threads = 2 // pp if pp <= 2 else 1
     overrides = [f"parallel.num_threads={threads}", f"parallel.cpus_per_worker={threads}",
-                 f"parallel.partition_mode={partition}"]
+                 f"parallel.partition_mode={partition}",
+                 f"cache.enable_prefix_caching={'true' if prefix_caching else 'false'}"]
     with LLM(model_dir, dtype=dtype, token_budget=token_budget, pipeline_parallel_size=pp, trace=False,
              overrides=overrides) as llm:
         warm = [p[:32] for p in prompts[:2]]
@@ -106,12 +112,15 @@ def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partitio
         blocks = llm.engine.executor.num_kv_blocks
         block_size = llm.engine.executor.block_size  # cache.block_size, or the attention kernel's page
         llm_ranges = llm.engine.executor.ranges
+        llm_stats = llm.engine.stats()
     ttft, tbt, p99 = latency_figures(start, [o.token_times for o in outs])
     return EngineResult(
         engine=f"ppserve-pp{pp}", wall_s=wall, num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=sum(len(o.token_ids) for o in outs), mean_ttft_s=ttft, mean_tbt_s=tbt, p99_tbt_s=p99,
         peak_rss_mib=rss,
         extra={"dtype": dtype, "threads_per_stage": threads, "token_budget": token_budget, "partition": partition,
+               "prefix_caching": prefix_caching,
+               "prefix_cache_hit_rate": llm_stats.prefix_cache_hit_rate,
                "layers": [list(r) for r in llm_ranges],
                "kv_blocks": blocks, "kv_tokens": blocks * block_size,
                "first_tokens": [o.token_ids[:8] for o in outs]},
@@ -190,10 +199,14 @@ def spawn(name: str, args: argparse.Namespace, workload: Path) -> EngineResult |
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=args.cores)
         cmd = [str(python), str(Path(__file__).with_name("vllm_cpu_runner.py")), "--workload", str(workload),
                "--dtype", "bfloat16", "--max-num-batched-tokens", str(args.token_budget)]
+        if args.prefix_caching:
+            cmd.append("--enable-prefix-caching")
     else:
         cmd = [sys.executable, __file__, "--run-engine", name, "--workload", str(workload), "--dtype", args.dtype,
                "--token-budget", str(args.token_budget), "--hf-batch", str(args.hf_batch),
                "--partition-mode", args.partition_mode]
+        if args.prefix_caching:
+            cmd.append("--prefix-caching")
     print(f"[{name}] running ...", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.engine_timeout,
@@ -260,6 +273,10 @@ def main() -> None:
                     "splitwise_conv.csv) instead of --min-len/--max-len")
     ap.add_argument("--prefill-scale", type=float, default=0.25, help="with --trace: prompt lengths scaled by this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shared-prefix", metavar="GROUPS,PREFIX,QUESTION",
+                    help="prompts share system prompts: GROUPS prefixes of PREFIX tokens, each followed by "
+                         "num_requests / GROUPS distinct QUESTION-token questions (instead of --min/--max-len)")
+    ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in ppserve and vLLM alike")
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
     ap.add_argument("--dtype", default="bfloat16", help="ppserve and transformers dtype (vLLM always bf16)")
     ap.add_argument("--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens")
@@ -279,7 +296,7 @@ def main() -> None:
         wl = Path(args.workload)
         if args.run_engine.startswith("ppserve-pp"):
             res = run_ppserve(wl, int(args.run_engine[len("ppserve-pp"):]), args.dtype, args.token_budget,
-                              args.partition_mode)
+                              args.partition_mode, args.prefix_caching)
         elif args.run_engine == "hf":
             res = run_hf(wl, args.dtype, args.hf_batch)
         else:
@@ -299,14 +316,24 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     shape = ModelShape.from_hf_config(read_hf_config(model_dir))
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if args.trace:
+    if args.shared_prefix:
+        from ppserve.bench.prompts import PromptBuilder
+        from ppserve.sim.workload import shared_prefix
+
+        groups, prefix, question = (int(x) for x in args.shared_prefix.split(","))
+        reqs = shared_prefix(groups, max(1, args.num_requests // groups), prefix, question, args.output_len)
+        lengths = [r.prompt_len for r in reqs]
+    elif args.trace:
         lengths = trace_prompt_lengths(args.trace, args.num_requests, args.prefill_scale)
     else:
         if not 1 <= args.min_len <= args.max_len:
             raise SystemExit(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
         rng = random.Random(args.seed)
         lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_requests)]
-    prompts = text_windows(tok, lengths, args.seed)
+    if args.shared_prefix:
+        prompts = PromptBuilder(tok, shape.vocab, args.seed).build_for(reqs)
+    else:
+        prompts = text_windows(tok, lengths, args.seed)
     out_path = Path(args.out)
     workload = out_path.with_name(out_path.stem + "_workload.json")
     save_workload(workload, prompts, args.output_len, str(model_dir))

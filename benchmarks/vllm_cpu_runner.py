@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -29,7 +30,7 @@ def main() -> None:
     prompts, output_len, model_dir = load_workload(Path(args.workload))
     llm = LLM(model=model_dir, dtype=args.dtype, enable_chunked_prefill=True,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              max_model_len=2048, enable_prefix_caching=False, seed=0)
+              max_model_len=2048, enable_prefix_caching=args.enable_prefix_caching, seed=0)
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     # Warm-up outside the timed region (first-call costs: oneDNN primitive creation).
     llm.generate([{"prompt_token_ids": prompts[0][:64]}], SamplingParams(max_tokens=4, temperature=0.0),

@@ -33,7 +33,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, with_config=False)
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="trace:splitwise_conv.csv",
-                   help="trace:<name in ../shared/traces or path> | uniform | zipf | fixed")
+                   help="trace:<name in ../shared/traces or path> | uniform | zipf | fixed | shared-prefix | multi-turn")
     w.add_argument("--num-requests", type=int, default=48)
     w.add_argument("--start", type=int, default=0, help="first trace row")
     w.add_argument("--prefill-scale", type=float, default=0.15)
@@ -46,6 +46,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-range", default="8,64", help="uniform/zipf output lengths MIN,MAX")
     w.add_argument("--total-tokens", type=int, default=256, help="fixed: tokens per request")
     w.add_argument("--pd-ratio", type=float, default=4.0, help="fixed: prompt:decode ratio")
+    w.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: how many system prompts")
+    w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix / multi-turn: system prompt tokens")
+    w.add_argument("--question-len", type=int, default=64, help="shared-prefix / multi-turn: tokens per question")
+    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     o = p.add_argument_group("output")
     o.add_argument("--mode", default="offline", choices=["offline", "grpc"],
                    help="offline: drive the engine in-process; grpc: through a `ppserve serve` subprocess")
@@ -120,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
                             prefill_scale=args.prefill_scale, decode_scale=args.decode_scale, arrival=args.arrival,
                             rate=args.rate, time_scale=args.time_scale, seed=args.seed, prompt_min=pmin,
                             prompt_max=pmax, output_min=omin, output_max=omax, total_tokens=args.total_tokens,
-                            pd_ratio=args.pd_ratio, max_model_len=args.max_model_len)
+                            pd_ratio=args.pd_ratio, max_model_len=args.max_model_len,
+                            prefix_groups=args.prefix_groups, prefix_len=args.prefix_len,
+                            question_len=args.question_len, turns=args.turns)
     tag = f"{workload.label()}-pp{engine.pp}-b{engine.token_budget}"
     outdir = Path(args.out) if args.out else report.results_dir(args.results, args.suite, tag)
     outdir.mkdir(parents=True, exist_ok=True)

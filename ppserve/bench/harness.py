@@ -224,6 +224,7 @@ def replay(
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     reset_observations(engine)
+    before = engine.stats()  # the prefix cache's counters at the start: the run's own are the difference
     order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
     clock = engine.clock
     states: dict[str, Any] = {}
@@ -273,12 +274,16 @@ def replay(
         rid: RequestTiming(arrivals[rid], states[rid].first_scheduled_time, token_times[rid])
         for rid in states if rid in finished
     }
+    after = engine.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
     return RunResult(
         name=name, timings=timings, spans=spans, work_intervals=work,
         num_stages=engine.config.parallel.pipeline_parallel_size,
         num_prompt_tokens=sum(r.prompt_len for r in requests),
-        num_preemptions=engine.stats().num_preemptions, aborted=aborted,
-        meta={"num_submitted": nxt, "num_finished": len(finished)},
+        num_preemptions=after.num_preemptions, aborted=aborted,
+        meta={"num_submitted": nxt, "num_finished": len(finished), "prefix_cache_hits": hits,
+              "prefix_cache_queries": queries, "prefix_cache_hit_rate": hits / queries if queries else 0.0},
     )
 
 

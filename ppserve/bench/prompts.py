@@ -117,5 +117,25 @@ class PromptBuilder:
             out.append(ids[start:start + n])
         return out
 
+    def build_for(self, requests: Sequence[Any]) -> list[list[int]]:
+        """One prompt per WorkloadRequest: requests with the same prefix_id start with the same
+        prefix_len tokens (a longer prefix of one id extends a shorter one: a conversation's history),
+        the rest of each prompt its own text."""
+        longest: dict[int, int] = {}
+        for r in requests:
+            if r.prefix_id is not None:
+                longest[r.prefix_id] = max(longest.get(r.prefix_id, 0), r.prefix_len, 1)
+        ids = sorted(longest)
+        # The prefixes from a seed of their own (the tails keep the builder's, so a workload without
+        # prefixes gets the prompts build() gives).
+        seed, self.seed = self.seed, self.seed + 1_000_003
+        try:
+            prefixes = dict(zip(ids, self.build([longest[i] for i in ids]), strict=True))
+        finally:
+            self.seed = seed
+        tails = self.build([max(1, r.prompt_len - r.prefix_len) for r in requests])
+        return [(prefixes[r.prefix_id][: r.prefix_len] if r.prefix_id is not None else [])
+                + (tail if r.prompt_len > r.prefix_len else []) for r, tail in zip(requests, tails, strict=True)]
+
     def decode(self, prompt: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode(list(prompt)))

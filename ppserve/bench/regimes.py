@@ -2,7 +2,7 @@
 
 One table answers "are the microbatches uniform in every regime?": the simulator (ppserve/sim, the
 engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs four
-formations on nine regimes, deterministic (every workload seeded, no wall clock in any figure).
+formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
 Formations (SchedulerConfig, otherwise each regime's settings):
 - `sarathi`: the default, balanced formation (balance=True; ARCHITECTURE.md §3);
@@ -30,7 +30,14 @@ Regimes (request counts full / `--reduced`):
    trace's lengths (rows 0..).
 9. `decode-heavy`: prompts uniform over 64-256 tokens, 1,000 output tokens each (seed 0), 160
    requests (40 reduced), Poisson 2 req/s (seed 0).
-Regimes 5-9 use regime 2-4's model, hardware and settings unless stated.
+10. `shared-prefix`: 8 system prompts of 1,024 tokens, each followed by 64-token questions (128
+   requests, 32 reduced), 64 output tokens, Poisson 4 req/s (seed 0): the prefix cache (on, as in
+   the engine) computes each system prompt once.
+11. `multi-turn`: 32 conversations (8 reduced) of 4 turns, each turn re-sending the 512-token system
+   prompt, the earlier 64-token questions and 128-token answers and a new question; turn t of every
+   conversation arrives at 20 t s (after turn t - 1 has finished), so it hits the previous turn's
+   prompt and answer.
+Regimes 5-11 use regime 2-4's model, hardware and settings unless stated.
 
 Per cell: mean bubble fraction and each stage's (active window: only while the engine holds work),
 throughput (req/s, output tok/s, first arrival to last token), TTFT p50/p99, TBT p99, per-request
@@ -62,7 +69,9 @@ from ppserve.sim.workload import (
     evenly_spaced,
     fixed_ratio,
     log_uniform_prompts,
+    multi_turn,
     read_trace,
+    shared_prefix,
     uniform_lengths,
     with_poisson_arrivals,
 )
@@ -139,6 +148,8 @@ _COUNTS: dict[str, tuple[int, int]] = {
     "one-long-prompt": (1, 1),
     "bursty": (160, 64),
     "decode-heavy": (160, 40),
+    "shared-prefix": (128, 32),
+    "multi-turn": (32, 8),
 }
 LONG_PROMPT = (2048, 16384)
 LONG_OUTPUT = (100, 400)
@@ -155,7 +166,7 @@ def _poisson_conv(n: int, rate: float) -> list[WorkloadRequest]:
 
 
 def regimes(reduced: bool = False) -> list[Regime]:
-    """The nine regimes (see the module doc); `reduced`: fewer requests per regime, same regimes."""
+    """The eleven regimes (see the module doc); `reduced`: fewer requests per regime, same regimes."""
     k = 1 if reduced else 0
 
     def n(key: str) -> int:
@@ -187,6 +198,12 @@ def regimes(reduced: bool = False) -> list[Regime]:
         Regime("decode-heavy", f"{n('decode-heavy')} requests, prompts 64-256, 1000 output tokens, Poisson 2 req/s",
                lambda: with_poisson_arrivals(uniform_lengths(n("decode-heavy"), (64, 256), (1000, 1000), seed=0),
                                              2.0, seed=0)),
+        Regime("shared-prefix", f"{n('shared-prefix')} requests: 8 system prompts of 1024 tokens + 64-token "
+               "questions, 64 out, Poisson 4 req/s (prefix caching)",
+               lambda: with_poisson_arrivals(shared_prefix(8, n("shared-prefix") // 8, 1024, 64, 64), 4.0, seed=0)),
+        Regime("multi-turn", f"{n('multi-turn')} conversations x 4 turns re-sending their history (512-token "
+               "system prompt, 64-token questions, 128-token answers), a turn every 20 s (prefix caching)",
+               lambda: multi_turn(n("multi-turn"), 4, 512, 64, 128, gap_s=20.0)),
     ]
     return out
 

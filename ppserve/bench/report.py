@@ -71,7 +71,8 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     head = (
         "| run | reqs | TTFT p50 (s) | TTFT p99 (s) | TBT p50 (ms) | TBT p99 (ms) | TPOT mean (ms) "
         "| sched delay p50 (s) | out tok/s | req/s "
-        f"| bubble frac mean ({window}) | bubble frac per stage | per-req bubble p50 (ms) | microbatches | preempt |"
+        f"| bubble frac mean ({window}) | bubble frac per stage | per-req bubble p50 (ms) | microbatches | preempt "
+        "| prefix hit |"
     )
     ncols = head.count("|") - 1
     lines = [head, "|" + "---|" * ncols]
@@ -85,7 +86,7 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"| {_f(lat['scheduling_delay_s']['p50'], 1, 2)} | {_f(thr['output_tokens_per_s'], 1, 2)} "
             f"| {_f(thr['requests_per_s'], 1, 3)} | {_pct(bub.get('mean_bubble_fraction'))} | {stages} "
             f"| {_f(bub.get('per_request_bubble_s', {}).get('p50'), 1e3)} | {bub.get('num_microbatches', '-')} "
-            f"| {s.get('num_preemptions', '-')} |"
+            f"| {s.get('num_preemptions', '-')} | {_pct(s.get('prefix_cache_hit_rate'))} |"
         )
     return "\n".join(lines)
 

@@ -87,7 +87,7 @@ def _inputs(ctx: BenchContext, workload: WorkloadSpec | None = None,
     w = workload or ctx.workload
     reqs = build_workload(w)
     builder = builder or load_prompt_builder(ctx.engine, w.seed)
-    return reqs, builder.build([r.prompt_len for r in reqs]), builder
+    return reqs, builder.build_for(reqs), builder
 
 
 def _samples(run: RunResult) -> dict[str, list[float]]:

@@ -4,7 +4,11 @@ Glue over `ppserve.sim.workload` (the readers live there and are shared with the
 - source `trace:<name or path>`: rows of a request-length trace (../shared/traces), lengths scaled by
   `prefill_scale` / `decode_scale`;
 - `uniform` / `zipf`: synthetic lengths in [prompt_min, prompt_max] x [output_min, output_max];
-- `fixed`: identical requests of `total_tokens` tokens at prompt:decode = `pd_ratio`.
+- `fixed`: identical requests of `total_tokens` tokens at prompt:decode = `pd_ratio`;
+- `shared-prefix`: `prefix_groups` system prompts of `prefix_len` tokens, each followed by
+  num_requests / prefix_groups distinct `question_len`-token questions (output_max tokens out);
+- `multi-turn`: num_requests / `turns` conversations of `turns` turns, each re-sending its history
+  (a `prefix_len`-token system prompt, the earlier questions and answers) and a new question.
 Arrivals: `poisson` at `rate` req/s (seeded), `trace` (the trace's own, sped up by `time_scale`), or
 `at-once`. Lengths are clipped to the served context.
 """
@@ -21,7 +25,9 @@ from ppserve.sim.workload import (
     clip_to_context,
     default_trace_path,
     fixed_ratio,
+    multi_turn,
     read_trace,
+    shared_prefix,
     uniform_lengths,
     with_poisson_arrivals,
     zipf_lengths,
@@ -30,11 +36,12 @@ from ppserve.sim.workload import (
 __all__ = ["WorkloadSpec", "build_workload", "workload_stats"]
 
 ARRIVALS = ("poisson", "trace", "at-once")
+SYNTHETIC = ("uniform", "zipf", "fixed", "shared-prefix", "multi-turn")
 
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    source: str = "trace:splitwise_conv.csv"  # trace:<name|path> | uniform | zipf | fixed
+    source: str = "trace:splitwise_conv.csv"  # trace:<name|path> | uniform | zipf | fixed | shared-prefix | multi-turn
     num_requests: int = 48
     start: int = 0  # first trace row (a held-out workload uses other rows)
     prefill_scale: float = 0.15
@@ -51,6 +58,10 @@ class WorkloadSpec:
     total_tokens: int = 256
     pd_ratio: float = 4.0
     max_model_len: int = 2048
+    prefix_groups: int = 8  # shared-prefix: how many system prompts
+    prefix_len: int = 1024  # shared-prefix / multi-turn: the system prompt's tokens
+    question_len: int = 64  # shared-prefix / multi-turn: each question's tokens
+    turns: int = 4  # multi-turn: turns per conversation
 
     def __post_init__(self) -> None:
         if self.arrival not in ARRIVALS:
@@ -59,8 +70,8 @@ class WorkloadSpec:
             raise ValueError(f"workload num_requests must be >= 1, got {self.num_requests!r}")
         if self.arrival == "poisson" and self.rate <= 0:
             raise ValueError(f"workload rate must be > 0 requests/s, got {self.rate!r}")
-        if not (self.source.startswith("trace:") or self.source in ("uniform", "zipf", "fixed")):
-            raise ValueError(f"workload source must be trace:<file>, uniform, zipf or fixed, got {self.source!r}")
+        if not (self.source.startswith("trace:") or self.source in SYNTHETIC):
+            raise ValueError(f"workload source must be trace:<file> or one of {SYNTHETIC}, got {self.source!r}")
 
     def with_rate(self, rate: float) -> WorkloadSpec:
         return replace(self, rate=rate)
@@ -97,6 +108,11 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
     elif spec.source == "zipf":
         reqs = zipf_lengths(n, (spec.prompt_min, spec.prompt_max), (spec.output_min, spec.output_max),
                             spec.zipf_theta, spec.seed)
+    elif spec.source == "shared-prefix":
+        reqs = shared_prefix(spec.prefix_groups, max(1, n // spec.prefix_groups), spec.prefix_len,
+                             spec.question_len, spec.output_max)
+    elif spec.source == "multi-turn":
+        reqs = multi_turn(max(1, n // spec.turns), spec.turns, spec.prefix_len, spec.question_len, spec.output_max)
     else:
         reqs = fixed_ratio(n, spec.total_tokens, spec.pd_ratio)
     if spec.arrival == "poisson":

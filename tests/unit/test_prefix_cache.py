@@ -268,3 +268,23 @@ def test_the_manager_keys_blocks_as_block_key_defines():
     bm.lookup(r)
     first = block_key(root_key(r), [5, 6])
     assert r.block_keys == [first, block_key(first, [7, 8])]
+
+
+def test_bench_workloads_carry_prefix_identities_into_their_prompts():
+    """`ppserve bench --workload shared-prefix|multi-turn`: the prompt builder shares exactly what the
+    prefix identity says, and a workload without one gets the prompts it always got."""
+    from ppserve.bench.prompts import PromptBuilder
+    from ppserve.bench.workloads import WorkloadSpec, build_workload
+
+    spec = WorkloadSpec(source="shared-prefix", num_requests=8, prefix_groups=2, prefix_len=20, question_len=5,
+                        output_max=3, arrival="at-once")
+    reqs = build_workload(spec)
+    prompts = PromptBuilder(None, 1000, seed=0).build_for(reqs)
+    assert [(r.prefix_id, r.prefix_len, r.prompt_len) for r in reqs[:2]] == [(0, 20, 25), (1, 20, 25)]
+    assert prompts[0][:20] == prompts[2][:20] != prompts[1][:20] and prompts[0][20:] != prompts[2][20:]
+    turns = build_workload(WorkloadSpec(source="multi-turn", num_requests=4, turns=2, prefix_len=10,
+                                        question_len=4, output_max=2, arrival="at-once"))
+    chats = PromptBuilder(None, 1000, seed=0).build_for(turns)
+    assert chats[2][:14] == chats[0] and chats[3][:14] == chats[1] != chats[0]
+    plain = build_workload(WorkloadSpec(source="uniform", num_requests=3))
+    assert PromptBuilder(None, 1000, 0).build_for(plain) == PromptBuilder(None, 1000, 0).build([r.prompt_len for r in plain])
