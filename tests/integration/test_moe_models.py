@@ -110,3 +110,23 @@ def test_a_checkpoint_missing_an_expert_is_refused(qwen3_moe_dir, tmp_path):
     (broken / "config.json").write_text((qwen3_moe_dir / "config.json").read_text())
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.gate_up: expert 5 up"):
         load_stage_model(broken, 2, 4)
+
+
+def test_qwen3_moe_through_grpc_and_http(qwen3_moe_dir, prompts, qwen3_moe_expected, tmp_path):
+    """The front doors serve an MoE model as any other: token-id prompts over gRPC equal transformers, and the
+    OpenAI-compatible HTTP API answers with the same number of tokens."""
+    import httpx
+
+    from tests.server_helpers import ready_client, running_server, set_args
+
+    with running_server(tmp_path, *set_args(f"model.model={qwen3_moe_dir}", "parallel.pipeline_parallel_size=1",
+                                            "parallel.executor=inproc", "cache.block_size=4")) as server, \
+            ready_client(server) as client:
+        got = [client.generate(p, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0).token_ids for p in prompts[:2]]
+        assert got == qwen3_moe_expected[:2]
+        assert server.http_url is not None
+        name = httpx.get(f"{server.http_url}/models", timeout=30).json()["data"][0]["id"]
+        reply = httpx.post(f"{server.http_url}/completions", timeout=60, json={
+            "model": name, "prompt": prompts[1], "max_tokens": 5, "temperature": 0.0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 5
