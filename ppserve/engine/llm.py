@@ -184,7 +184,7 @@ class LLM:
 
     def save_trace(self, path: str | Path) -> Path:
         path = Path(path)
-        save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals())
+        save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals(), counters=self.engine.cache_counters)
         return path
 
     def shutdown(self) -> None:

@@ -128,6 +128,10 @@ class LLMEngine:
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
         )
         self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
+        # The prefix cache over time, for the trace's counter track: (name, engine ns, values), one
+        # sample per step that changed its hit rate or cached blocks.
+        self.cache_counters: list[tuple[str, int, dict[str, float]]] = []
+        self._cache_seen = (-1, -1)
 
     @property
     def work(self) -> WorkTracker:
@@ -297,7 +301,16 @@ class LLMEngine:
         if stepped is None:
             return []
         now, updates = stepped
+        self._sample_cache_counters()
         return [d for u in updates if (d := self._process(u, now))]
+
+    def _sample_cache_counters(self) -> None:
+        b = self.scheduler.blocks
+        seen = (b.num_query_tokens, b.num_cached)
+        if seen != self._cache_seen:
+            self._cache_seen = seen
+            self.cache_counters.append(("prefix cache", time.perf_counter_ns(),
+                                        {"hit_rate": b.hit_rate, "cached_blocks": float(b.num_cached)}))
 
     def recover(self, cause: BaseException) -> None:
         """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
@@ -356,6 +369,7 @@ class LLMEngine:
         measured next starts clean."""
         self.executor.drain_spans()
         self.core.reset_observations()
+        self.cache_counters.clear()
 
     def collect_spans(self) -> list[Span]:
         spans = [Span.from_dict(d) for d in self.executor.drain_spans()]

@@ -161,7 +161,7 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
     ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule)")
 
     trace_path = out_dir / "trace.json"
-    save_chrome_trace(trace_path, spans, work_intervals=work)
+    save_chrome_trace(trace_path, spans, work_intervals=work, counters=engine.engine.cache_counters)
     print(f"\ntrace: {trace_path} (open in https://ui.perfetto.dev or chrome://tracing)")
     summary = {
         "wall_s": wall,

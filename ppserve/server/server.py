@@ -325,7 +325,8 @@ def _save_trace(engine: AsyncEngine, path: str) -> None:
 
     try:
         save_chrome_trace(
-            path, engine.all_spans(), work_intervals=engine.engine.work.intervals(time.perf_counter_ns())
+            path, engine.all_spans(), work_intervals=engine.engine.work.intervals(time.perf_counter_ns()),
+            counters=getattr(engine.engine, "cache_counters", ()),  # the prefix cache's hit rate and blocks
         )
         logger.info("trace written to %s", path)
     except Exception as e:  # a trace is a by-product; shutdown must go on

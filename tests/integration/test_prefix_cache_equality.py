@@ -5,6 +5,8 @@ in-flight chunk; and a chat's next turn hits the previous answer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ppserve import LLM, SamplingParams
@@ -71,15 +73,21 @@ def test_n_choices_share_the_prompt_in_one_microbatch(tiny_llama_dir, prompts, e
     assert blocks.num_hit_tokens == 2 * (len(prompts[4]) - 1) // BLOCK * BLOCK
 
 
-def test_next_chat_turn_hits_the_previous_answer(tiny_llama_dir, prompts):
+def test_next_chat_turn_hits_the_previous_answer(tiny_llama_dir, prompts, tmp_path):
     first = prompts[1]
     with LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK, executor="inproc", pipeline_parallel_size=2,
              token_budget=16) as llm:
         sp = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
         answer = llm.generate([first], sp)[0].token_ids
         turn2 = first + answer + random_prompts(4, (6,))[0]
-        got = llm.generate([turn2], sp)[0].token_ids
+        out = llm.generate([turn2], sp)[0]
+        got = out.token_ids
         cached = llm.engine.scheduler.blocks.num_hit_tokens
+        trace = json.loads(llm.save_trace(tmp_path / "trace.json").read_text())
+    assert out.num_cached_tokens == cached
+    # The trace's counter track: the hit rate and cached blocks as they changed, ending at the engine's.
+    samples = [e["args"] for e in trace["traceEvents"] if e.get("ph") == "C" and e["name"] == "prefix cache"]
+    assert samples and samples[-1]["hit_rate"] > 0 and samples[-1]["cached_blocks"] > 0
     # The answer's KV is computed for all but its last token (sampled, never fed back).
     assert cached >= (len(first) + len(answer) - 1) // BLOCK * BLOCK
     assert got == reference_greedy(tiny_llama_dir, [turn2], MAX_NEW)[0]

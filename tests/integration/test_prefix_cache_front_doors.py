@@ -54,7 +54,7 @@ def test_cache_salt_cached_tokens_and_counters(tiny_llama_dir):
                 r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True,
                                                              "stream_options": {"include_usage": True}})
                 usage = next(e for e in r.text.split("\n\n") if '"usage"' in e)
-                got["http_stream"] = '"cached_tokens":%d' % HIT in usage.replace(" ", "")
+                got["http_stream"] = f'"cached_tokens":{HIT}' in usage.replace(" ", "")
                 got["metrics"] = (await http.get("/metrics")).text
                 got["stats"] = await grpc_client.stats()
         finally:

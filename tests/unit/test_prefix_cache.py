@@ -32,7 +32,7 @@ def test_hit_and_query_counters_are_exact():
     assert b.num_cached_tokens == 20 and a.num_cached_tokens == 0
     new_b = next(n for n in out.new_requests if n.request_id == "b")
     assert new_b.num_computed_tokens == 20 and new_b.block_ids[:5] == a_blocks[:5]
-    assert dict(zip(out.order, out.num_scheduled_tokens))["b"] == 6  # only the uncached part is work
+    assert dict(zip(out.order, out.num_scheduled_tokens, strict=True))["b"] == 6  # only the uncached part is work
     assert s.blocks.hit_rate == pytest.approx(20 / 48)
 
 
@@ -71,7 +71,7 @@ def test_fully_cached_aligned_prompt_recomputes_its_last_block_into_a_fresh_one(
     b = _new(s, "b", 20, max_tokens=1, prefix=SYSTEM)
     out = step(s)
     assert b.num_cached_tokens == 16
-    assert dict(zip(out.order, out.num_scheduled_tokens))["b"] == 4  # the last block, for logits
+    assert dict(zip(out.order, out.num_scheduled_tokens, strict=True))["b"] == 4  # the last block, for logits
     fresh = out.new_requests[0].block_ids
     assert fresh[4] not in a_blocks and len(fresh) == 5  # the 5th block is b's own, not a's cached copy
     assert fresh[:4] == tuple(a_blocks[:4])
