@@ -33,7 +33,8 @@ def run(ctx: Context) -> dict[str, Any]:
     arrivals = poisson_arrivals(w["requests"], w["rate"], seed=0)
     reqs = [WorkloadRequest(t, rng.randint(*w["prompt"]), rng.randint(*w["output"])) for t in arrivals]
     prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(r.prompt_len)] for r in reqs]
-    with LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2,
+    # max_model_len bounds the KV pool (worker/memory.py usable_blocks) to what this workload can fill.
+    with LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=1024,
              cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         dtype = str(llm.engine.executor.workers[0].dtype).removeprefix("torch.")
         llm.generate(prompts[:2], None)  # warm-up: Triton compiles, allocator growth

@@ -82,25 +82,42 @@ class AttentionMetadata:
         width = max((len(bt) for bt in block_tables), default=0)
         padded = [list(bt) + [0] * (width - len(bt)) for bt in block_tables]
         tables = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width)
-        decodes = [i for i, q in enumerate(query_lens) if q == 1]
-        prefills = [i for i, q in enumerate(query_lens) if q > 1]
-        dec_ctx = [context_lens[i] for i in decodes]
-        dec_blocks = -(-max(dec_ctx, default=0) // block_size)
-        dec_index = torch.tensor(decodes, dtype=torch.int64, device=device)
+        decodes = decode_indices(query_lens)
+        return cls.from_device(
+            query_lens, context_lens, block_size, slot_mapping=slot_mapping, block_tables=tables,
+            decode_index=torch.tensor(decodes, dtype=torch.int64, device=device),
+            decode_token_idx=torch.tensor([cu[i] for i in decodes], dtype=torch.int64, device=device),
+            decode_context_lens=torch.tensor([context_lens[i] for i in decodes], dtype=torch.int64, device=device),
+            cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=device),
+            cu_context_lens_t=torch.tensor(cu_ctx, dtype=torch.int32, device=device),
+        )
+
+    @classmethod
+    def from_device(cls, query_lens: list[int], context_lens: list[int], block_size: int, *, slot_mapping: Tensor,
+                    block_tables: Tensor, decode_index: Tensor, decode_token_idx: Tensor, decode_context_lens: Tensor,
+                    cu_query_lens_t: Tensor, cu_context_lens_t: Tensor) -> AttentionMetadata:
+        """Metadata from tensors already on the device (the stage's input batch uploads them in one
+        copy: worker/staging.py) and the per-sequence lengths the backends loop over on the host.
+        `block_tables` [S, >= the batch's widest table]; `decode_index` the decodes' rows in it."""
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        decodes = decode_indices(query_lens)
+        dec_blocks = -(-max((context_lens[i] for i in decodes), default=0) // block_size)
         return cls(
             slot_mapping=slot_mapping,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=tables,
+            block_tables=block_tables,
             block_size=block_size,
             cu_query_lens=cu,
             decode_seqs=decodes,
-            prefill_seqs=prefills,
-            decode_token_idx=torch.tensor([cu[i] for i in decodes], dtype=torch.int64, device=device),
-            decode_context_lens=torch.tensor(dec_ctx, dtype=torch.int64, device=device),
-            decode_block_tables=tables.index_select(0, dec_index)[:, :dec_blocks],
-            cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=device),
-            cu_context_lens_t=torch.tensor(cu_ctx, dtype=torch.int32, device=device),
+            prefill_seqs=[i for i, q in enumerate(query_lens) if q > 1],
+            decode_token_idx=decode_token_idx,
+            decode_context_lens=decode_context_lens,
+            decode_block_tables=block_tables.index_select(0, decode_index)[:, :dec_blocks],
+            cu_query_lens_t=cu_query_lens_t,
+            cu_context_lens_t=cu_context_lens_t,
             max_query_len=max(query_lens, default=0),
             max_context_len=max(context_lens, default=0),
         )
@@ -147,6 +164,11 @@ class AttentionMetadata:
         pos = torch.arange(seq_of.numel(), device=device) - self.cu_context_lens_t[:-1].to(torch.int64)[seq_of]
         block = self.block_tables[seq_of, pos // self.block_size]
         return block * self.block_size + pos % self.block_size
+
+
+def decode_indices(query_lens: Sequence[int]) -> list[int]:
+    """The sequences that compute one token this step (decodes, or 1-token prefill chunks)."""
+    return [i for i, q in enumerate(query_lens) if q == 1]
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

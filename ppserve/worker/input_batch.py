@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ppserve.model.attention import AttentionMetadata
+from ppserve.model.attention import AttentionMetadata, decode_indices
 from ppserve.request import SamplingParams
 from ppserve.sched.output import SchedulerOutput
+from ppserve.worker.staging import StepStaging
 
 
 @dataclass
@@ -33,6 +34,45 @@ class ModelInput:
     logits_indices: Tensor  # [N] int64: flat token index of each request whose next token is due
     sample_request_ids: list[str] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
+    prepare_s: float = 0.0  # host seconds building this input (the stage's `prepare` span)
+
+
+class DeviceBlockTables:
+    """Every live request's block table as a row of one persistent device tensor, changed only by the
+    entries a step adds (`diff`), never rebuilt from Python lists. Rows and columns grow on demand."""
+
+    def __init__(self, device: torch.device | str, rows: int = 64, width: int = 16) -> None:
+        self.table = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self.row_of: dict[str, int] = {}
+        self._free = list(range(rows - 1, -1, -1))
+
+    def assign(self, rid: str) -> int:
+        if rid in self.row_of:
+            return self.row_of[rid]
+        if not self._free:
+            rows = self.table.shape[0]
+            self.table = torch.cat([self.table, torch.zeros_like(self.table)])
+            self._free = list(range(2 * rows - 1, rows - 1, -1))
+        self.row_of[rid] = row = self._free.pop()
+        return row
+
+    def release(self, rid: str) -> None:
+        row = self.row_of.pop(rid, None)
+        if row is not None:
+            self.table[row].zero_()  # padding reads as block 0, as in a table built from lists (no sync)
+            self._free.append(row)
+
+    def fit_width(self, width: int) -> None:
+        if width > self.table.shape[1]:
+            grown = torch.zeros(self.table.shape[0], max(width, 2 * self.table.shape[1]), dtype=torch.int64,
+                                device=self.table.device)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+
+    def apply(self, flat_index: Tensor, values: Tensor) -> None:
+        """Write `values` at `flat_index` (row * width + column), on the device."""
+        if flat_index.numel():
+            self.table.view(-1).index_copy_(0, flat_index, values)
 
 
 class InputBatch:
@@ -40,11 +80,16 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.tables = DeviceBlockTables(device)
+        self.staging = StepStaging(torch.device(device))
+        # Block-table entries not yet on the device: (request id, first new column), per apply().
+        self._table_diff: list[tuple[str, int]] = []
 
     def apply(self, out: SchedulerOutput) -> None:
         """Bring the per-request records up to date with one SchedulerOutput (releases first)."""
         for rid in out.released_request_ids:
             self.requests.pop(rid, None)
+            self.tables.release(rid)
         for new in out.new_requests:
             self.requests[new.request_id] = CachedRequestState(
                 token_ids=list(new.token_ids),
@@ -53,39 +98,85 @@ class InputBatch:
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
             )
+            self.tables.assign(new.request_id)
+            self._table_diff.append((new.request_id, 0))  # a new (or recomputed) request: its whole table
         for diff in out.cached_requests:
             st = self.requests[diff.request_id]
             st.token_ids.extend(diff.new_token_ids)
+            if diff.new_block_ids:
+                self._table_diff.append((diff.request_id, len(st.block_ids)))
             st.block_ids.extend(diff.new_block_ids)
             st.num_computed_tokens = diff.num_computed_tokens
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """Flatten the microbatch: token ids, positions, attention metadata, where logits are due."""
+        """Flatten the microbatch: token ids, positions, attention metadata, where logits are due; every
+        integer the device needs goes over in one copy (staging.py), the block tables by their diff."""
+        bs = self.block_size
         ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows: list[int] = []
         due = set(out.sample_request_ids)
         logits_idx: list[int] = []
         sample_ids: list[str] = []
+        width = 0
         for rid, n, start in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens, strict=True):
             st = self.requests[rid]
-            ids.extend(st.token_ids[start : start + n])
+            end = start + n
+            table = st.block_ids
+            if len(table) * bs < end:
+                raise ValueError(f"request {rid}: {len(table)} blocks of {bs} cannot hold {end} tokens")
+            if n == 1:  # a decode, most rows of a busy microbatch: no generators, no slices
+                ids.append(st.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(st.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
-            context_lens.append(start + n)
-            tables.append(st.block_ids)
-            st.num_computed_tokens = start + n
+            context_lens.append(end)
+            rows.append(self.tables.row_of[rid])
+            width = max(width, len(table))
+            st.num_computed_tokens = end
             if rid in due:
                 logits_idx.append(len(ids) - 1)
                 sample_ids.append(rid)
-        positions = [p for q, c in zip(query_lens, context_lens, strict=True) for p in range(c - q, c)]
-        meta = AttentionMetadata.build(query_lens, context_lens, tables, self.block_size, self.device)
-        dev = self.device
+        self.tables.fit_width(width)
+        diff_index, diff_values = self._drain_table_diff()
+        decodes = decode_indices(query_lens)
+        cu, cu_ctx = [0], [0]
+        for q, c in zip(query_lens, context_lens, strict=True):
+            cu.append(cu[-1] + q)
+            cu_ctx.append(cu_ctx[-1] + c)
+        (ids_t, pos_t, slots_t, logits_t, rows_t, dec_t, dec_tok_t, dec_ctx_t, cu_t, cu_ctx_t, diff_i,
+         diff_v) = self.staging.upload([ids, positions, slots, logits_idx, rows, decodes, [cu[i] for i in decodes],
+                                        [context_lens[i] for i in decodes], cu, cu_ctx, diff_index, diff_values])
+        self.tables.apply(diff_i, diff_v)
+        meta = AttentionMetadata.from_device(
+            query_lens, context_lens, bs, slot_mapping=slots_t,
+            block_tables=self.tables.table.index_select(0, rows_t)[:, :width], decode_index=dec_t,
+            decode_token_idx=dec_tok_t, decode_context_lens=dec_ctx_t, cu_query_lens_t=cu_t.to(torch.int32),
+            cu_context_lens_t=cu_ctx_t.to(torch.int32),
+        )
         return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
-            sample_request_ids=sample_ids,
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t, sample_request_ids=sample_ids,
             sample_states=[self.requests[r] for r in sample_ids],
         )
+
+    def _drain_table_diff(self) -> tuple[list[int], list[int]]:
+        """The flat (row * width + column) positions and block ids of every table entry added since the
+        last step, for requests still live."""
+        live = [(self.tables.row_of[rid], first, self.requests[rid].block_ids) for rid, first in self._table_diff
+                if rid in self.requests and rid in self.tables.row_of]
+        self._table_diff.clear()
+        self.tables.fit_width(max((len(blocks) for _, _, blocks in live), default=0))  # before any index
+        width = self.tables.table.shape[1]
+        index: list[int] = []
+        values: list[int] = []
+        for row, first, blocks in live:
+            index.extend(range(row * width + first, row * width + len(blocks)))
+            values.extend(blocks[first:])
+        return index, values

@@ -181,49 +181,57 @@ class StageWorker:
         start = time.perf_counter_ns()
         try:
             self.batch.apply(out)
-            return self.batch.prepare(out)
+            inp = self.batch.prepare(out)
         finally:
-            self.recorder.record("prepare", start, time.perf_counter_ns(), out.step_id)
+            end = time.perf_counter_ns()
+            self.recorder.record("prepare", start, end, out.step_id)
+        inp.prepare_s = (end - start) * 1e-9
+        return inp
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, hidden_in: Tensor | None = None,
                 inp: ModelInput | None = None) -> StageOutput:
         """Run this stage's layers for one microbatch (`inp` from `prepare`, or prepared now). The last
         stage samples (a StepResult of tokens); other stages hand back the hidden states [T, H] for the
-        next stage. Either way with the stage's compute seconds, which the scheduler's cost model learns
-        from."""
+        next stage. Either way with the stage's seconds for the microbatch, which the scheduler's cost
+        model learns from: its prepare span (host work the bubble math counts as busy, ARCHITECTURE.md
+        §5) plus its layers' compute (CUDA events on a GPU: launches return before the work is done).
+        Sampling is outside that figure: it is host work after the layers, not the stage's compute."""
         if inp is None:
             inp = self.prepare(out)
         events = None
-        if self.device.type == "cuda":  # the GPU's own clock: launches return before the work is done
+        if self.device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         start = time.perf_counter_ns()
+        forward_end = start
         try:
-            hidden, result = self._compute(out, inp, hidden_in)
+            hidden = self._forward(inp, hidden_in)
             if events is not None:
                 events[1].record()
-                events[1].synchronize()
+            forward_end = time.perf_counter_ns()
+            result = self._sample(out, inp, hidden) if self.model.is_last else None
+            if events is not None:
+                events[1].synchronize()  # free on the last stage: sampling brought the tokens to the host
         finally:
             # Recorded even if the step raised: a failed step still occupied the stage.
             end = time.perf_counter_ns()
             self.recorder.record("compute", start, end, out.step_id, num_prefill_tokens=out.num_prefill_tokens,
                                  num_decode_tokens=out.num_decode_tokens, request_ids=out.order)
-        seconds = events[0].elapsed_time(events[1]) * 1e-3 if events is not None else (end - start) * 1e-9
-        return StageOutput(hidden, result, seconds)
+        compute_s = events[0].elapsed_time(events[1]) * 1e-3 if events is not None else (forward_end - start) * 1e-9
+        return StageOutput(None if self.model.is_last else hidden, result, inp.prepare_s + compute_s)
 
-    def _compute(self, out: SchedulerOutput, inp: ModelInput,
-                 hidden_in: Tensor | None) -> tuple[Tensor | None, StepResult | None]:
+    def _forward(self, inp: ModelInput, hidden_in: Tensor | None) -> Tensor:
         if self.graphs is not None and self.graphs.applies(inp.meta):
-            hidden = self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
-        else:
-            hidden = self.model(
-                inp.input_ids if self.model.is_first else None,
-                None if self.model.is_first else hidden_in,
-                inp.positions, self.kv_caches, inp.meta,
-            )
-        if not self.model.is_last:
-            return hidden, None
+            return self.graphs.run(inp.input_ids, hidden_in, inp.positions, inp.meta)
+        hidden: Tensor = self.model(
+            inp.input_ids if self.model.is_first else None,
+            None if self.model.is_first else hidden_in,
+            inp.positions, self.kv_caches, inp.meta,
+        )
+        return hidden
+
+    def _sample(self, out: SchedulerOutput, inp: ModelInput, hidden: Tensor) -> StepResult:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         logits = (self.model.logits_for_sampling(hidden.index_select(0, inp.logits_indices))
@@ -236,7 +244,7 @@ class StageWorker:
                                  stop_ids=self.arch.eos_token_ids)
             sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
             logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True) if lp is not None}
-        return None, StepResult(out.step_id, sampled, logprobs=logprobs)
+        return StepResult(out.step_id, sampled, logprobs=logprobs)
 
     def slowest_rank(self, stage_seconds: tuple[float, ...]) -> tuple[float, ...]:
         """These times as the slowest TP rank's (the stage waits for all of them): a max all-reduce over
