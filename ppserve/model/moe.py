@@ -74,8 +74,7 @@ class TopKRouter(nn.Module):
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
-
-        self.loaded = False
+        self.loaded = False  # what the checkpoint delivered (it may store the router under two names)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         logits = F.linear(x, self.weight)  # [T, E]
