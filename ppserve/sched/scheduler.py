@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import FinishReason, Request, RequestStatus
-from ppserve.sched.balance import MIN_SHARE_OF_BUDGET, decode_quota, fair_share
+from ppserve.sched.balance import MIN_REST_OF_BUDGET, MIN_SHARE_OF_BUDGET, decode_quota, fair_share
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
@@ -283,6 +283,7 @@ class Scheduler:
         # Never below the decodes this microbatch takes (the share must not move a decode its quota
         # admits) plus a chunk of a quarter of the budget, the token share's floor (MIN_SHARE_OF_BUDGET):
         # beside the decodes a stage's time is mostly its floor, and a smaller chunk only delays a prompt.
+        # Nor may it leave a prompt a tiny rest (MIN_REST_OF_BUDGET): that would cost a microbatch of its own.
         quota = b.decode_quota if b.decode_quota is not None else len(b.decodes)
         decodes = sorted(b.decodes, key=lambda r: r.ready_seq)[:quota]
         min_chunk = (budget.token_budget or 0) * MIN_SHARE_OF_BUDGET
@@ -296,7 +297,8 @@ class Scheduler:
         if isinstance(budget, TimeBudget):  # budget_mode: time caps it already
             budget.limit(budget.token_budget or 0, share_s)
             return budget
-        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=math.ceil(min_chunk))
+        min_rest = math.ceil((budget.token_budget or 0) * MIN_REST_OF_BUDGET)
+        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest)
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way (in flight or not), then the waiting requests that could take the free
