@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,10 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--nodes", type=int, default=1)
     m.add_argument("--inter-node-gbps", type=float, help="override the NIC's GB/s per GPU between nodes")
     m.add_argument("--nvlink-gbps", type=float, help="override the intra-node GB/s per GPU")
+    m.add_argument("--profile", help="price steps with this fitted profile (ppserve simulate --fit-from), re-split "
+                                     "over each deployment's pp x tp, instead of the hardware's roofline")
+    m.add_argument("--profile-layers", type=_ints, help="layers per stage where --profile was measured, e.g. 15,15")
+    m.add_argument("--profile-tp", type=int, default=1, help="tp where --profile was measured")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="splitwise_conv",
                    help="sharegpt4-like | arxiv-summarization-like | a trace CSV or a name in ../shared/traces")
@@ -103,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{model.name} on {cluster_desc}: {len(feasible)} deployments to search, {len(rejected)} shapes rejected")
     ctx = PlanContext(model, clu, tuple(reqs), slo, args.duration_s, seed=args.seed,
                       overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
+    if args.profile:
+        ctx = replace(ctx, cost_model=_profile_factory(args, model.num_layers))
     cands = search(ctx, feasible, jobs=args.jobs, coarse_tol=args.coarse_tol, fine_tol=args.fine_tol,
                    refine=args.refine, progress=_progress(not args.no_progress))
     wall = time.perf_counter() - t0
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                                             "sched_delay_p50_s": slo.sched_delay_p50_s},
                 "coarse_tol": args.coarse_tol, "fine_tol": args.fine_tol, "refine": args.refine,
                 "jobs": args.jobs, "wall_s": round(wall, 1), "hardware": clu.hardware.name}
+    settings["cost_model"] = f"profile {args.profile} re-split" if args.profile else f"roofline on {clu.hardware.name}"
     paths = write_report(Path(args.out), cands, rejected, settings, args.serve_model or hf_dir)
     print(format_table(table_rows(cands), rejected, limit=15))
     if "png" not in paths:
@@ -120,3 +128,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"searched in {wall:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
+
+def _profile_factory(args: argparse.Namespace, num_layers: int) -> Any:
+    """The fitted profile as the planner's cost model, checked against the model's layer count."""
+    from ppserve.plan.resplit import ProfileResplit
+    from ppserve.sim.cost_model import Profile
+
+    if not args.profile_layers:
+        raise ValueError("--profile needs --profile-layers: the layers per stage it was measured with")
+    if sum(args.profile_layers) != num_layers:
+        raise ValueError(f"--profile-layers {list(args.profile_layers)} sum to {sum(args.profile_layers)}, "
+                         f"the model has {num_layers} layers")
+    return ProfileResplit(Profile.load(args.profile), tuple(args.profile_layers), args.profile_tp)

@@ -17,6 +17,7 @@ from ppserve.plan.inputs import model_spec_from_hf
 from ppserve.plan.report import pareto_front, table_rows, write_report
 from ppserve.plan.search import Candidate, PlanContext, probe, search
 from ppserve.plan.space import Cluster, Deployment, SearchSpace, WorkloadShape, enumerate_deployments
+from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import HardwareSpec, ModelSpec, load_hardware, load_model_spec
 from ppserve.sim.workload import WorkloadRequest
 
@@ -195,7 +196,8 @@ def test_the_planner_never_imports_torch_ray_or_grpc(tmp_path):
         "import sys\n"
         "from ppserve.cli import main\n"
         f"rc = main(['plan', '--model', 'smollm2-135m', '--hardware', 'cpu', '--gpus', '2', '--tbt-p99-ms', '300',"
-        f" '--num-requests', '20', '--duration-s', '3', '--policies', 'sarathi', '--token-budgets', '256',"
+        f" '--num-requests', '20', '--duration-s', '3', '--prefill-scale', '0.05', '--decode-scale', '0.05',"
+        f" '--policies', 'sarathi', '--token-budgets', '256',"
         f" '--refine', '1', '--jobs', '1', '--no-progress', '--out', {str(tmp_path)!r}])\n"
         "heavy = [m for m in ('torch', 'ray', 'grpc', 'transformers') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
@@ -206,3 +208,33 @@ def test_the_planner_never_imports_torch_ray_or_grpc(tmp_path):
     assert "HEAVY []" in out.stdout
     assert (tmp_path / "winner.yaml").exists()
     load_config(tmp_path / "winner.yaml")
+
+
+def test_a_fitted_profile_is_re_split_over_another_pp_and_tp(tmp_path):
+    from ppserve.plan.resplit import ProfileResplit
+    from ppserve.sched.cost import LayerCosts, StepCost
+    from ppserve.sched.partition import ranges_from_counts
+    from ppserve.sim.cost_model import Profile
+
+    layer = StepCost(floor_s=1e-4, token_s=2e-6, prefill_key_s=1e-9, decode_key_s=3e-9)
+    head = StepCost(floor_s=5e-4, token_s=1e-6, sample_s=4e-5)
+    measured = Profile(LayerCosts(layer, head).pipeline(ranges_from_counts([5, 3])), transfer_s=2e-4, note="fit")
+    resplit = ProfileResplit(measured, (5, 3), tp=1)
+    three = resplit.cost_model([3, 3, 2], tp=2)
+    shape = BatchShape.uniform(100, 4, 200)
+    # Stage k: its layers at the per-token terms halved (tp 2), the floors kept; the head on the last.
+    half = StepCost(1e-4, 1e-6, 0.5e-9, 1.5e-9)
+    assert three.num_stages == 3 and three.transfer_time(shape) == 2e-4
+    assert three.stage_time(0, shape) == pytest.approx(half.times(3).predict(shape))
+    assert three.stage_time(2, shape) == pytest.approx(half.times(2).plus(StepCost(5e-4, 0.5e-6, 0, 0, 2e-5)).predict(shape))
+    one = resplit.cost_model([8], tp=1)  # back to a single stage: no transfer
+    assert one.stage_time(0, shape) == pytest.approx(layer.times(8).plus(head).predict(shape)) and one.transfer_time(shape) == 0
+    with pytest.raises(ValueError, match="has 2 stages"):
+        ProfileResplit(measured, (8,))
+    # The planner runs on it: a probe through the simulator priced by the re-split profile.
+    model = replace(load_model_spec("smollm2-135m"), num_layers=8)
+    cluster = Cluster(load_hardware("cpu"), gpus_per_node=2)
+    ctx = PlanContext(model, cluster, tuple(WorkloadRequest(0.0, 64, 8) for _ in range(10)), SLO(0.5), 2.0,
+                      cost_model=resplit, min_requests=10)
+    d = Deployment(2, 1, 1, "sarathi", 128, 16, (4, 4), 1000, 16)
+    assert probe(ctx, d, 1.0).ok
