@@ -461,9 +461,11 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
             row[f"stage{k}_busy_real_s"] = st_real["busy_s"]
             row[f"stage{k}_busy_sim_s"] = st_sim["busy_s"]
             row[f"stage{k}_busy_err"] = _rel(st_sim["busy_s"], st_real["busy_s"])
-        for key, path in (("tbt_p50", "latency.tbt_s.p50"), ("tbt_p99", "latency.tbt_s.p99"),
-                          ("ttft_p50", "latency.ttft_s.p50"), ("bubble_mean", "bubbles.mean_bubble_fraction"),
-                          ("duration", "throughput.duration_s")):
+        for key, path in (("tbt_p50", "latency.tbt_s.p50"), ("tbt_p90", "latency.tbt_s.p90"),
+                          ("tbt_p99", "latency.tbt_s.p99"), ("ttft_p50", "latency.ttft_s.p50"),
+                          ("ttft_p90", "latency.ttft_s.p90"), ("ttft_p99", "latency.ttft_s.p99"),
+                          ("bubble_mean", "bubbles.mean_bubble_fraction"),
+                          ("throughput", "throughput.requests_per_s"), ("duration", "throughput.duration_s")):
             r, s = report._get(real, path), report._get(sim, path)
             row[f"{key}_real"], row[f"{key}_sim"], row[f"{key}_err"] = r, s, _rel(s, r)
         rows.append(row)

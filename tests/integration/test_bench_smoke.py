@@ -120,6 +120,7 @@ def test_validate(ctx):
     data = suites.validate(ctx, replace(ctx.workload, seed=9))
     assert len(data["rows"]) == 2
     assert data["rows"][1]["stage0_busy_real_s"] > 0 and data["rows"][1]["stage0_busy_sim_s"] > 0
+    assert all(data["rows"][1][f"{k}_real"] > 0 for k in ("tbt_p90", "ttft_p90", "ttft_p99", "throughput"))
     assert isinstance(data["within_tolerance"], bool)
     assert (ctx.outdir / "validate.md").exists()
 
