@@ -1,8 +1,9 @@
 """Phase `gpu_tests`: the `gpu`-marked pytest subset, compiled kernels and captured graphs on the device.
 
 pytest is not in the device image. Where it is missing, the phase looks in `.gpu_check_deps/` of the
-checkout (made here with `pip install --target .gpu_check_deps pytest` and carried with the tree: under
-2 MB) before it reports itself skipped.
+checkout (gitignored; made on a machine with a registry by `pip install --target .gpu_check_deps
+--python-version 3.12 --only-binary=:all: pytest`, ~15 MB, and carried with the tree) before it reports
+itself skipped.
 """
 
 from __future__ import annotations

@@ -99,6 +99,10 @@ def run(ctx: Context) -> dict[str, Any]:
 
     if not triton_available():
         raise RuntimeError("triton is not importable (CUDA builds of torch ship it)")
+    if ctx.cuda:  # as in a CUDA stage worker: the CPU C kernels are not built (worker/devices.py)
+        from ppserve.model.ops.settings import KernelSettings, configure
+
+        configure(KernelSettings(native=False))
     device = ctx.device
     d = 128 if ctx.cuda else 64  # Llama-3's head dim on the device; the interpreter is slow
     long_ctx = 8192 if ctx.cuda else 320

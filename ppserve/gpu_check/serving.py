@@ -24,6 +24,7 @@ def workload(cuda: bool) -> dict[str, Any]:
 def run(ctx: Context) -> dict[str, Any]:
     from ppserve.bench.harness import replay
     from ppserve.engine.llm import LLM
+    from ppserve.request import SamplingParams
     from ppserve.sim.workload import WorkloadRequest, poisson_arrivals
 
     shape = shape_for("smollm2", ctx.cuda)
@@ -37,7 +38,7 @@ def run(ctx: Context) -> dict[str, Any]:
     with LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=1024,
              cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         dtype = str(llm.engine.executor.workers[0].dtype).removeprefix("torch.")
-        llm.generate(prompts[:2], None)  # warm-up: Triton compiles, allocator growth
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: Triton compiles
         result = replay(llm.engine, reqs, prompts, name="gpu_check", progress=False)
     summary = result.summary()
     done = summary["num_finished"]
