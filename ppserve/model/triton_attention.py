@@ -299,6 +299,8 @@ class TritonPagedBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._fallback = SdpaBackend()
+        if torch.cuda.is_available():  # read the SM count now, not first inside a CUDA graph capture
+            sm_count(torch.device("cuda", torch.cuda.current_device()))
 
     def reads_cache_in_place(self, block_size: int) -> bool:
         return block_size >= self.MIN_PAGE
