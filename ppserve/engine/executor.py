@@ -106,7 +106,7 @@ class InProcExecutor:
         self.num_kv_blocks = self._fit_kv_blocks()
         for a in self.actors:
             a.init_cache(self.num_kv_blocks)
-        self._done: deque[StepResult] = deque()
+        self._pending: deque[SchedulerOutput] = deque()  # submitted, computed when collected
 
     def _fit_kv_blocks(self) -> int:
         """One block count for every stage, capped at what the scheduler can use (pool_cap). The stages
@@ -150,14 +150,18 @@ class InProcExecutor:
         return [a.worker for a in self.actors]
 
     def submit(self, out: SchedulerOutput) -> None:
+        # Queued, not run: here submitting would compute, and the engine refills the pipeline right after
+        # a collect, so the tokens just sampled would reach the caller only after the next microbatch's
+        # compute (a whole step late at pp = 1). The work runs in collect instead (ARCHITECTURE.md §2).
+        self._pending.append(out)
+
+    def collect(self, timeout_s: float | None = None) -> StepResult:
+        out = self._pending.popleft()
         result = None
         for a in self.actors:  # stage order; the last returns the result with every stage's seconds
             result = a.execute(out)
         assert result is not None
-        self._done.append(result)
-
-    def collect(self, timeout_s: float | None = None) -> StepResult:
-        return self._done.popleft()
+        return result
 
     def drain_spans(self) -> list[dict[str, Any]]:
         return [d for a in self.actors for d in a.drain_spans()]
@@ -179,7 +183,7 @@ class InProcExecutor:
         """Give back every stage's memory now: the KV caches and decode graphs (the bulk of a GPU: the
         cache takes what the weights leave of 0.9 of it), then the stages themselves, so a next engine in
         this process (the GPU check's next phase, a test) starts from what was free before this one."""
-        self._done.clear()
+        self._pending.clear()
         actors, self.actors = self.actors, []
         on_cuda = any(a.worker.device.type == "cuda" for a in actors)
         for a in actors:
