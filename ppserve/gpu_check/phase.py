@@ -36,8 +36,9 @@ class Context:
 
     @property
     def models_dir(self) -> Path:
-        """Checkpoints built by one phase and reused by the next (same run, same folder)."""
-        return self.out / "models"
+        """Checkpoints built by one phase and reused by the next (same run; the runner's --models-dir,
+        kept out of the output folder: the 8B-shaped one is ~9 GB)."""
+        return Path(self.options.get("models_dir") or self.out / "models")
 
 
 def hide_absent_packages() -> None:

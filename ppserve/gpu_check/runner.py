@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="cpu: every phase's code path that needs no CUDA, on shrunk models (what CI runs)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for the whole check")
+    p.add_argument("--models-dir", default=None,
+                   help="where the built checkpoints go (default: a temporary folder, removed at the end; "
+                        "not under --out, whose files a device run brings back)")
+    p.add_argument("--keep-models", action="store_true", help="keep the built checkpoints after the check")
     p.add_argument("--roofline-layers", type=int, default=None,
                    help="decoder layers of the Llama-3-8B-shaped model (default 16 on cuda: the per-layer "
                         "shapes are the 8B's, half the depth keeps the check inside its budget)")
@@ -62,7 +68,7 @@ def phase_env(device: str) -> dict[str, str]:
 
 
 def run_one(name: str, args: argparse.Namespace, limit_s: float, out: Path) -> dict[str, Any]:
-    options = {"roofline_layers": args.roofline_layers}
+    options = {"roofline_layers": args.roofline_layers, "models_dir": args.models_dir}
     cmd = [sys.executable, "-m", "ppserve.gpu_check.phase", name, "--out", str(out), "--device", args.device,
            "--options", json.dumps(options)]
     log = out / f"{name}.log"
@@ -107,6 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    made_models_dir = args.models_dir is None
+    if made_models_dir:
+        args.models_dir = tempfile.mkdtemp(prefix="ppserve-gpu-check-models-")
+    try:
+        return run_all(args, out)
+    finally:
+        if made_models_dir and not args.keep_models:
+            shutil.rmtree(args.models_dir, ignore_errors=True)
+
+
+def run_all(args: argparse.Namespace, out: Path) -> int:
     start = time.perf_counter()
     report: dict[str, Any] = {"device": args.device, "budget_s": args.budget_s,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": {}}
