@@ -2,10 +2,12 @@
 
     python benchmarks/bench_sampler.py                      # both parts, JSON at results/sampler.json
     python benchmarks/bench_sampler.py --skip-engine        # the sampler alone
-    PYTHONPATH=/path/to/old/checkout python benchmarks/bench_sampler.py   # the same figures for older code
+    git show 303801f:ppserve/worker/sampler.py > /tmp/old_sampler.py
+    python benchmarks/bench_sampler.py --skip-engine --threads 1 --compare-with /tmp/old_sampler.py
 
 Part 1 times `sample()` on 64 rows of a 49,152-token vocabulary (the default model's) for each kind of
-request (best of --repeats, every kind in one run). Part 2 runs the default model offline on 64
+request (best of --repeats, every kind in one run; with --compare-with, another sampler.py interleaved
+call by call). Part 2 runs the default model offline on 64
 prompts of 256 tokens, 32 sampled outputs each, and measures the time inside `sample()` against the wall
 time of every engine step (budget 512): the share of a step that sampling takes, top-k/top-p unset and
 set, side by side.
@@ -35,31 +37,40 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
-def best_ms(fn: Any, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def load_sampler(path: str) -> Any:
+    """Another version of worker/sampler.py (e.g. `git show REV:ppserve/worker/sampler.py > old.py`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("other_sampler", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def sampler_alone(rows: int, vocab: int, repeats: int) -> dict[str, float | None]:
+def sampler_alone(rows: int, vocab: int, repeats: int, other: str | None) -> dict[str, dict[str, float | None]]:
+    """Best-of-`repeats` ms per kind; with `other`, that sampler too, the two interleaved call by call."""
     from ppserve.request import SamplingParams
-    from ppserve.worker.sampler import sample
+    from ppserve.worker import sampler
 
+    versions = {"this": sampler.sample, **({"other": load_sampler(other).sample} if other else {})}
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=gen) * 3
-    out: dict[str, float | None] = {}
+    out: dict[str, dict[str, float | None]] = {name: {} for name in versions}
     for label, kw in KINDS.items():
         try:
             params = [SamplingParams(**kw)] * rows
         except (TypeError, ValueError):  # older code without this field
-            out[label] = None
             continue
-        out[label] = best_ms(lambda p=params: sample(logits, p, list(range(rows))), repeats)
-        print(f"  {label:24s} {out[label]:8.2f} ms", flush=True)
+        best = dict.fromkeys(versions, float("inf"))
+        for _ in range(repeats + 1):  # the first round warms up and counts too: best-of drops it
+            for name, sample in versions.items():
+                t0 = time.perf_counter()
+                sample(logits, params, list(range(rows)))
+                best[name] = min(best[name], (time.perf_counter() - t0) * 1e3)
+        for name in versions:
+            out[name][label] = best[name]
+        print(f"  {label:24s} " + "  ".join(f"{name} {best[name]:8.2f} ms" for name in versions), flush=True)
     return out
 
 
@@ -104,6 +115,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49_152)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--compare-with", help="another sampler.py to time beside this one, interleaved")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -115,7 +127,7 @@ def main() -> None:
     print(f"sampler alone: {args.rows} rows x {args.vocab} tokens, best of {args.repeats} "
           f"({torch.get_num_threads()} threads)")
     report: dict[str, Any] = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(),
-                              "alone_ms": sampler_alone(args.rows, args.vocab, args.repeats)}
+                              "alone_ms": sampler_alone(args.rows, args.vocab, args.repeats, args.compare_with)}
     if not args.skip_engine:
         report["engine"] = {}
         for label in ("temperature 1", "top_k 50 + top_p 0.9"):
