@@ -192,7 +192,7 @@ class StageMemory:
         if self.warm:
             return 0.0
         t0 = time.perf_counter()
-        # Greedy: the sampler's full-vocabulary sort (top-p, logprobs) costs the same on every call, so
+        # Greedy: sampling has no first-call cost worth paying here (its torch ops need no tuning), so
         # warming it buys nothing; the worst case matters only to the GPU profile's memory peak.
         self.profile_peak_bytes(worst_case_sampling=False)
         return time.perf_counter() - t0
