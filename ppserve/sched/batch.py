@@ -196,8 +196,14 @@ class BatchBuilder:
         else:
             # The chunk that completes the request's known tokens gets logits (the last stage's LM head).
             self.budget.spend(num_tokens, req.num_computed_tokens, sampled=num_tokens == req.num_uncomputed_tokens)
-        # Key the blocks these tokens fill now, so a request admitted later in this step hits them too.
-        self._blocks.cache_full_blocks(req, req.num_computed_tokens + num_tokens)
+        # Key the prompt blocks these tokens fill now, so a request admitted later in this step hits them
+        # too. Blocks of generated tokens are keyed when the request lets its blocks go (BlockManager.free):
+        # only a later request (the next turn, the request itself after preemption) can hit them, and a
+        # decode step then pays no hashing at all.
+        blocks = self._blocks
+        filled = min(req.num_computed_tokens + num_tokens, len(req.prompt_token_ids))
+        if blocks.enable_prefix_caching and filled // blocks.block_size > req.num_blocks_keyed:
+            blocks.cache_full_blocks(req, filled)
         self.chosen[req.request_id] = num_tokens
         self.chosen_requests.append(req)
 

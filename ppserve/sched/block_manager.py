@@ -10,9 +10,11 @@ block keeps its key and waits, cached and evictable, in an LRU list; it is evict
 only when a new block is needed and no never-keyed block is free. Every block is therefore exactly one
 of: free (no key), cached-and-evictable (a key, no holder), or referenced by the requests that hold it.
 
-A block is keyed when the tokens that fill it are scheduled (decode-generated tokens included), so a
-request scheduled later in the same step, or in a later step, reads it: stages run microbatches in
-order and write a step's KV before its attention reads it. Nothing ever writes into a block another
+A prompt's block is keyed when the tokens that fill it are scheduled, so a request scheduled later in the
+same step, or in a later step, reads it: stages run microbatches in order and write a step's KV before
+its attention reads it. A block of generated tokens is keyed when its request lets its blocks go
+(finished, cancelled or preempted): only a later request can share it (the conversation's next turn, the
+request itself coming back), and a decode step pays no hashing. Nothing ever writes into a block another
 request holds (`check_writable`): a hit stops at least one token short of the request's known tokens, so
 what it computes goes into blocks of its own.
 """
@@ -217,6 +219,8 @@ class BlockManager:
         """Drop `req`'s hold on its blocks; returns how many it held. A block nobody holds any more
         becomes free, or cached-and-evictable if keyed; the request's tail blocks are the first
         evicted (they are the least likely to be shared)."""
+        # The blocks its generated tokens filled get their keys now (the prompt's got theirs when scheduled).
+        self.cache_full_blocks(req, req.num_computed_tokens)
         n = len(req.block_ids)
         refs = self._refs
         for b in reversed(req.block_ids):

@@ -314,7 +314,6 @@ class Scheduler:
         prefill_tokens = decode_tokens = 0
         kv = self.blocks
         block_size = kv.block_size
-        caching = kv.enable_prefix_caching
         writer_of = kv.writer_of
         for req, n in zip(b.chosen_requests, b.chosen.values(), strict=True):
             rid = req.request_id
@@ -347,9 +346,6 @@ class Scheduler:
             if n > 1 or writer_of.get(req.block_ids[done // block_size]) != rid:
                 kv.check_writable(req, done, n)
             req.num_computed_tokens = done + n
-            # A decode that fills its block keys it here (the builder keys what its chunks fill as it adds them).
-            if caching and not (done + n) % block_size:
-                kv.cache_full_blocks(req, done + n)
             if done + n == num_tokens:
                 sample.append(rid)
             req.num_in_flight += 1
