@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ppserve.cache import cache_root
 from ppserve.model.attention import AttentionBackend
 from ppserve.model.checkpoint_tensor import CheckpointTensor
 from ppserve.model.parallel import TPContext
@@ -45,7 +46,8 @@ def find_default_gguf() -> Path:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("PPSERVE_CACHE", "~/.cache/ppserve")).expanduser()
+    """Where the default model is converted to: ppserve's cache root (ppserve/cache.py)."""
+    return cache_root()
 
 
 def resolve_model(model: str | None, cache_dir: str | Path | None = None) -> Path:

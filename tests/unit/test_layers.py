@@ -12,7 +12,7 @@ ROOT = Path(ppserve.__file__).parent
 # Lowest first. A module may import its own package and any package of a lower layer, nothing else
 # (packages sharing a layer are independent of each other). The base is importable from anywhere.
 LAYERS: list[set[str]] = [
-    {"config", "request", "metrics"},  # the base: pure Python
+    {"config", "request", "cache", "metrics"},  # the base: pure Python
     {"sched", "comm", "model"},  # the scheduler (pure), stage-to-stage transport, the model
     {"worker"},  # one stage: model + transport + the scheduler's output types
     {"engine"},  # the step loop, executors, control planes, the asyncio bridge

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ppserve.cache import cache_root
+
 LINEAR_PATHS = ("auto", "packed", "plain")
 MOE_KERNELS = ("auto", "grouped", "triton")
 
@@ -21,7 +23,7 @@ class KernelSettings:
     native: bool = True  # model.native_kernels: ppserve's C kernels on CPU (built on first use)
     amx: bool = True  # model.amx_kernels: the AMX GEMM and prefill attention where the CPU has AMX
     linear_path: str = "auto"  # model.linear_path: bf16 oneDNN GEMMs timed per shape, or forced packed | plain
-    cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (~/.cache/ppserve/kernels)
+    cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (<cache root>/kernels, ppserve/cache.py)
     moe_kernel: str = "auto"  # model.moe_kernel: the MoE experts' path (ops/moe.py): auto | grouped | triton
 
     def __post_init__(self) -> None:
@@ -32,7 +34,7 @@ class KernelSettings:
 
     @property
     def kernel_cache(self) -> Path:
-        return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "ppserve" / "kernels"
+        return Path(self.cache_dir).expanduser() if self.cache_dir else cache_root() / "kernels"
 
 
 _configured = KernelSettings()
