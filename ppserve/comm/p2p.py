@@ -1,8 +1,8 @@
 """Hidden states over torch.distributed point-to-point: gloo between CPU processes, NCCL between GPUs.
 
 The receiver knows the tensor's shape from the SchedulerOutput (its token count) and its stage index,
-so nothing but two tensors crosses the link: the hidden states, then the stage times so far (float64,
-on the link's device). Sends are asynchronous with at most one message outstanding (its buffers are
+so nothing but two tensors crosses the link: the hidden states, then a row of step times (float64, on
+the link's device; worker/stage_times.py). Sends are asynchronous with at most one message outstanding (its buffers are
 kept alive until it completes). A receive waits on its work handles and, on CUDA, for the stream
 NCCL wrote into: `dist.recv` on NCCL returns once the receive is *enqueued*, and a span that ended
 there would book the wait for the data as compute.
@@ -26,16 +26,21 @@ class TorchP2PChannel:
         self._pending: list[Any] = []  # the outstanding message's work handles
         self._buffers: tuple[Tensor, ...] = ()
 
-    def send(self, hidden: Tensor, stage_seconds: tuple[float, ...]) -> None:
+    def send(self, hidden: Tensor, times: tuple[float, ...]) -> None:
         self._wait_pending()  # at most one message outstanding; keeps its buffers alive until done
-        times = torch.tensor(stage_seconds, dtype=torch.float64, device=self.device)
-        self._buffers = (hidden.contiguous(), times)
+        values = torch.tensor(times, dtype=torch.float64)
+        if self.device.type == "cuda":
+            # Not torch.tensor(..., device=cuda): a copy from pageable memory waits for the stream, i.e. for
+            # this step's compute, on every step. From pinned memory it is queued and the host goes on (the
+            # caching host allocator keeps the pinned block until the copy is done).
+            values = values.pin_memory().to(self.device, non_blocking=True)
+        self._buffers = (hidden.contiguous(), values)
         self._pending = [dist.isend(t, dst=self.peer) for t in self._buffers]
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-             num_stages_before: int) -> tuple[Tensor, tuple[float, ...]]:
+             num_times: int) -> tuple[Tensor, tuple[float, ...]]:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
-        times = torch.empty(num_stages_before, dtype=torch.float64, device=self.device)
+        times = torch.empty(num_times, dtype=torch.float64, device=self.device)
         for work in [dist.irecv(hidden, src=self.peer), dist.irecv(times, src=self.peer)]:
             assert work is not None  # None only for a rank outside the group, which a stage never is
             work.wait()

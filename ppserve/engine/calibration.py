@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ppserve.cache import cache_root
 from ppserve.request import SamplingParams
 from ppserve.sched.cost import BatchShape
-from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.sched.output import SchedulerOutput
 from ppserve.sched.partition import CostProfile, fit_cost_profile
 
 if TYPE_CHECKING:
@@ -72,15 +73,6 @@ class CalibratedEngine(Protocol):
 CALIBRATION_REQUESTS = 16  # at most; fewer when scheduler.max_num_seqs is lower
 CALIBRATION_PROMPT = 128  # tokens, at most the token budget
 CALIBRATION_OUTPUT = 32  # tokens per request: a decode phase as long as the prefill phase, roughly
-
-
-def cache_root() -> Path:
-    """Where ppserve keeps what it measured: $PPSERVE_CACHE_DIR, else $XDG_CACHE_HOME/ppserve, else
-    ~/.cache/ppserve."""
-    if os.environ.get("PPSERVE_CACHE_DIR"):
-        return Path(os.environ["PPSERVE_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "ppserve"
 
 
 def machine_id() -> str:
@@ -144,10 +136,10 @@ def measure_cost_profile(engine: CalibratedEngine) -> CostProfile:
     t0 = time.perf_counter()
     samples: list[tuple[BatchShape, Sequence[float]]] = []
 
-    def record(out: SchedulerOutput, result: StepResult) -> None:
-        samples.append((BatchShape.of(out), result.stage_seconds))
+    def record(out: SchedulerOutput, stage_seconds: tuple[float, ...]) -> None:
+        samples.append((BatchShape.of(out), stage_seconds))  # the microbatch these times measure
 
-    engine.core.step_observers.append(record)
+    engine.core.timing_observers.append(record)
     try:
         for i in range(n):
             prompt = [(17 + 31 * i + 7 * j) % (vocab - 3) + 3 for j in range(prompt_len)]
@@ -156,7 +148,7 @@ def measure_cost_profile(engine: CalibratedEngine) -> CostProfile:
         while engine.has_unfinished:
             engine.step()
     finally:
-        engine.core.step_observers.remove(record)
+        engine.core.timing_observers.remove(record)
     engine.reset_observations()
     profile = fit_cost_profile(samples, engine.executor.ranges,
                                source=f"calibration run: {n} requests of {prompt_len}+{out_len} tokens, "

@@ -1,7 +1,11 @@
 """The step loop, shared by the real engine and the simulator: one copy, so the two cannot drift apart.
 
     intake -> fill the pipeline -> collect the oldest microbatch -> hand it to the scheduler (its
-    tokens, and its stage times for the cost model) -> intake -> fill the pipeline again
+    tokens, and the stage times it carries for the cost model) -> intake -> fill the pipeline again
+
+A result's stage times measure the step `timed_step_id`, which GPU stages report one step late or
+more (ARCHITECTURE.md §5): the loop keeps each collected microbatch until its times come back and
+hands the scheduler that microbatch's composition with them, never the current one's.
 
 The loop knows nothing of models, Ray or time itself. It is handed a scheduler, an executor (the Ray
 or in-process pipeline, or the simulator's cost-model pipeline), two clocks (seconds for request times,
@@ -19,6 +23,8 @@ from typing import Protocol
 from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkTracker
 from ppserve.sched.output import RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.scheduler import Scheduler
+
+MAX_UNTIMED = 256  # collected microbatches kept for their times: stages lag a few steps, never this many
 
 
 class StepExecutor(Protocol):
@@ -45,6 +51,9 @@ class EngineCore:
         self.engine_spans: list[Span] = []  # `schedule` spans on the engine track
         # Told of every microbatch that came back (the metrics exporter); quick, and must not raise.
         self.step_observers: list[Callable[[SchedulerOutput, StepResult], None]] = []
+        # Told of every microbatch whose stage times came back, with them (calibration, the GPU check).
+        self.timing_observers: list[Callable[[SchedulerOutput, tuple[float, ...]], None]] = []
+        self.untimed: dict[int, SchedulerOutput] = {}  # collected, stage times not back yet, by step id
 
     def step(self) -> tuple[float, list[RequestUpdate]] | None:
         """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again.
@@ -59,12 +68,31 @@ class EngineCore:
         now = self.clock()
         done = sched.in_flight[0]
         updates = sched.update_from_output(done, result)
-        sched.observe_step(done, result.stage_seconds)
+        timed = self.timed_output(done, result)
+        sched.observe_step(done, result.stage_seconds if timed is not None else (), timed=timed)
         for observe in self.step_observers:
             observe(done, result)
+        if timed is not None:
+            for observe_time in self.timing_observers:
+                observe_time(timed, result.stage_seconds)
         self.fill()  # the stages get their next work before the caller does any text work
         self.work.update(sched.has_unfinished, self.clock_ns())
         return now, updates
+
+    def timed_output(self, done: SchedulerOutput, result: StepResult) -> SchedulerOutput | None:
+        """The microbatch `result`'s stage times measure (`done` itself, or one collected earlier), or
+        None when it carries none or they are for a step this loop no longer holds (one from before a
+        pipeline rebuild). Each microbatch is handed out once; those older than the timed one will
+        never be timed (their stage failed) and are forgotten."""
+        self.untimed[done.step_id] = done
+        if result.timed_step_id is None:
+            if len(self.untimed) > MAX_UNTIMED:
+                del self.untimed[min(self.untimed)]
+            return None
+        timed = self.untimed.pop(result.timed_step_id, None)
+        for step_id in [s for s in self.untimed if s < result.timed_step_id]:
+            del self.untimed[step_id]
+        return timed
 
     def fill(self) -> None:
         """Take in what has arrived, then schedule and submit until the pipeline is full or nothing can run."""

@@ -4,8 +4,9 @@
 StageActor body the Ray actors run, with hidden states handed over in memory: for unit tests, and for
 a single GPU with no Ray. `RayExecutor` (ray_executor.py) runs one actor per (stage, tp rank).
 
-Both return each microbatch's `StepResult` with every stage's compute seconds (the slowest TP rank of
-each stage), which the engine hands to the scheduler's cost model.
+Both return each microbatch's `StepResult` with every stage's compute seconds for the step they
+measure (`timed_step_id`: this one, or an earlier one when GPU stages read their events late), which
+the engine hands to the scheduler's cost model with that step's composition (engine/core.py).
 """
 
 from __future__ import annotations

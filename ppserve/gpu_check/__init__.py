@@ -18,6 +18,8 @@ phases, one module each:
                       transformers on the same device (max abs error, top-1 agreement over >= 1,000
                       positions, fp32 and bf16), and greedy agreement under a rule that cannot be gamed;
 4. `serving`          Poisson arrivals through the engine: TTFT, TBT, bubbles;
+   `step_times`       stage times from CUDA events read late: no synchronize in the loop, each time
+                      paired with its own step, and a device-side sleep the times must cover;
 5. `roofline`         decode and prefill sweeps on the Llama-3-8B-shaped model: achieved HBM bandwidth and
                       TFLOP/s against the device's peaks, and the engine's host time per step;
 6. `gpu_tests`        the `gpu`-marked pytest subset (when pytest is importable).
@@ -43,6 +45,7 @@ PHASES = {
     "correctness_pp1": "correctness",
     "correctness_pp2": "correctness",
     "serving": "serving",
+    "step_times": "step_times",
     "roofline": "roofline",
     "gpu_tests": "gpu_tests",
 }

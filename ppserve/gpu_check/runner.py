@@ -23,7 +23,7 @@ from ppserve.gpu_check.phase import write_json
 
 # Seconds per phase on an H200 (the device the check is sized for), start-up included.
 LIMITS_S = {"environment": 60, "kernels": 120, "correctness_pp1": 120, "correctness_pp2": 120, "serving": 120,
-            "roofline": 200, "gpu_tests": 150}
+            "step_times": 60, "roofline": 200, "gpu_tests": 150}
 BUDGET_S = 480  # the whole check: 8 minutes
 MIN_PHASE_S = 20
 SUMMARY_MARGIN_S = 5

@@ -30,13 +30,6 @@ class TPContext:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
         return x
 
-    def all_reduce_max(self, x: Tensor) -> Tensor:
-        """Element-wise maximum of `x` over the group, in place."""
-        if self.size == 1:
-            return x
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
-        return x
-
     def all_gather_last_dim(self, x: Tensor) -> Tensor:
         """Concatenate every rank's shard of `x` along the last dimension (rank order)."""
         if self.size == 1:

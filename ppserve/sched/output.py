@@ -66,13 +66,22 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class StepResult:
     """What the pipeline returns for one microbatch: sampled tokens by request id, their log-probabilities
-    for the requests that asked, and each stage's compute seconds for it (the slowest TP rank of the
-    stage; empty when the executor cannot tell)."""
+    for the requests that asked, and each stage's compute seconds for step `timed_step_id` (the slowest TP
+    rank of the stage). That is this step or an earlier one: GPU stages read their times one step late,
+    without waiting for the device (ARCHITECTURE.md §5); None, with no seconds, when no time is ready."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     stage_seconds: tuple[float, ...] = ()
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    timed_step_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.timed_step_id is None) != (not self.stage_seconds):
+            raise ValueError(f"step {self.step_id}: stage_seconds {self.stage_seconds!r} need the step they "
+                             f"measure, and only they (timed_step_id={self.timed_step_id!r})")
+        if self.timed_step_id is not None and self.timed_step_id > self.step_id:
+            raise ValueError(f"step {self.step_id} reports the time of a later step, {self.timed_step_id}")
 
 
 class RequestUpdate(NamedTuple):

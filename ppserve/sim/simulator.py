@@ -239,7 +239,8 @@ class SimExecutor:
         out, done_ns, stage_s = self.in_flight.popleft()
         self.clock.now_ns = max(self.clock.now_ns, done_ns)
         self.just_collected = True
-        return StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids}, tuple(stage_s))
+        return StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids}, tuple(stage_s),
+                          timed_step_id=out.step_id if stage_s else None)  # a simulated step times itself
 
 
 def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:

@@ -31,10 +31,10 @@ class NullForward:
         self.sample_ns: dict[int, int] = {}
         self._sample = worker._sample
 
-    def sample(self, out: SchedulerOutput, inp: ModelInput, hidden: Tensor) -> StepResult:
+    def sample(self, out: SchedulerOutput, inp: ModelInput, logits: Tensor | None) -> StepResult:
         start = time.perf_counter_ns()
         try:
-            return self._sample(out, inp, hidden)
+            return self._sample(out, inp, logits)
         finally:
             self.sample_ns[out.step_id] = time.perf_counter_ns() - start
 

@@ -5,9 +5,10 @@ TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PCha
 executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
 way one microbatch is: apply its diff and build its input tensors (`prepare`, before waiting, so it
 overlaps the previous stage's compute), receive the hidden states and the stage times so far from the
-previous stage (`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts to its TP
-group), compute (`compute`), take the stage's slowest TP rank (one small all-reduce) and hand both on
-(`send`, TP rank 0 again); the last stage's TP rank 0 samples and returns the StepResult. No other
+previous stage (`recv_wait`; TP rank 0 holds the one link of a stage pair and broadcasts the hidden
+states to its TP group), compute (`compute`), add this stage's time to the oldest row of step times it
+can complete (worker/stage_times.py: timers read CUDA events a step late) and hand both on (`send`, TP
+rank 0 again); the last stage's TP rank 0 samples and returns the StepResult with that row. No other
 stage reports anything to the engine.
 
 Entry points, one per control plane (engine/dispatch.py): `execute(out)` (a Ray call or the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ppserve.comm.channel import StageChannel
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.info import NodeInfo
+from ppserve.worker.stage_times import TimeRow, unwire, wire, wire_length
 
 if TYPE_CHECKING:  # torch and the worker are imported where the actor builds them (init_distributed)
     from torch import Tensor
@@ -148,7 +150,7 @@ class StageActor:
         hidden = worker.arch.hidden_size
         if self.outbound is not None:  # non-blocking: every rank sends before it receives, so none waits forever
             self.outbound.send(torch.zeros(1, hidden, dtype=worker.dtype, device=worker.device),
-                               (0.0,) * (self.spec.stage + 1))
+                               wire(None, self.spec.stage + 1))
         if self.spec.stage > 0:
             self._receive(1)  # and the TP broadcast that passes it on
         worker.memory.note("communication warmed up")
@@ -176,44 +178,45 @@ class StageActor:
     def execute(self, out: SchedulerOutput) -> StepResult | None:
         """Run this actor's part of a microbatch; the last stage's TP rank 0 returns the StepResult."""
         worker = self._on_device()
-        seconds: tuple[float, ...] = ()
+        upstream: TimeRow | None = None
         hidden_in = None
         inp = worker.prepare(out)  # before the wait: it needs nothing from the previous stage
         if self.spec.stage > 0:
             with worker.recorder.span("recv_wait", out.step_id):
-                hidden_in, seconds = self._receive(out.total_tokens)
-        hidden, result, compute_s = worker.execute(out, hidden_in, inp)
-        # The stage's time is its slowest rank's: taken here, since only TP rank 0 passes it on.
-        seconds += worker.slowest_rank((compute_s,))
+                hidden_in, upstream = self._receive(out.total_tokens)
+        hidden, result = worker.execute(out, hidden_in, inp)
+        row = worker.times.relay(upstream)  # None on TP ranks other than 0: rank 0's time is the stage's
         if not worker.model.is_last:
             if self.outbound is not None:
                 assert hidden is not None
                 with worker.recorder.span("send", out.step_id):
-                    self.outbound.send(hidden, seconds)
+                    self.outbound.send(hidden, wire(row, self.spec.stage + 1))
             return None
         if self.spec.tp_rank != 0:
             return None
         assert result is not None
-        return dataclasses.replace(result, stage_seconds=seconds)
+        if row is None:
+            return result
+        return dataclasses.replace(result, stage_seconds=row.seconds, timed_step_id=row.step_id)
 
-    def _receive(self, num_tokens: int) -> tuple[Tensor, tuple[float, ...]]:
-        """The previous stage's hidden states and stage times. Only TP rank 0 of each stage holds a link
-        (one copy per stage pair crosses the network, not one per TP rank); it hands both on to the
-        other ranks of its stage with a broadcast over the TP group (NVLink within a node)."""
+    def _receive(self, num_tokens: int) -> tuple[Tensor, TimeRow | None]:
+        """The previous stage's hidden states and the row of step times it sent on. Only TP rank 0 of
+        each stage holds a link (one copy per stage pair crosses the network, not one per TP rank); it
+        hands the hidden states on to the other ranks of its stage with a broadcast over the TP group
+        (NVLink within a node). The row stays on rank 0, the one that relays it."""
         import torch
 
         worker, stage = self.worker, self.spec.stage
         hidden_size, dtype, device = worker.arch.hidden_size, worker.dtype, worker.device
+        row = None
         if self.inbound is not None:
-            hidden, seconds = self.inbound.recv(num_tokens, hidden_size, dtype, stage)
+            hidden, values = self.inbound.recv(num_tokens, hidden_size, dtype, wire_length(stage))
+            row = unwire(values)
         else:
-            hidden, seconds = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device), (0.0,) * stage
-        if worker.tp.size == 1:
-            return hidden, seconds
-        times = torch.tensor(seconds, dtype=torch.float64, device=device)
-        worker.tp.broadcast_from_first(hidden)
-        worker.tp.broadcast_from_first(times)
-        return hidden, tuple(times.tolist())
+            hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+        if worker.tp.size > 1:
+            worker.tp.broadcast_from_first(hidden)
+        return hidden, row
 
     def execute_chained(self, out: SchedulerOutput, upstream: int | None = None) -> int | StepResult | None:
         """`execute` as a compiled-graph node: a non-last stage returns the step id for the next stage."""

@@ -34,16 +34,17 @@ from ppserve.worker.devices import current_device, kernel_settings_for, resolve_
 from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, StageMemory
 from ppserve.worker.sampler import sample
+from ppserve.worker.stage_times import StageTimes
+from ppserve.worker.step_timer import step_timer_for
 
 logger = logging.getLogger(__name__)
 
 class StageOutput(NamedTuple):
-    """One stage's part of one microbatch: hidden states for the next stage (or the last stage's
-    sampled tokens) and the seconds it computed."""
+    """One stage's part of one microbatch: hidden states for the next stage, or the last stage's
+    sampled tokens. Its seconds come later, from the stage's timer (`StageWorker.times`)."""
 
     hidden: Tensor | None
     result: StepResult | None
-    compute_s: float
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class StageWorker:
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
         self.init_model()
+        # Its steps' seconds and compute spans (CUDA events read a step late on a GPU), relayed down the pipeline.
+        self.timer = step_timer_for(self.device.type, self.recorder)
+        self.times = StageTimes(self.timer, first=spec.stage == 0, relays=spec.tp_rank == 0)
         # The KV block size: cache.block_size, else the one the attention backend reads in place.
         self.block_size = spec.block_size or self.model.attn_backend.preferred_block_size
         self.batch = InputBatch(self.block_size, self.device)
@@ -166,8 +170,8 @@ class StageWorker:
                     num_blocks * self.memory.kv_bytes_per_block() / GiB, self.kv_dtype)
         self.memory.note("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
                          kv_gib=num_blocks * self.memory.kv_bytes_per_block() / GiB)
-        if not self.memory.warm:
-            self.memory.note("warmed up", warm_up_s=self.memory.warm_up())
+        if not self.memory.decode_warm:  # after a GPU profile too: its decode and chunk paths are still cold
+            self.memory.note("warmed up", warm_up_s=self.memory.warm_up(self.kv_caches))
         if self.graphs is not None and mode == "capture":
             seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
             self.memory.note("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
@@ -193,33 +197,26 @@ class StageWorker:
                 inp: ModelInput | None = None) -> StageOutput:
         """Run this stage's layers for one microbatch (`inp` from `prepare`, or prepared now). The last
         stage samples (a StepResult of tokens); other stages hand back the hidden states [T, H] for the
-        next stage. Either way with the stage's seconds for the microbatch, which the scheduler's cost
-        model learns from: its prepare span (host work the bubble math counts as busy, ARCHITECTURE.md
-        §5) plus its layers' compute (CUDA events on a GPU: launches return before the work is done).
-        Sampling is outside that figure: it is host work after the layers, not the stage's compute."""
+        next stage. The stage's timer measures the step for the scheduler's cost model: its prepare span
+        (host work the bubble math counts as busy, ARCHITECTURE.md §5) plus its layers' compute (CUDA
+        events on a GPU, read a step or more later without waiting: worker/step_timer.py), the last
+        stage's LM head included: it is the stage's compute as its layers are, and the step-cost model
+        prices it per sampled token (left out, a calibration measured the default model's head at ~1.4
+        layers where the stage spends ~7). Sampling is outside that figure: it follows the logits and
+        is not the stage's compute."""
         if inp is None:
             inp = self.prepare(out)
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        start = time.perf_counter_ns()
-        forward_end = start
+        timer = self.timer
+        timer.begin(out.step_id)
         try:
             hidden = self._forward(inp, hidden_in)
-            if events is not None:
-                events[1].record()
-            forward_end = time.perf_counter_ns()
-            result = self._sample(out, inp, hidden) if self.model.is_last else None
-            if events is not None:
-                events[1].synchronize()  # free on the last stage: sampling brought the tokens to the host
+            logits = self._logits(inp, hidden) if self.model.is_last else None
+            timer.end_compute()
+            result = self._sample(out, inp, logits) if self.model.is_last else None
         finally:
-            # Recorded even if the step raised: a failed step still occupied the stage.
-            end = time.perf_counter_ns()
-            self.recorder.record("compute", start, end, out.step_id, num_prefill_tokens=out.num_prefill_tokens,
-                                 num_decode_tokens=out.num_decode_tokens, request_ids=out.order)
-        compute_s = events[0].elapsed_time(events[1]) * 1e-3 if events is not None else (forward_end - start) * 1e-9
-        return StageOutput(None if self.model.is_last else hidden, result, inp.prepare_s + compute_s)
+            timer.finish(inp.prepare_s, num_prefill_tokens=out.num_prefill_tokens,
+                         num_decode_tokens=out.num_decode_tokens, request_ids=out.order)
+        return StageOutput(None if self.model.is_last else hidden, result)
 
     def _forward(self, inp: ModelInput, hidden_in: Tensor | None) -> Tensor:
         if self.graphs is not None and self.graphs.applies(inp.meta):
@@ -231,11 +228,17 @@ class StageWorker:
         )
         return hidden
 
-    def _sample(self, out: SchedulerOutput, inp: ModelInput, hidden: Tensor) -> StepResult:
+    def _logits(self, inp: ModelInput, hidden: Tensor) -> Tensor | None:
+        """The LM head over the rows that get a token (None where none does, or on a TP rank that does
+        not sample)."""
+        if not inp.sample_request_ids:
+            return None
+        logits: Tensor | None = self.model.logits_for_sampling(hidden.index_select(0, inp.logits_indices))
+        return logits
+
+    def _sample(self, out: SchedulerOutput, inp: ModelInput, logits: Tensor | None) -> StepResult:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
-        logits = (self.model.logits_for_sampling(hidden.index_select(0, inp.logits_indices))
-                  if inp.sample_request_ids else None)
         if logits is not None:  # TP rank 0 samples for the stage; the scheduler tells every rank the tokens
             states = inp.sample_states
             tokens, lps = sample(logits, [st.sampling for st in states],
@@ -246,15 +249,8 @@ class StageWorker:
             logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True) if lp is not None}
         return StepResult(out.step_id, sampled, logprobs=logprobs)
 
-    def slowest_rank(self, stage_seconds: tuple[float, ...]) -> tuple[float, ...]:
-        """These times as the slowest TP rank's (the stage waits for all of them): a max all-reduce over
-        this stage's TP group. Each stage reduces its own time before TP rank 0 sends it on."""
-        if self.tp.size == 1:
-            return stage_seconds
-        t = torch.tensor(stage_seconds, dtype=torch.float64, device=self.device)
-        return tuple(self.tp.all_reduce_max(t).tolist())
-
     def drain_spans(self) -> list[dict[str, Any]]:
+        self.timer.poll()  # the compute spans of steps the device has finished since the last step (no wait)
         return [s.to_dict() for s in self.recorder.drain()]
 
     def release(self) -> None:

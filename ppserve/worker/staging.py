@@ -47,8 +47,8 @@ class StepStaging:
         turn = self._turn
         self._turn ^= 1
         done = self._copied[turn]
-        if done is not None:
-            done.synchronize()  # this buffer's previous copy (two steps ago) has long finished
+        if done is not None and not done.query():
+            done.synchronize()  # this buffer's previous copy (two steps ago) is still running: rare, and needed
         host = self._host[turn]
         if host.numel() < n:
             host = self._host[turn] = torch.empty(max(n, 2 * host.numel(), 1024), dtype=torch.int64, pin_memory=True)

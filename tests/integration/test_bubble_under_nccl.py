@@ -79,19 +79,17 @@ class TouchingWorker:
         self.spec = SimpleNamespace(stage=1, tp_rank=0)
         self.tp = TPContext()  # one rank: no broadcast after the receive
         self.model = SimpleNamespace(is_last=False)  # a middle stage: it sends on
-
-    def slowest_rank(self, seconds: tuple[float, ...]) -> tuple[float, ...]:
-        return seconds
+        self.times = SimpleNamespace(relay=lambda upstream: None)  # no step times in this model
 
     def prepare(self, out: Any) -> None:
         with self.recorder.span("prepare", out.step_id):
             self.stream.clock.spend(_ns(PREPARE_S))  # host work on the step's inputs
 
-    def execute(self, out: Any, hidden_in: torch.Tensor, inp: None = None) -> tuple[torch.Tensor, None, float]:
+    def execute(self, out: Any, hidden_in: torch.Tensor, inp: None = None) -> tuple[torch.Tensor, None]:
         with self.recorder.span("compute", out.step_id):
             self.stream.synchronize()  # the first read of the received tensor
             self.stream.clock.spend(_ns(COMPUTE_S))
-        return hidden_in, None, COMPUTE_S
+        return hidden_in, None
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, data_ready: bool) -> list[Span]:

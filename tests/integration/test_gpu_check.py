@@ -36,6 +36,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path) -> None:
     assert runs["float32"]["teacher_forced"]["top1_agreement_decided"] == 1.0
     assert runs["float32"]["teacher_forced"]["positions"] > 0 and runs["float32"]["greedy"]["ok"]
     assert phases["serving"]["finished"] == phases["serving"]["workload"]["requests"]
+    times = phases["step_times"]  # the host clock on CPU: every step timed when it ends, no synchronize
+    assert times["timer"] == "HostStepTimer" and times["timed"] == times["steps"] > 0
+    assert times["lag_counts"] == {"0": times["steps"]} and times["synchronize_calls_in_loop"] == {}
     assert all(d["steps"] > 0 for d in phases["roofline"]["decode"])
     assert (out / "summary.txt").read_text().startswith("phase")
     assert proc.returncode == 0 and report["ok"] is True, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -68,7 +68,7 @@ def test_other_control_planes_equal_transformers(ray_session, tiny_llama_dir, pr
 
 
 def test_stage_times_reach_the_scheduler_under_ray(ray_session, tiny_llama_dir, prompts, expected):
-    """Every microbatch comes back with both stages' compute seconds (the slowest TP rank each), and the
+    """Every microbatch comes back with both stages' compute seconds (TP rank 0's each), and the
     time budget's cost model learns from them on a Ray pipeline."""
     with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, tensor_parallel_size=2,
              token_budget=16, block_size=4, overrides=["scheduler.budget_mode=time"]) as llm:

@@ -1,15 +1,16 @@
 """What a stage reports as its seconds for a microbatch (StepResult.stage_seconds): its prepare span plus
-its layers' compute, without the sampling that follows them; on a fake clock, so the figures are exact."""
+its layers' compute, the last stage's LM head included, without the sampling that follows them; on a
+fake clock, so the figures are exact."""
 
 from __future__ import annotations
 
 import pytest
 
 from ppserve import LLM, SamplingParams
-from ppserve.worker import stage_worker
+from ppserve.worker import stage_worker, step_timer
 from ppserve.worker.input_batch import InputBatch
 
-PREPARE_NS, FORWARD_NS, SAMPLE_NS = 30_000_000, 10_000_000, 50_000_000
+PREPARE_NS, FORWARD_NS, LOGITS_NS, SAMPLE_NS = 30_000_000, 10_000_000, 7_000_000, 50_000_000
 
 
 class FakeClock:
@@ -25,6 +26,7 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
              block_size=4, num_kv_blocks=64) as llm:
         clock = FakeClock()
         monkeypatch.setattr(stage_worker, "time", clock)
+        monkeypatch.setattr(step_timer, "time", clock)  # the stage's step timer reads the host clock on CPU
 
         def advancing(fn, ns):
             def wrapped(*args, **kwargs):
@@ -34,12 +36,13 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
 
         monkeypatch.setattr(InputBatch, "prepare", advancing(InputBatch.prepare, PREPARE_NS))
         monkeypatch.setattr(stage_worker.StageWorker, "_forward", advancing(stage_worker.StageWorker._forward, FORWARD_NS))
+        monkeypatch.setattr(stage_worker.StageWorker, "_logits", advancing(stage_worker.StageWorker._logits, LOGITS_NS))
         monkeypatch.setattr(stage_worker, "sample", advancing(stage_worker.sample, SAMPLE_NS))
         seen = []
         llm.engine.core.step_observers.append(lambda out, result: seen.append(result.stage_seconds))
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
         spans = [s for s in llm.engine.collect_spans() if s.kind == "compute" and s.stage == 1]
-    expected = (PREPARE_NS + FORWARD_NS) * 1e-9
-    assert seen and all(secs == pytest.approx((expected, expected)) for secs in seen)
+    expected = ((PREPARE_NS + FORWARD_NS) * 1e-9, (PREPARE_NS + FORWARD_NS + LOGITS_NS) * 1e-9)
+    assert seen and all(secs == pytest.approx(expected) for secs in seen)
     # The compute span still covers the sampling (the stage is busy with it): only the figure leaves it out.
-    assert all(s.end_ns - s.start_ns == FORWARD_NS + SAMPLE_NS for s in spans)
+    assert all(s.end_ns - s.start_ns == FORWARD_NS + LOGITS_NS + SAMPLE_NS for s in spans)
