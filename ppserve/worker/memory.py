@@ -108,6 +108,7 @@ class StageMemory:
         self.stage, self.tp_rank = stage, tp_rank
         self.log: list[dict[str, Any]] = []  # note()'s figures, one per start-up phase
         self.warm = False  # the largest microbatch has run once (profiled or warmed up)
+        self.decode_warm = False  # warm_up ran every attention path (chunk after cached tokens, decodes)
 
     def kv_bytes_per_block(self) -> int:
         per_layer = kv_cache_bytes_per_block(
@@ -143,58 +144,88 @@ class StageMemory:
         """Run the largest microbatch the scheduler may form (scheduler.token_budget tokens over up to
         max_num_seqs sequences, logits and sampling for each) on a scratch KV cache; return how far
         allocated memory rose above what stays allocated (0 on CPU, where only the code path is exercised)."""
-        bs, model, device = self.block_size, self.model, self.device
         tokens = max(1, self.profile_tokens)
         seqs = max(1, min(self.profile_seqs, tokens))
         lens = [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+        cuda = self.device.type == "cuda"
+        base = 0
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+        params = (SamplingParams(temperature=1.0, top_p=0.9, logprobs=5) if worst_case_sampling
+                  else SamplingParams(temperature=0.0))
+        self._scratch_forward(lens, lens, params)
+        self.warm = True
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        peak = int(torch.cuda.max_memory_allocated(self.device) - base)
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    def _scratch_forward(self, query_lens: list[int], seq_lens: list[int], params: SamplingParams,
+                         kv_cache: list[torch.Tensor] | None = None) -> None:
+        """One forward of `query_lens[i]` new tokens after `seq_lens[i] - query_lens[i]` cached ones per
+        sequence, then logits and sampling on the sampling rank of the last stage; on a scratch KV cache,
+        or on the first blocks of `kv_cache` (zeroed again after: nothing is serving yet)."""
+        bs, model, device = self.block_size, self.model, self.device
         tables: list[list[int]] = []
         nxt = 0
-        for n in lens:
+        for n in seq_lens:
             need = -(-n // bs)
             tables.append(list(range(nxt, nxt + need)))
             nxt += need
-        cuda = device.type == "cuda"
-        base = 0
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        cache = allocate_kv_cache(model.num_local_layers, nxt, bs, model.num_kv_heads_local,
-                                  self.arch.head_dim, self.kv_dtype, device)
-        meta = AttentionMetadata.build(lens, lens, tables, bs, device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        cache = kv_cache if kv_cache is not None else allocate_kv_cache(
+            model.num_local_layers, nxt, bs, model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype, device)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, device)
+        positions = torch.cat([torch.arange(n - q, n, device=device) for q, n in zip(query_lens, seq_lens, strict=True)])
+        tokens = sum(query_lens)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         hidden_in = None if model.is_first else torch.zeros(tokens, self.arch.hidden_size, dtype=self.dtype,
                                                             device=device)
         hidden = model(ids if model.is_first else None, hidden_in, positions, cache, meta)
         if model.is_last:
-            last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(seqs)], device=device)
-            logits = model.logits_for_sampling(hidden.index_select(0, last))
+            ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))]
+            logits = model.logits_for_sampling(hidden.index_select(0, torch.tensor(ends, device=device)))
             if logits is not None:  # the sampling rank: its peak is the stage's largest
-                params = (SamplingParams(temperature=1.0, top_p=0.9, logprobs=5) if worst_case_sampling
-                          else SamplingParams(temperature=0.0))
-                sample(logits, [params] * seqs, [0] * seqs)
+                sample(logits, [params] * len(query_lens), [0] * len(query_lens))
                 del logits
+        if kv_cache is not None:  # the blocks a request will own start as zeros (allocate_kv_cache says why)
+            for layer in kv_cache:
+                layer[:, :nxt].zero_()
         del hidden, cache
-        self.warm = True
-        if not cuda:
-            return 0
-        torch.cuda.synchronize(device)
-        peak = int(torch.cuda.max_memory_allocated(device) - base)
-        torch.cuda.empty_cache()
-        return max(0, peak)
 
-    def warm_up(self) -> float:
-        """Run the largest microbatch once, unless KV sizing already did (the GPU profile), and return its
-        seconds. A stage's first forward pays for kernel builds, primitive creation and allocator growth
-        (~0.3 s per stage on CPU for the default model); paid at start-up, it does not stall the
-        pipeline behind the first real microbatch."""
-        if self.warm:
+    def warm_up(self, kv_cache: list[torch.Tensor] | None = None) -> float:
+        """Run, once, the microbatch shapes serving will take, and return their seconds: the largest
+        microbatch (unless KV sizing already profiled it, on GPU), a chunk that follows cached tokens,
+        and decodes; the last two on the first blocks of `kv_cache`, the stage's own cache, when given
+        (after the cache took its share of GPU memory there may be no room for a scratch one). Each
+        takes another attention path (prefill from an empty cache, a chunk that reads the cache, the
+        paged decode kernel), and a path's first call pays for kernel builds or JIT
+        compiles, primitive creation and allocator growth: on CPU the default model's first prefill
+        costs ~0.3 s a stage and its first decode step twice a warm one. Paid at start-up, none of it
+        stalls the pipeline behind a cold stage once requests come."""
+        if self.decode_warm:
             return 0.0
         t0 = time.perf_counter()
         # Greedy: sampling has no first-call cost worth paying here (its torch ops need no tuning), so
         # warming it buys nothing; the worst case matters only to the GPU profile's memory peak.
-        self.profile_peak_bytes(worst_case_sampling=False)
+        greedy = SamplingParams(temperature=0.0)
+        if not self.warm:
+            self.profile_peak_bytes(worst_case_sampling=False)
+        room = self.arch.max_position_embeddings
+        cached = min(2 * self.block_size + 1, room // 2)  # spans blocks, ends inside one: the general case
+        chunk = max(2, min(self.profile_tokens, 4 * self.block_size, room - cached))
+        blocks = kv_cache[0].shape[1] if kv_cache else None
+        if blocks is not None:  # a cache too small for the general case: as long a context as fits
+            chunk = max(1, min(chunk, blocks * self.block_size - cached))
+            cached = min(cached, blocks * self.block_size - chunk)
+        self._scratch_forward([chunk], [cached + chunk], greedy, kv_cache)
+        per_seq = -(-(cached + 1) // self.block_size)  # blocks one decode needs
+        seqs = max(1, self.profile_seqs if blocks is None else min(self.profile_seqs, blocks // per_seq))
+        self._scratch_forward([1] * seqs, [cached + 1] * seqs, greedy, kv_cache)
+        self.decode_warm = True
         return time.perf_counter() - t0
 
     def note(self, phase: str, **facts: float) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""Warm start: every stage runs its largest microbatch once at start-up, after its KV cache exists and
-before the first request, so the first real microbatch does not stall the pipeline behind a cold stage."""
+"""Warm start: every stage runs its largest microbatch, a chunk after cached tokens and a decode step once
+at start-up, after its KV cache exists and before the first request, so no first real microbatch of
+any shape stalls the pipeline behind a cold stage."""
 
 from __future__ import annotations
 
@@ -19,7 +20,20 @@ def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
             phases = [e["phase"] for e in worker.memory.log]
             assert phases.count("warmed up") == 1, phases
             assert phases.index("warmed up") > phases.index("KV cache allocated")
-            assert worker.memory.warm
+            assert worker.memory.warm and worker.memory.decode_warm
             assert worker.memory.warm_up() == 0.0  # once only: a second call runs nothing
+        # After a GPU memory profile (the largest microbatch, done) the other paths still run, once.
+        worker = executor.workers[-1]
+        memory = worker.memory
+        memory.decode_warm = False
+        shapes = []
+        forward = memory._scratch_forward
+        memory._scratch_forward = lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest)  # type: ignore[method-assign]
+        worker.kv_caches[0][:, :3].fill_(1.0)  # as if written: the warm-up leaves its blocks zeroed
+        assert memory.warm_up(worker.kv_caches) > 0.0
+        assert all(not layer[:, :8].any() for layer in worker.kv_caches)
+        cached = 2 * 4 + 1  # two blocks of 4 and one token into the third
+        assert shapes == [([16], [cached + 16]), ([1] * 3, [cached + 1] * 3)]  # a chunk after cached tokens, decodes
+        assert memory.decode_warm and memory.warm_up() == 0.0
     finally:
         executor.shutdown()
