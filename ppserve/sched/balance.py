@@ -20,7 +20,9 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   prompt is cut into p chunks that follow each other down the pipeline instead of one chunk that
   visits the stages one at a time; a token share is never below a quarter of the budget
   (`MIN_SHARE_OF_BUDGET`: a smaller chunk beside the decodes balances nothing, the step's floor
-  dominates, and it only delays a short prompt). A chunk that follows its prompt's in-flight chunk takes only the
+  dominates, and it only delays a short prompt), except while several prompts fill an empty pipeline
+  (nothing in flight, no decode): there the floor would only make the first microbatch the longest,
+  with every stage behind it waiting for all of it. A chunk that follows its prompt's in-flight chunk takes only the
   budget the other work leaves: ranked with the other prefills, one prompt's chunks took the prefill
   part of consecutive microbatches, and its short last chunk (next to a sequence cap full of decodes)
   left every few microbatches short of the budget, which a saturated pipeline pays as bubbles. `scheduler.balance_rounds` = k shares the work among

@@ -139,6 +139,22 @@ class BlockManager:
             hits.append(b)
         return hits
 
+    def prefix_in_reach(self, req: Request, seen: set[bytes]) -> int:
+        """How many of a request's first tokens it will not compute if scheduled now: for one that holds
+        no blocks, its leading full blocks that are cached or in `seen` (the keys of requests counted
+        before it, which schedule first and key their blocks as they go), as `lookup` would stop;
+        0 for one that holds blocks (its computed tokens say it). Adds its keys to `seen`."""
+        if not self.enable_prefix_caching or req.block_ids:
+            return 0
+        keys = self._extend_keys(req, (req.num_tokens - 1) // self.block_size)
+        shared = 0
+        for key in keys:
+            if key not in seen and key not in self._block_of:
+                break
+            shared += 1
+        seen.update(keys)
+        return shared * self.block_size
+
     def acquire_prefix(self, req: Request, hits: list[int]) -> None:
         """Start a request that holds no blocks from the cached blocks `hits` (from `lookup`, this
         step): it holds them and its first len(hits) blocks of tokens count as computed."""

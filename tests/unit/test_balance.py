@@ -154,6 +154,36 @@ def test_lone_prompt_is_cut_into_p_chunks():
     assert [o.total_tokens for o in outs] == [150, 150, 150, 150]
 
 
+def test_prompts_filling_an_empty_pipeline_split_evenly():
+    """The demo's start: eight short chat prompts (194 tokens) into an empty pp=2 pipeline with a budget
+    of 512. The quarter-budget floor would make the first microbatch 128+ tokens and the second the
+    rest, and the second stage would wait for all of the first; filling, the two are even. A lone short
+    prompt keeps the floor: cut below it, each chunk would pay the step's floor."""
+    s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
+    for i, n in enumerate([23, 25, 24, 22, 26, 25, 24, 25]):
+        s.add_request(make_request(f"r{i}", n, max_tokens=2))
+    first, second = s.schedule(), s.schedule()
+    assert first.total_tokens + second.total_tokens == 194
+    assert abs(first.total_tokens - second.total_tokens) <= 2, (first.total_tokens, second.total_tokens)
+    lone = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
+    lone.add_request(make_request("p", 200, max_tokens=2))
+    assert [lone.schedule().total_tokens, lone.schedule().total_tokens] == [128, 72]
+
+
+def test_a_shared_prefix_counts_once_in_the_work_in_reach():
+    """Eight chat prompts behind one 32-token system prompt (two blocks of 16): the first request
+    computes the prefix, the other seven hit it (keyed as it is scheduled), so the work in reach is
+    32 + 8 x 24 tokens, not 8 x 56, and the pipeline's first two microbatches split it evenly. Counted
+    eight times (the demo: 153 + 41 computed tokens), the first microbatch took nearly all of it."""
+    s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500, block_size=16)
+    system = list(range(5, 37))
+    for i in range(8):
+        s.add_request(make_request(f"r{i}", 56, max_tokens=2, prefix=system))
+    first, second = s.schedule(), s.schedule()
+    assert first.total_tokens + second.total_tokens == 32 + 8 * 24
+    assert abs(first.total_tokens - second.total_tokens) <= 24, (first.total_tokens, second.total_tokens)
+
+
 def test_decodes_left_out_by_the_quota_go_first_next_time():
     """A request that becomes a decode joins a full group; the surplus decode waits at most one
     microbatch and is then the first served (oldest ready first)."""
