@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 
 from ppserve.sched.output import SchedulerOutput
 
@@ -411,10 +411,18 @@ class LayerCosts:
         return cls(StepCost.from_json(layer), StepCost.from_json(head))
 
 
-def fit_layer_costs(stages: PipelineCost, ranges: Sequence[tuple[int, int]]) -> LayerCosts:
+def fit_layer_costs(stages: PipelineCost, ranges: Sequence[tuple[int, int]],
+                    reference: Sequence[float] | None = None) -> LayerCosts:
     """Per-layer and head costs from a pipeline's measured per-stage costs: the non-last stages hold
     decoder layers only (their cost per layer, weighted by their layers, is the layer's), and the head
-    is what the last stage costs beyond its own layers at that rate. Needs two stages or more."""
+    is what the last stage costs beyond its own layers at that rate. Needs two stages or more.
+
+    The head is a difference of two fits, taken per coefficient and clamped at zero; where the fits'
+    features are nearly collinear (a run whose decodes all have the same batch size: floor, tokens and
+    samples move together) the two stages share the same time out differently, and the clamped
+    difference can be far off. With `reference` (features) the head's floor is moved so that the head
+    costs at the reference what the stages measured there (as far as a floor >= 0 allows), so a split
+    priced at the reference sees the head the stages measured."""
     if len(ranges) < 2 or len(ranges) != stages.num_stages:
         raise ValueError(f"fitting layer costs needs two stages or more, one range each; got "
                          f"{stages.num_stages} stages, {len(ranges)} ranges")
@@ -426,4 +434,7 @@ def fit_layer_costs(stages: PipelineCost, ranges: Sequence[tuple[int, int]]) -> 
     layer = total.times(1.0 / front)
     head = StepCost.of([t - counts[-1] * c for t, c in
                         zip(stages.stages[-1].coefficients, layer.coefficients, strict=True)])
+    if reference is not None:
+        exact = stages.stages[-1].of_features(reference) - counts[-1] * layer.of_features(reference)
+        head = replace(head, floor_s=max(0.0, head.floor_s + exact - head.of_features(reference)))
     return LayerCosts(layer, head)
