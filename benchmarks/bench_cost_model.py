@@ -41,11 +41,13 @@ def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, An
         sched = llm.engine.scheduler
         observe = sched.observe_step
 
-        def predicting_observe(out: Any, stage_seconds: Sequence[float] = ()) -> None:
-            # Predict before the model sees this microbatch's times: an out-of-sample, one-step-ahead figure.
-            if stage_seconds and not out.is_empty and sched.cost.fits[0].num_samples >= skip:
-                rows.append((sched.cost.current.stage_times(BatchShape.of(out)), tuple(stage_seconds)))
-            observe(out, stage_seconds)
+        def predicting_observe(out: Any, stage_seconds: Sequence[float] = (), timed: Any = None) -> None:
+            # Predict before the model sees this microbatch's times: an out-of-sample, one-step-ahead figure,
+            # for the microbatch the times measure (`timed`: an earlier one when the stages read them late).
+            measured = out if timed is None else timed
+            if stage_seconds and not measured.is_empty and sched.cost.fits[0].num_samples >= skip:
+                rows.append((sched.cost.current.stage_times(BatchShape.of(measured)), tuple(stage_seconds)))
+            observe(out, stage_seconds, timed=timed)
 
         sched.observe_step = predicting_observe  # type: ignore[method-assign]
         run = replay(llm.engine, reqs, prompts, name="cost-model", progress=False)
