@@ -5,11 +5,15 @@ start-up. Everything else talks to that thread through a FIFO inbox of commands 
 applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per step
 carrying that step's `TokenDelta`s, so the engine thread never blocks on a client; on the event loop
 each request's deltas merge into its `RequestStream` (engine/streams.py). The statistics window
-(engine/stats.py) is fed and read on the engine thread.
+(engine/stats.py) is fed on the engine thread and read anywhere (see below).
 
 Every front door (gRPC, HTTP, the demo) uses this bridge; it imports no grpc, protobuf or web
 framework, and keeps no copy of the engine's request state: the engine's final delta of a request
 carries its times.
+
+Statistics are published, not asked for: the engine thread puts an immutable snapshot in the stats
+window after every step (and drains stage spans at a bounded rate), and `stats()` reads the latest one
+on the caller's thread, so `/metrics` scrapes and GetStats calls never queue behind or delay a step.
 """
 
 from __future__ import annotations
@@ -74,9 +78,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failure: BaseException | None = None
-        # Engine-thread state: the statistics window.
+        # Engine-thread state: the statistics window, and whether a step ran since its last span drain.
         self.window = StatsWindow(engine.collect_spans, engine.clock, window_s=stats_window_s,
                                   keep_all_spans=keep_all_spans or bool(self.config.trace.path))
+        self._stepped_since_drain = False
+        self._publish_failed = False
         # Engine clock (monotonic) -> Unix time, for the per-token timestamps clients see.
         self.engine_to_unix = engine_to_unix_offset(engine.clock)
 
@@ -95,6 +101,7 @@ class AsyncEngine:
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
+        self._publish_stats(drain=True)  # here, before the thread exists: stats() has a snapshot at once
         self._thread = threading.Thread(target=self._run, name="ppserve-engine", daemon=True)
         self._thread.start()
 
@@ -184,7 +191,16 @@ class AsyncEngine:
         return await asyncio.wait_for(fut, timeout)
 
     async def stats(self) -> EngineStats:
-        return await self.call(lambda _eng: self._stats())
+        """The engine thread's latest published statistics; it is not asked, so this never waits for a
+        step. The counts are as of the last step, the bubble figures as of the last span drain (at most
+        SPAN_DRAIN_INTERVAL_S old under load, current once the engine is idle)."""
+        self._check_available()
+        snap = self.window.latest
+        if snap is None:  # start() publishes one; only a failure to publish leaves none
+            raise PipelineUnavailable("the engine has published no statistics yet")
+        if not snap.ready:  # the bubble report, once per drain: in a worker thread, not on the event loop
+            return await asyncio.to_thread(snap.stats)
+        return snap.stats()
 
     def all_spans(self) -> list[Span]:
         """Engine thread only (through call()): every span kept so far, freshly drained."""
@@ -216,10 +232,11 @@ class AsyncEngine:
                     logger.exception("engine step failed")
                     self._fail(e)
                     break
+                self._stepped_since_drain = True
                 if deltas:
                     self._emit(deltas)
-            if self.window.drain_due:
-                self.window.drain_spans()
+                    continue  # _emit published
+            self._publish_stats()
         self._cancel_all(FinishReason.CANCELLED)
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -279,6 +296,7 @@ class AsyncEngine:
     def _emit(self, deltas: list[TokenDelta]) -> None:
         self._observe(deltas)
         self.window.record(deltas)
+        self._publish_stats()  # before delivery: a client that has its last token sees it counted
         self._post(self._deliver, deltas)
 
     def _deliver(self, deltas: list[TokenDelta]) -> None:
@@ -320,9 +338,20 @@ class AsyncEngine:
                 self._post(_set_exception, cmd.reply, PipelineUnavailable("the engine stopped"))
 
     # ---- statistics (engine thread) --------------------------------------------------------------
-    def _stats(self) -> EngineStats:
+    def _publish_stats(self, drain: bool = False) -> None:
+        """After each step and each idle wake-up: the counts (a few attribute reads) into a new snapshot;
+        the stage spans too when a drain is due, or once the engine has just gone idle (nothing in
+        flight then, so the drain waits for nothing)."""
         eng = self.engine
-        return self.window.snapshot(eng.stats(), eng.work.intervals, eng.executor.describe(), self.serving_config())
+        try:
+            if drain or self.window.drain_due or (self._stepped_since_drain and not eng.has_unfinished):
+                self.window.drain(eng.work.intervals, eng.executor.describe(), self.serving_config())
+                self._stepped_since_drain = False
+            self.window.publish(eng.stats())
+        except Exception:  # observability must never take serving down; said once, not every step
+            if not self._publish_failed:
+                logger.exception("publishing engine statistics failed")
+            self._publish_failed = True
 
     def serving_config(self) -> ServingConfig:
         return ServingConfig.of(self.config, block_size=int(self.engine.scheduler.blocks.block_size),

@@ -4,14 +4,20 @@ GetStats (server/servicer.py, converted in server/convert.py), Prometheus `/metr
 (server/metrics.py) and `ppserve stats` (server/cli.py, through the client) all read `EngineStats`;
 its field names are those of the ppserve.v1 `Stats` message, so the conversion is field for field.
 `EngineCounts` is the part LLMEngine knows itself (queue, KV blocks, restarts); `StatsWindow`, owned by
-the AsyncEngine and used on the engine thread only, adds the recent window: output tokens per second
+the AsyncEngine and fed on the engine thread only, adds the recent window: output tokens per second
 and each stage's bubble figures (ARCHITECTURE.md §5) over the last `window_s` seconds.
+
+Readers never run on the engine thread: it publishes an immutable `StatsSnapshot` after every step
+(counts and token totals: a few attribute reads) and, at a bounded rate, the spans it drained
+(`SpanWindow`); a reader's `StatsSnapshot.stats()` computes the bubble report itself, once per drain.
+So a `/metrics` scrape or a GetStats call costs the engine thread nothing, however often it comes.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -26,7 +32,9 @@ from ppserve.worker.info import WorkerInfo
 
 logger = logging.getLogger(__name__)
 
-SPAN_DRAIN_INTERVAL_S = 10.0  # drain stage spans at least this often (a drain waits for in-flight work)
+# Drain stage spans at least this often while the engine is busy (a drain waits for in-flight work, so it
+# is rate-bounded rather than done per scrape); an engine that has just gone idle drains at once.
+SPAN_DRAIN_INTERVAL_S = 10.0
 STATS_WINDOW_S = 30.0  # the "recent window" of GetStats rates and bubble fractions
 
 
@@ -110,12 +118,77 @@ class EngineStats(EngineCounts):
         return dataclasses.asdict(self)
 
 
-class StatsWindow:
-    """Output tokens, stage spans and the bubble report over the last `window_s` seconds. Engine thread only.
+@dataclass(frozen=True)
+class SpanWindow:
+    """The spans of one drain over the window ending at it, and what the engine said at that drain.
+    Immutable: the bubble report is computed from it by whichever thread reads it first, once."""
 
-    `collect_spans` drains the stages' new spans (a drain waits for in-flight work, so it runs every
-    SPAN_DRAIN_INTERVAL_S and at each snapshot); spans older than the window are dropped unless
-    `keep_all_spans` (a trace file or the demo's timeline wants them all).
+    spans: tuple[Span, ...]
+    work: tuple[WorkInterval, ...]  # the engine's had-work intervals, the open one cut at end_ns
+    t0_ns: int
+    end_ns: int  # when the spans were drained: the bubble figures are as of then
+    workers: tuple[WorkerInfo, ...]
+    config: ServingConfig
+
+    @functools.cached_property
+    def bubbles(self) -> tuple[tuple[StageBubbles, ...], float]:
+        """Each stage's fractions over (t0_ns, end_ns) and their mean; ((), 0.0) without stage spans."""
+        if not self.spans:
+            return (), 0.0
+        try:
+            rep = bubble_report(self.spans, self.work, window=(self.t0_ns, self.end_ns))
+        except Exception as e:  # e.g. a window with no stage spans at all
+            logger.debug("bubble report: %s", e)
+            return (), 0.0
+        stages = tuple(StageBubbles(st.stage, st.busy_fraction, st.bubble_fraction, st.starvation_fraction)
+                       for st in rep.stages)
+        return stages, rep.mean_bubble_fraction
+
+
+_NO_SPANS = SpanWindow((), (), 0, 0, (), ServingConfig())
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """What the engine thread published last; any thread may read it (nothing in it changes)."""
+
+    counts: EngineCounts
+    tokens_per_s: float
+    window_s: float
+    tokens_generated: int
+    requests_finished: int
+    uptime_s: float
+    spans: SpanWindow
+
+    @property
+    def ready(self) -> bool:
+        """Whether stats() is cheap now (the bubble report of this drain is computed)."""
+        return "bubbles" in self.spans.__dict__
+
+    def stats(self) -> EngineStats:
+        """The EngineStats of this snapshot (the bubble report is computed here, off the engine thread)."""
+        stages, mean_bubble = self.spans.bubbles
+        return EngineStats(
+            **{f.name: getattr(self.counts, f.name) for f in dataclasses.fields(EngineCounts)},
+            tokens_per_s=self.tokens_per_s,
+            window_s=self.window_s,
+            stages=stages,
+            mean_bubble_fraction=mean_bubble,
+            workers=self.spans.workers,
+            config=self.spans.config,
+            requests_finished=self.requests_finished,
+            tokens_generated=self.tokens_generated,
+            uptime_s=self.uptime_s,
+        )
+
+
+class StatsWindow:
+    """Output tokens and stage spans over the last `window_s` seconds. Fed on the engine thread only;
+    read by any thread through `latest`, the snapshot `publish` put there.
+
+    `collect_spans` drains the stages' new spans (a drain waits for in-flight work, so the AsyncEngine
+    calls `drain` every SPAN_DRAIN_INTERVAL_S while busy and once each time it goes idle); spans older
+    than the window are dropped unless `keep_all_spans` (a trace file or the demo's timeline wants them all).
     """
 
     def __init__(self, collect_spans: Callable[[], Iterable[Span]], clock: Callable[[], float], *,
@@ -128,9 +201,12 @@ class StatsWindow:
         self.finished_total = 0
         self._spans: collections.deque[Span] = collections.deque()
         self._token_log: collections.deque[tuple[float, int]] = collections.deque()  # (engine time, tokens)
+        self._window_tokens = 0  # the sum over _token_log, kept as it changes (publish runs every step)
         self._last_drain = time.monotonic()
         self._start_time = clock()
         self._start_ns = time.perf_counter_ns()
+        self._span_window = _NO_SPANS
+        self.latest: StatsSnapshot | None = None  # replaced whole (one reference store), never mutated
 
     def record(self, deltas: Sequence[TokenDelta]) -> None:
         """One step's output: its tokens count towards the rate, its finished requests towards the total."""
@@ -138,6 +214,7 @@ class StatsWindow:
         self.finished_total += sum(d.finished for d in deltas)
         self.tokens_total += n
         self._token_log.append((self.clock(), n))
+        self._window_tokens += n
 
     @property
     def drain_due(self) -> bool:
@@ -160,40 +237,42 @@ class StatsWindow:
         self.drain_spans()
         return list(self._spans)
 
-    def snapshot(self, counts: EngineCounts, work_intervals: Callable[[int], Iterable[WorkInterval]],
-                 workers: Sequence[WorkerInfo], config: ServingConfig) -> EngineStats:
-        """The stats now: `counts` from the engine, the window's figures, `workers` and `config` as given."""
+    def drain(self, work_intervals: Callable[[int, int], Iterable[WorkInterval]],
+              workers: Sequence[WorkerInfo], config: ServingConfig) -> None:
+        """Drain the stages' spans and keep the window's as the next snapshots' SpanWindow.
+        `work_intervals(now_ns, since_ns)` gives the engine's had-work intervals that end after since_ns."""
+        self.drain_spans()
         now_ns = time.perf_counter_ns()
         t0_ns = max(self._start_ns, now_ns - int(self.window_s * 1e9))
-        window_s = max(1e-9, (now_ns - t0_ns) / 1e9)
+        self._span_window = SpanWindow(self._recent_spans(t0_ns), tuple(work_intervals(now_ns, t0_ns)),
+                                       t0_ns, now_ns, tuple(workers), config)
+
+    def publish(self, counts: EngineCounts) -> None:
+        """Put a new snapshot in `latest`: `counts`, the token rate now and the last drain's spans."""
+        now_ns = time.perf_counter_ns()
+        window_s = max(1e-9, (now_ns - max(self._start_ns, now_ns - int(self.window_s * 1e9))) / 1e9)
         now = self.clock()
         while self._token_log and self._token_log[0][0] < now - self.window_s:
-            self._token_log.popleft()
-        self.drain_spans()
-        stages, mean_bubble = self._bubbles(t0_ns, now_ns, work_intervals)
-        return EngineStats(
-            **{f.name: getattr(counts, f.name) for f in dataclasses.fields(EngineCounts)},
-            tokens_per_s=sum(n for _, n in self._token_log) / window_s,
+            self._window_tokens -= self._token_log.popleft()[1]
+        self.latest = StatsSnapshot(
+            counts=counts,
+            tokens_per_s=self._window_tokens / window_s,
             window_s=window_s,
-            stages=stages,
-            mean_bubble_fraction=mean_bubble,
-            workers=tuple(workers),
-            config=config,
-            requests_finished=self.finished_total,
             tokens_generated=self.tokens_total,
+            requests_finished=self.finished_total,
             uptime_s=now - self._start_time,
+            spans=self._span_window,
         )
 
-    def _bubbles(self, t0_ns: int, now_ns: int, work_intervals: Callable[[int], Iterable[WorkInterval]],
-                 ) -> tuple[tuple[StageBubbles, ...], float]:
-        spans = [sp for sp in self._spans if sp.end_ns > t0_ns]
-        if not spans:
-            return (), 0.0
-        try:
-            rep = bubble_report(spans, work_intervals(now_ns), window=(t0_ns, now_ns))
-        except Exception as e:  # e.g. a window with no stage spans at all
-            logger.debug("bubble report: %s", e)
-            return (), 0.0
-        stages = tuple(StageBubbles(st.stage, st.busy_fraction, st.bubble_fraction, st.starvation_fraction)
-                       for st in rep.stages)
-        return stages, rep.mean_bubble_fraction
+    def _recent_spans(self, t0_ns: int) -> tuple[Span, ...]:
+        """The kept spans that end after t0_ns. Spans arrive drain by drain in time order, so the scan
+        from the newest stops a whole window before t0_ns: with keep_all_spans, older ones are never read."""
+        recent = []
+        stop_ns = t0_ns - int(self.window_s * 1e9)
+        for sp in reversed(self._spans):
+            if sp.end_ns < stop_ns:
+                break
+            if sp.end_ns > t0_ns:
+                recent.append(sp)
+        recent.reverse()
+        return tuple(recent)

@@ -11,6 +11,7 @@ Pure Python, stdlib only: no torch, ray or grpc here.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import time
@@ -190,9 +191,12 @@ class WorkTracker:
                 self._closed.append((self._open_since, now_ns))
             self._open_since = None
 
-    def intervals(self, now_ns: int | None = None) -> list[WorkInterval]:
-        """Closed intervals, plus the open one cut at `now_ns` when given."""
-        out = list(self._closed)
+    def intervals(self, now_ns: int | None = None, since_ns: int | None = None) -> list[WorkInterval]:
+        """Closed intervals (only those ending after `since_ns` when given), plus the open one cut at
+        `now_ns` when given. Closed intervals are appended in time order, so `since_ns` is a bisection:
+        the stats window reads its last seconds without copying the whole history."""
+        first = 0 if since_ns is None else bisect.bisect_right(self._closed, since_ns, key=lambda iv: iv[1])
+        out = self._closed[first:]
         if self._open_since is not None and now_ns is not None and now_ns > self._open_since:
             out.append((self._open_since, now_ns))
         return out

@@ -3,7 +3,8 @@
 One `ServerMetrics` per server, on its own registry (no process-global state). The engine thread feeds
 it through the AsyncEngine's observer hooks (a request added, a step's deltas, a microbatch's stage
 times); gauges of the current state (queue, KV usage, per-stage bubble fractions over the stats
-window, restarts) are refreshed from the engine's stats when /metrics is scraped.
+window, restarts) are refreshed when /metrics is scraped, from the statistics the engine thread last
+published (AsyncEngine.stats(), which does not ask that thread: a scrape never delays a step).
 
 | series | type | meaning (same as vLLM's where vLLM has it) |
 |---|---|---|
@@ -19,7 +20,7 @@ window, restarts) are refreshed from the engine's stats when /metrics is scraped
 | `ppserve:stage_busy_fraction`, `ppserve:stage_bubble_fraction`, `ppserve:stage_starvation_fraction` `{stage}` | gauge | each stage over the stats window (ARCHITECTURE.md §5's definitions) |
 | `ppserve:mean_bubble_fraction` | gauge | their mean over stages |
 | `ppserve:microbatch_tokens` | histogram | tokens per microbatch |
-| `ppserve:microbatch_compute_seconds{stage}` | histogram | a stage's compute time per microbatch (slowest TP rank) |
+| `ppserve:microbatch_compute_seconds{stage}` | histogram | a stage's compute time per microbatch (TP rank 0's, which ends with the slowest rank's) |
 | `ppserve:pipeline_restarts_total` | counter | pipeline rebuilds after a stage failed |
 | `ppserve:pipeline_recovery_seconds_total`, `ppserve:pipeline_last_recovery_seconds` | counter, gauge | time to serve again |
 """
@@ -78,7 +79,7 @@ class ServerMetrics:
         self.mean_bubble = gauge("mean_bubble_fraction", "Bubble fraction averaged over the stages.")
         self.mb_tokens = histogram("microbatch_tokens", "Tokens per microbatch.", _TOKENS)
         self.mb_seconds = histogram("microbatch_compute_seconds", "A stage's compute time per microbatch "
-                                    "(its slowest TP rank).", _STEP, ["stage"])
+                                    "(TP rank 0's, which ends with its slowest rank's).", _STEP, ["stage"])
         self.restarts = counter("pipeline_restarts", "Pipeline rebuilds after a stage died or hung.")
         self.recovery_total = counter("pipeline_recovery_seconds", "Time from a stage failure to serving again.")
         self.last_recovery = gauge("pipeline_last_recovery_seconds", "The latest rebuild's recovery time.")

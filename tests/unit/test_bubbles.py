@@ -329,6 +329,9 @@ def test_work_tracker():
     w.update(True, 30)
     assert w.intervals() == [(10, 20)]
     assert w.intervals(now_ns=35) == [(10, 20), (30, 35)]
+    assert w.intervals(now_ns=35, since_ns=19) == [(10, 20), (30, 35)]
+    assert w.intervals(now_ns=35, since_ns=20) == [(30, 35)]  # only intervals that end after since_ns
+    assert w.intervals(since_ns=100) == []
 
 
 def test_jsonl_round_trip(tmp_path):

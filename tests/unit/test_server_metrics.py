@@ -42,7 +42,7 @@ def test_hooks_feed_counters_and_latency_histograms() -> None:
     m.on_deltas([TokenDelta("a", (3,), "z", (1.5,), True, "stop", RequestTimes(0.5, 0.6, [1.0, 1.0, 1.5]))])
     out = SchedulerOutput(step_id=0, order=("a",), num_scheduled_tokens=(5,), num_computed_tokens=(0,),
                           new_requests=(), cached_requests=(), sample_request_ids=("a",))
-    m.on_step(out, StepResult(0, {"a": 1}, (0.01, 0.02)))
+    m.on_step(out, StepResult(0, {"a": 1}, (0.01, 0.02), timed_step_id=0))
     s = _samples(m)
     assert s["ppserve:prompt_tokens_total{}"] == 10
     assert s["ppserve:generation_tokens_total{}"] == 3
