@@ -36,6 +36,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None,
+                   help="keep tokens at least this times as likely as the most likely one, in [0, 1]")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); not included in the output")
@@ -94,7 +96,7 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "stop": tuple(args.stop), "stop_token_ids": args.stop_token_ids,
                               "ignore_eos": args.ignore_eos}
-    for name in ("top_p", "top_k", "seed"):
+    for name in ("top_p", "top_k", "min_p", "seed"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     sampling = SamplingParams(**kwargs)

@@ -39,7 +39,7 @@ MAX_REQUEST_ID_CHARS = 256
 
 # ---- sampling ------------------------------------------------------------------------------------
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "min_tokens", "logprobs", "n")
+                      "repetition_penalty", "min_tokens", "logprobs", "n", "min_p")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:

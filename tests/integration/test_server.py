@@ -114,6 +114,17 @@ def test_choices_logprobs_and_penalties_over_grpc(client: PPServeClient, referen
         client.generate(prompt, sampling=sp)
 
 
+def test_min_p_over_grpc_reaches_the_sampler(client: PPServeClient, reference: Any) -> None:
+    """min_p crosses the proto into the sampler: min_p=1 keeps only the most likely token, so a hot
+    temperature still gives the greedy tokens; a partial min_p, seeded, equals the offline API's draw."""
+    prompt = reference.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    greedy = reference.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    only_top = client.generate(prompt, max_tokens=5, temperature=5.0, min_p=1.0, seed=3, ignore_eos=True)
+    assert only_top.token_ids == greedy.token_ids
+    sp = SamplingParams(max_tokens=5, temperature=1.5, min_p=0.2, seed=11, ignore_eos=True)
+    assert client.generate(prompt, sampling=sp).token_ids == reference.generate([prompt], sp)[0].token_ids
+
+
 def test_metrics_over_http_show_every_stage(server: ServerProcess, client: PPServeClient) -> None:
     """The pp=2 server's /metrics (its HTTP door) carries both stages' gauges and compute histograms."""
     import httpx
@@ -200,6 +211,7 @@ def test_client_cancellation_and_deadline_free_blocks(client: PPServeClient) -> 
     [
         ({"prompt": "hi", "temperature": -1.0}, "temperature"),
         ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"prompt": "hi", "min_p": 1.5}, "min_p"),
         ({"prompt": "hi", "max_tokens": -2}, "max_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 2, 10**6]}, "prompt_token_ids"),

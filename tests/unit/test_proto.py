@@ -25,6 +25,7 @@ def test_sampling_round_trip() -> None:
         temperature=0.7,
         top_p=0.9,
         top_k=40,
+        min_p=0.05,
         seed=123,
         stop=("\n\n", "END"),
         stop_token_ids=(2, 5),
@@ -37,6 +38,10 @@ def test_unset_sampling_fields_keep_defaults() -> None:
     assert convert.sampling_from_proto(pb.SamplingParams()) == SamplingParams()
     only = convert.sampling_from_proto(pb.SamplingParams(max_tokens=3))
     assert only == SamplingParams(max_tokens=3)
+    assert convert.sampling_from_proto(pb.SamplingParams(min_p=0.2)).min_p == 0.2
+    # An unset min_p keeps the model's default; an explicit 0 (disabled) overrides it.
+    assert convert.sampling_from_proto(pb.SamplingParams(), {"min_p": 0.1}).min_p == 0.1
+    assert convert.sampling_from_proto(pb.SamplingParams(min_p=0.0), {"min_p": 0.1}).min_p == 0.0
     # Explicit zero temperature is present (greedy), not "unset".
     assert convert.sampling_from_proto(pb.SamplingParams(temperature=0.0)).temperature == 0.0
 
@@ -50,6 +55,9 @@ def test_unset_sampling_fields_keep_defaults() -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
     ],
 )
 def test_bad_sampling_names_the_field(fields: dict, named: str) -> None:
