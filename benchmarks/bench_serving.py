@@ -65,14 +65,14 @@ def server_command(engine: str, model_dir: str, port: int, args: argparse.Namesp
     if engine == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=args.cores)
         return [str(DEFAULT_VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", model_dir, "--served-model-name", SERVED_NAME, "--dtype", "float32",
+                "--model", model_dir, "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
                 "--max-num-batched-tokens", str(args.token_budget), "--max-model-len", "2048",
                 "--port", str(port), "--host", "127.0.0.1", "--seed", "0"], env
     pp = int(engine[len("ppserve-pp"):])
     if args.ppserve_src:  # another checkout of ppserve (a before/after comparison), imported first
         env["PYTHONPATH"] = str(Path(args.ppserve_src).resolve())
     cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--http-port", str(port), "--port", "0",
-           "--set", f"parallel.pipeline_parallel_size={pp}"]
+           "--set", f"parallel.pipeline_parallel_size={pp}", "--set", f"model.dtype={args.dtype}"]
     for item in args.ppserve_set:
         cmd += ["--set", item]
     return cmd, env
@@ -259,8 +259,14 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--client-timeout", type=float, default=1800.0)
     ap.add_argument("--model", default=None, help="HF directory; default SmolLM2-135M-Instruct (converted)")
+    ap.add_argument("--dtype", default=None, help="every server's dtype (default: bfloat16 where the CPU has "
+                    "native bf16, as ppserve's dtype auto picks, else float32): the same on both sides")
     ap.add_argument("--out", default=str(REPO / "results" / "serving.json"))
     args = ap.parse_args()
+    if args.dtype is None:  # what ppserve's dtype auto picks on a CPU (ppserve/worker/devices.py), for both
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        args.dtype = "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    print(f"dtype {args.dtype} on every server", flush=True)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
@@ -288,7 +294,7 @@ def main() -> None:
                 print(f"[offline] {rd['offline']}", flush=True)
     report = {"model_dir": model_dir, "cores": args.cores, "num_prompts": args.num_prompts,
               "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "token_budget": args.token_budget,
-              "ppserve_set": args.ppserve_set, "ppserve_src": args.ppserve_src, "rounds": rounds,
+              "dtype": args.dtype, "ppserve_set": args.ppserve_set, "ppserve_src": args.ppserve_src, "rounds": rounds,
               "median": medians(rounds), "ratios": same_round_ratios(rounds),
               "offline": rounds[-1].get("offline") if rounds else None}
     out_path.write_text(json.dumps(report, indent=1))
