@@ -81,7 +81,7 @@ class TopKRouter(nn.Module):
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.normalize_topk:
-            top = top / top.sum(dim=-1, keepdim=True)
+            top /= top.sum(dim=-1, keepdim=True)  # topk made it: no second tensor needed
         return (top.to(logits.dtype) if self.spec.weights_in_model_dtype else top), ids
 
     def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
@@ -173,7 +173,7 @@ class SparseMoeBlock(nn.Module):
     @property
     def capturable(self) -> bool:
         """Whether a CUDA graph can capture this block: the Triton kernel reads nothing back to the host,
-        the grouped path reads the per-expert token counts."""
+        the grouped path may (its per-expert loop reads the token counts of a step's experts)."""
         return moe_ops.resolve_kernel(self.kernel, self.gate.weight.device) == "triton"
 
     def forward(self, x: Tensor) -> Tensor:

@@ -148,3 +148,20 @@ def test_both_layouts_give_each_tp_rank_the_same_expert_slices(tmp_path):
     with safe_open(str(hub / "model.safetensors"), framework="pt") as f:
         up = f.get_tensor("model.layers.0.block_sparse_moe.experts.2.w3.weight")  # [32, 64]
     assert torch.equal(a.gate_up.weight[2, 16:], up[16:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_q_and_k_norms_in_one_pass_equal_two_norms(qwen3_moe_dir, dtype):
+    """Qwen3's q and k head norms, one norm over both heads groups (float32's torch ops) or two (the bf16
+    kernel), equal each head through its own RMSNorm bit for bit."""
+    from ppserve.model import ops
+
+    attn = load_stage_model(qwen3_moe_dir, 0, 1).layers[0].self_attn.to(dtype)
+    hq, hkv, d = 4, 2, 32
+    qkv = torch.randn(5, (hq + 2 * hkv) * d).to(dtype)
+    qk = qkv[:, :(hq + hkv) * d].view(5, hq + hkv, d)  # a strided view, as the forward pass hands it
+    expected = torch.cat((ops.rms_norm(qk[:, :hq].reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps).view(5, hq, d),
+                          ops.rms_norm(qk[:, hq:].reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps).view(5, hkv, d)),
+                         dim=1)
+    assert not torch.equal(attn.q_norm.weight, attn.k_norm.weight)  # the two weights really differ
+    assert torch.equal(attn._normed_qk(qk, hq), expected)
