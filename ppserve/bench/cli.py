@@ -73,7 +73,10 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--start-rate", type=float, default=1.0)
     k.add_argument("--max-evals", type=int, default=5, help="real-pipeline probes per policy")
     k.add_argument("--rel-tol", type=float, default=0.1)
-    k.add_argument("--sim-num-requests", type=int, default=200)
+    k.add_argument("--sim-num-requests", type=int, default=200, help="the fewest requests a simulated probe replays")
+    k.add_argument("--probe-duration", type=float, default=60.0,
+                   help="seconds of arrivals one probe replays (rate x this many requests, at least --num-requests "
+                        "on the real pipeline, --sim-num-requests in the simulator), as ppserve plan does")
     k.add_argument("--sim-max-evals", type=int, default=14)
     k.add_argument("--profile", help="simulator profile JSON (default: fitted from the real probes)")
     k.add_argument("--run-slack", type=float, default=60.0,
@@ -142,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
                         tbt_factor=args.tbt_factor, sched_delay_slo_s=args.sched_delay_slo,
                         start_rate=args.start_rate, max_evals=args.max_evals, rel_tol=args.rel_tol,
                         sim_num_requests=args.sim_num_requests, sim_max_evals=args.sim_max_evals,
-                        profile_path=args.profile, run_slack_s=args.run_slack, command=command)
+                        profile_path=args.profile, run_slack_s=args.run_slack,
+                        probe_duration_s=args.probe_duration, command=command)
     elif args.suite == "sweep":
         suites.sweep(ctx, [int(b) for b in _names(args.budgets)], policy=args.policy, command=command)
     else:

@@ -32,7 +32,7 @@ from ppserve.bench.harness import (
 )
 from ppserve.bench.prompts import PromptBuilder
 from ppserve.bench.workloads import WorkloadSpec, build_workload, workload_stats
-from ppserve.metrics.capacity import SLO, Probe, find_capacity, probe_from_summary
+from ppserve.metrics.capacity import SLO, Probe, ProbeSize, find_capacity, probe_from_summary
 from ppserve.metrics.spans import Span
 from ppserve.sim.workload import WorkloadRequest
 
@@ -254,13 +254,18 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
              tbt_slo_s: float | None = None, tbt_factor: float = 5.0, sched_delay_slo_s: float = 2.0,
              start_rate: float = 1.0, max_evals: int = 5, rel_tol: float = 0.1, sim_num_requests: int = 200,
              sim_max_evals: int = 14, profile_path: str | None = None, run_slack_s: float = 60.0,
-             command: str = "") -> dict[str, Any]:
+             probe_duration_s: float = 60.0, command: str = "") -> dict[str, Any]:
     """Capacity per policy: `on` = real | sim | both. The TBT SLO defaults to `tbt_factor` x the
-    measured decode-only step (median TBT of a decode-only load on the first policy's pipeline)."""
+    measured decode-only step (median TBT of a decode-only load on the first policy's pipeline).
+
+    A probe at rate r replays `probe_duration_s` seconds of arrivals (r x duration requests: the workload's
+    first rows, at least its `num_requests` on the real pipeline and `sim_num_requests` in the simulator),
+    as `ppserve plan` does (metrics.capacity.ProbeSize: a fixed count would hide a queue at high rates)."""
     if on not in ("real", "sim", "both"):
         raise ValueError(f"capacity on must be real, sim or both, got {on!r}")
-    reqs0, prompts, builder = _inputs(ctx)
-    real = _RealCapacity(ctx, prompts, tbt_slo_s, tbt_factor, sched_delay_slo_s, run_slack_s)
+    reqs0, _, builder = _inputs(ctx)
+    real = _RealCapacity(ctx, builder, tbt_slo_s, tbt_factor, sched_delay_slo_s, run_slack_s,
+                         ProbeSize(probe_duration_s, ctx.workload.num_requests, max(ctx.workload.num_requests, 20_000)))
     results: dict[str, dict[str, Any]] = {}
     if on in ("real", "both") or profile_path is None or tbt_slo_s is None:
         # The real pipeline: the probes themselves, or (simulator only) one run for the profile and the SLO.
@@ -273,10 +278,12 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
         "suite": "capacity", "command": command, "settings": ctx.settings(),
         "slo": {"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
                 "decode_step_s": real.decode_step, "tbt_factor": tbt_factor if real.decode_step else None},
+        "probe": dataclasses.asdict(real.size),
         "prompt_source": builder.source, "workload": workload_stats(reqs0),
     }
     if on in ("sim", "both"):
-        data["sim"] = _simulated_capacity(ctx, policies, real, profile_path, sim_num_requests, start_rate,
+        sim_size = ProbeSize(probe_duration_s, sim_num_requests, max(sim_num_requests, 20_000))
+        data["sim"] = _simulated_capacity(ctx, policies, real, profile_path, sim_size, start_rate,
                                           sim_max_evals, slo, results)
     data["results"] = results
     data["ratios"] = _capacity_ratios(results)
@@ -287,9 +294,9 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
 class _RealCapacity:
     """Capacity probes on the real pipeline, one pipeline per policy; the SLO is measured on the first."""
 
-    def __init__(self, ctx: BenchContext, prompts: Sequence[list[int]], tbt_slo_s: float | None, tbt_factor: float,
-                 sched_delay_slo_s: float, run_slack_s: float) -> None:
-        self.ctx, self.prompts = ctx, prompts
+    def __init__(self, ctx: BenchContext, builder: PromptBuilder, tbt_slo_s: float | None, tbt_factor: float,
+                 sched_delay_slo_s: float, run_slack_s: float, size: ProbeSize) -> None:
+        self.ctx, self.builder, self.size = ctx, builder, size
         self.tbt_slo_s, self.tbt_factor, self.sched_delay_slo_s = tbt_slo_s, tbt_factor, sched_delay_slo_s
         self.run_slack_s = run_slack_s
         self.decode_step: float | None = None
@@ -316,10 +323,11 @@ class _RealCapacity:
 
             def evaluate(rate: float) -> Probe:
                 # Poisson only moves arrivals (monotone in the row index): the k-th request keeps its
-                # length and its prompt at every rate.
-                reqs = build_workload(self.ctx.workload.with_rate(rate))
+                # length and its prompt at every rate; a higher rate replays more of the rows.
+                reqs = probe_workload(self.ctx.workload, rate, self.size)
                 span = max(r.arrival_s for r in reqs)
-                run = replay(eng, reqs, self.prompts, name=f"{policy}@{rate:.3g}", progress=self.ctx.progress,
+                run = replay(eng, reqs, self.builder.build_for(reqs), name=f"{policy}@{rate:.3g}",
+                             progress=self.ctx.progress,
                              max_duration_s=span + self.run_slack_s)
                 self.runs.append(run)
                 return probe_from_summary(rate, run.summary(), slo)
@@ -336,8 +344,21 @@ class _RealCapacity:
             llm.shutdown()
 
 
+def probe_workload(workload: WorkloadSpec, rate: float, size: ProbeSize) -> list[WorkloadRequest]:
+    """The requests one capacity probe at `rate` replays: the workload's first `size.requests_at(rate)` rows
+    (a fixed duration of arrivals) at Poisson `rate`."""
+    return build_workload(replace(workload.with_rate(rate), num_requests=size.requests_at(rate)))
+
+
+def simulated_probe(ctx: BenchContext, policy: str, rate: float, profile: Any, overhead_s: float,
+                    num_blocks: int | None, size: ProbeSize, slo: SLO) -> Probe:
+    """One capacity probe in the simulator: `probe_workload` over the profile, judged against the SLO."""
+    s, _ = simulate_summary(ctx, policy, probe_workload(ctx.workload, rate, size), profile, overhead_s, num_blocks)
+    return probe_from_summary(rate, s, slo)
+
+
 def _simulated_capacity(ctx: BenchContext, policies: Sequence[str], real: _RealCapacity, profile_path: str | None,
-                        sim_num_requests: int, start_rate: float, sim_max_evals: int, slo: SLO,
+                        size: ProbeSize, start_rate: float, sim_max_evals: int, slo: SLO,
                         results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Capacity in the simulator, over a profile fitted from the real probes (or a saved one)."""
     from ppserve.sim.cost_model import Profile, fit_profile
@@ -349,18 +370,15 @@ def _simulated_capacity(ctx: BenchContext, policies: Sequence[str], real: _RealC
         profile = fit_profile(_renumbered(real.runs), note="fitted from the capacity probes' spans")
         overhead = statistics.median(estimate_overhead_s(r.spans) for r in real.runs)
         profile.save(ctx.outdir / "profile.json")
-    sim_w = replace(ctx.workload, num_requests=sim_num_requests)
     for policy in _bar(policies, "capacity (sim)", ctx.progress):
 
         def sim_eval(rate: float, policy: str = policy) -> Probe:
-            s, _ = simulate_summary(ctx, policy, build_workload(sim_w.with_rate(rate)), profile, overhead,
-                                    real.num_blocks)
-            return probe_from_summary(rate, s, slo)
+            return simulated_probe(ctx, policy, rate, profile, overhead, real.num_blocks, size, slo)
 
         res = find_capacity(sim_eval, start_rate, max_evals=sim_max_evals, rel_tol=0.02)
         results[f"sim/{policy}"] = res.to_dict()
         print(f"sim/{policy}: capacity {res.capacity} req/s ({len(res.probes)} probes)")
-    return {"overhead_s": overhead, "num_requests": sim_num_requests, "profile": dataclasses.asdict(profile)}
+    return {"overhead_s": overhead, "probe": dataclasses.asdict(size), "profile": dataclasses.asdict(profile)}
 
 
 def _capacity_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:

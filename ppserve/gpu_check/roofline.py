@@ -29,16 +29,25 @@ def plan(cuda: bool) -> dict[str, Any]:
 
 
 class StepLog:
-    """Every microbatch the engine collects (a step observer): its shape, seconds and wall time."""
+    """Every microbatch the engine collects (a step observer): its shape, wall time and seconds. The
+    seconds come with a later result when the stages read them late (`timed_step_id`): they go to the
+    row of the step they measure, and a row whose time has not come back has None."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
 
     def __call__(self, out: Any, result: Any) -> None:
         context = sum(c + n for c, n in zip(out.num_computed_tokens, out.num_scheduled_tokens, strict=True))
-        self.rows.append({"t": time.perf_counter(), "prefill": out.num_prefill_tokens,
-                          "decode": out.num_decode_tokens, "context": context,
-                          "seconds": sum(result.stage_seconds)})
+        self.rows.append({"step": out.step_id, "t": time.perf_counter(), "prefill": out.num_prefill_tokens,
+                          "decode": out.num_decode_tokens, "context": context, "seconds": None})
+        if result.timed_step_id is not None:
+            for row in reversed(self.rows):
+                if row["step"] == result.timed_step_id:
+                    row["seconds"] = sum(result.stage_seconds)
+                    break
+
+    def timed(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["seconds"] is not None]
 
 
 def decode_point(llm: Any, log: StepLog, batch: int, p: dict[str, Any], vocab: int, bytes_w: int,
@@ -50,7 +59,7 @@ def decode_point(llm: Any, log: StepLog, batch: int, p: dict[str, Any], vocab: i
     log.rows.clear()
     llm.generate(prompts, SamplingParams(max_tokens=p["tokens"], ignore_eos=True))
     rows = log.rows
-    full = [i for i, r in enumerate(rows) if r["prefill"] == 0 and r["decode"] == batch]
+    full = [i for i, r in enumerate(rows) if r["prefill"] == 0 and r["decode"] == batch and r["seconds"] is not None]
     if not full:
         raise RuntimeError(f"no decode-only microbatch of {batch} sequences (token budget or max_num_seqs too small?)")
     seconds = statistics.median(rows[i]["seconds"] for i in full)
@@ -75,7 +84,7 @@ def prefill_point(llm: Any, log: StepLog, n: int, vocab: int, shape: dict[str, A
     for _ in range(3):  # the first may still compile or grow the allocator
         log.rows.clear()
         llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-        times += [r["seconds"] for r in log.rows if r["prefill"] == n]
+        times += [r["seconds"] for r in log.timed() if r["prefill"] == n]
     if not times:
         raise RuntimeError(f"the {n}-token prompt did not run as one microbatch (token budget too small?)")
     seconds = min(times[1:] or times)

@@ -9,15 +9,17 @@ and in unit tests on a fake latency function. The search brackets first (multipl
 `rel_tol` or the evaluation budget is spent. Probes already made on the same evaluation (`prior`) seed
 the bracket, so a coarse search can be refined later without repeating a rate. It assumes the SLO is
 monotone in the rate (it is, up to measurement noise: more load never lowers latency on average).
+Every caller sizes its probes by `ProbeSize` (a fixed duration of arrivals, not a fixed count).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["SLO", "Probe", "CapacityResult", "probe_from_summary", "find_capacity"]
+__all__ = ["SLO", "Probe", "ProbeSize", "CapacityResult", "probe_from_summary", "find_capacity"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,34 @@ class SLO:
     def __post_init__(self) -> None:
         if self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0 or (self.ttft_p90_s is not None and self.ttft_p90_s <= 0):
             raise ValueError(f"SLO limits must be > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class ProbeSize:
+    """How many requests one probe at a rate replays: `duration_s` seconds of its arrivals (rate x
+    duration), at least `min_requests`, at most `max_requests`.
+
+    A fixed duration, not a fixed count, is what makes an overloaded rate fail. A fixed count of n
+    requests arrives in n / rate seconds: at a high rate that is a short burst, which fits in the free
+    seats (max_num_seqs) and is served without a queue, so every rate "passes". Over D seconds an overload
+    of x % delays the median request by about x % of D / 2 once the seats are full, past the 2 s limit once
+    x > 4 / D (7 % at 60 s)."""
+
+    duration_s: float = 60.0
+    min_requests: int = 50
+    max_requests: int = 20_000
+
+    def __post_init__(self) -> None:
+        if not (self.duration_s > 0 and 1 <= self.min_requests <= self.max_requests):
+            raise ValueError(f"a probe needs duration_s > 0 and 1 <= min_requests <= max_requests, got {self}")
+
+    def wanted(self, rate: float) -> int:
+        """Requests the duration asks for at `rate` (before the cap)."""
+        return max(self.min_requests, math.ceil(rate * self.duration_s))
+
+    def requests_at(self, rate: float) -> int:
+        """Requests a probe at `rate` replays (fewer than `wanted` when the cap cuts it short)."""
+        return min(self.wanted(rate), self.max_requests)
 
 
 @dataclass(frozen=True)

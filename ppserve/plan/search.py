@@ -4,10 +4,8 @@ A probe simulates one replica at its share of the request rate (a Poisson stream
 the replicas is a Poisson stream of rate / replicas each) for `duration_s` seconds of arrivals: the
 first rate x duration requests of one fixed trace of lengths (cycled if it is shorter), arrivals drawn
 from one seed. A probe's result depends on the deployment and the rate only: the same in any process,
-on any run. The duration, not a request count, is what makes an overloaded rate fail: a short burst
-fits in the running seats and the queue never builds, while over D seconds an overload of x % delays
-the median request by about x % of D / 2 once the seats are full, past the 2 s limit once x > 4 / D
-(7 % at 60 s).
+on any run. The duration, not a request count, is what makes an overloaded rate fail
+(`metrics.capacity.ProbeSize` says why; `ppserve bench capacity` sizes its probes the same way).
 
 The search is `metrics.capacity.find_capacity`, pruned in rounds (see `search`): one deployment per
 pipeline shape coarsely (bracketed to `coarse_tol` over a shorter duration), the other settings of the
@@ -25,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ppserve.config import SchedulerConfig
-from ppserve.metrics.capacity import SLO, CapacityResult, Probe, find_capacity, probe_from_summary
+from ppserve.metrics.capacity import SLO, CapacityResult, Probe, ProbeSize, find_capacity, probe_from_summary
 from ppserve.plan.space import Cluster, Deployment
 from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import CostModel, ModelSpec, RooflineCostModel
@@ -93,8 +91,8 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     """Simulate one replica of `d` at rate / replicas and judge it against the SLO (`rate`: the whole
     deployment's requests/s)."""
     per_replica = rate / d.replicas
-    want = max(ctx.min_requests, math.ceil(per_replica * ctx.duration_s))
-    n = min(want, ctx.max_requests)
+    size = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests)
+    want, n = size.wanted(per_replica), size.requests_at(per_replica)
     # The trace's lengths in order, cycled when the duration needs more requests than it holds.
     reqs = [ctx.requests[i % len(ctx.requests)] for i in range(n)]
     sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,

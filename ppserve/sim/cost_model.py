@@ -2,9 +2,11 @@
 
 Three interchangeable models share one small interface (`stage_time`, `transfer_time`, `num_stages`):
 - `RooflineCostModel`: analytic, from a model table and a hardware table (configs/models, configs/hardware).
-  Per decoder layer: linear layers at max(FLOPs / achievable FLOP/s, weight bytes / achievable
+  Per decoder layer: the hardware profile's fixed cost of running a layer (`layer_overhead_s`: launches
+  and host-side work, a floor under small steps), linear layers at max(FLOPs / achievable FLOP/s, weight bytes / achievable
   bandwidth) with tensor parallelism dividing both; attention from each request's chunk and context
-  (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache); two ring all-reduces per layer
+  (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache, at the decode kernel's own achieved
+  bandwidth `decode_attn_bw_eff`); two ring all-reduces per layer
   over NVLink when tp > 1. The last stage adds the LM head for sampled tokens; the embedding is
   ignored (a gather). Stage-to-stage transfer is the hidden state over the inter-node link.
   `pipeline_cost()` gives the same physics in the scheduler's vocabulary (a `StepCost` per stage,
@@ -134,7 +136,8 @@ def _from_mapping(cls: type, data: dict[str, Any], source: str) -> Any:
     coerced: dict[str, Any] = {}
     for k, v in data.items():
         try:
-            coerced[k] = float(v) if types[k] == "float" else int(v) if types[k] == "int" else v
+            number = types[k] in ("float", "float | None") and v is not None
+            coerced[k] = float(v) if number else int(v) if types[k] == "int" else v
         except (TypeError, ValueError):
             raise ValueError(f"{source}: {k} must be a number, got {v!r}") from None
     return cls(**coerced)
@@ -158,6 +161,24 @@ class HardwareSpec:
     link_eff: float = 0.7
     kv_mem_fraction: float = 0.9
     gpus_per_node: int = 8  # GPUs sharing one node's NVLink; beyond them, links go over inter_node_bw
+    # Seconds each decoder layer adds to every forward on top of its kernels' roofline time: the fixed
+    # cost of running a layer (kernel launches and the host-side work an eager forward does per layer,
+    # with the synchronisations that keep it from overlapping the GPU). The roofline's FLOP and byte
+    # terms cannot see it; it is what puts a floor under a small decode step. One number per hardware
+    # profile (the machine with its serving stack), sourced in the profile.
+    layer_overhead_s: float = 0.0
+    # The fraction of mem_bw the decode attention kernel achieves reading the paged KV cache (one query
+    # token per sequence against its whole context). Unset: bw_eff, the weights' streaming rate. Serving
+    # stacks' paged decode kernels reach far less than a dense weight read (small per-sequence blocks,
+    # a block-table gather per 16 tokens); where a table calibrates it, it cites the measurement.
+    decode_attn_bw_eff: float | None = None
+    # Seconds each sequence (each chunk) in a step adds to each decoder layer: per-sequence work that
+    # neither FLOPs nor bytes price. No shipped table sets it; it is the alternative reading of a batch
+    # growth measured at one context (benchmarks/reproduce_sarathi_serve.py's `per-seq` variant).
+    seq_overhead_s: float = 0.0
+
+    # Achieved fractions of a peak: a value above 1 or at 0 is a typo, not a faster machine.
+    EFFICIENCIES = ("mfu_eff", "attn_eff", "bw_eff", "link_eff", "kv_mem_fraction", "decode_attn_bw_eff")
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1:
@@ -166,9 +187,20 @@ class HardwareSpec:
             v = getattr(self, f.name)
             if isinstance(v, float) and not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"hardware {self.name}: {f.name} must be a finite number >= 0, got {v!r}")
-        for name in ("peak_flops", "mem_bw", "mfu_eff", "attn_eff", "bw_eff"):
+        for name in ("peak_flops", "mem_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"hardware {self.name}: {name} must be > 0")
+        for name in self.EFFICIENCIES:
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:
+                raise ValueError(f"hardware {self.name}: {name} is a fraction of the peak and must be in (0, 1], "
+                                 f"got {v!r}")
+
+    @property
+    def decode_attn_bw(self) -> float:
+        """Bytes/s the decode attention kernel reads the KV cache at."""
+        eff = self.bw_eff if self.decode_attn_bw_eff is None else self.decode_attn_bw_eff
+        return self.mem_bw * eff
 
 
 @dataclass(frozen=True)
@@ -404,7 +436,7 @@ class RooflineCostModel:
             else:
                 t += _roofline(flops, nbytes, flops_s, bytes_s)
         if dec_bytes:
-            t += _roofline(dec_flops, dec_bytes, flops_s, bytes_s)
+            t += _roofline(dec_flops, dec_bytes, flops_s, hw.decode_attn_bw)
         return t
 
     def allreduce_time(self, num_tokens: int) -> float:
@@ -425,7 +457,8 @@ class RooflineCostModel:
 
     def layer_time(self, shape: BatchShape) -> float:
         n = shape.num_tokens
-        return self.linear_time(n) + self.attention_time(shape.chunks) + 2 * self.allreduce_time(n)
+        return (self.hw.layer_overhead_s + self.hw.seq_overhead_s * len(shape.chunks) + self.linear_time(n)
+                + self.attention_time(shape.chunks) + 2 * self.allreduce_time(n))
 
     def stage_time(self, stage: int, shape: BatchShape) -> float:
         t = self.layer_counts[stage] * self.layer_time(shape)

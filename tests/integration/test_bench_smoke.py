@@ -96,11 +96,13 @@ def test_compare_via_cli(tiny_llama_dir, tmp_path, ray_session):
 
 def test_capacity_real_and_sim(ctx):
     # Real probes for one policy (each policy costs a pipeline build), the simulator for both.
+    # A probe covers 0.3 s of arrivals: 6 requests (the workload's) at the start rate, more above it.
     data = suites.capacity(ctx, ["sarathi"], on="both", start_rate=20.0, max_evals=2, sim_num_requests=20,
-                           sim_max_evals=6, run_slack_s=30.0)
+                           sim_max_evals=6, run_slack_s=30.0, probe_duration_s=0.3)
     assert set(data["results"]) == {"real/sarathi", "sim/sarathi"}
+    assert data["probe"] == {"duration_s": 0.3, "min_requests": 6, "max_requests": 20_000}
     sim_only = suites.capacity(ctx, ["sarathi", "vllm"], on="sim", start_rate=20.0, sim_num_requests=20,
-                               sim_max_evals=6, tbt_slo_s=data["slo"]["tbt_p99_s"],
+                               sim_max_evals=6, tbt_slo_s=data["slo"]["tbt_p99_s"], probe_duration_s=0.3,
                                profile_path=str(ctx.outdir / "profile.json"))
     assert set(sim_only["results"]) == {"sim/sarathi", "sim/vllm"}
     assert all(len(r["probes"]) >= 1 for r in data["results"].values())
