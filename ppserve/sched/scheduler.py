@@ -36,7 +36,13 @@ from collections.abc import Callable, Sequence
 
 from ppserve.config import SchedulerConfig
 from ppserve.request import FinishReason, Request, RequestStatus
-from ppserve.sched.balance import MIN_REST_OF_BUDGET, MIN_SHARE_OF_BUDGET, decode_quota, fair_share
+from ppserve.sched.balance import (
+    MIN_REST_OF_BUDGET,
+    MIN_SHARE_OF_BUDGET,
+    decode_quota,
+    fair_share,
+    min_chunk_tokens,
+)
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
@@ -296,13 +302,13 @@ class Scheduler:
             add(num_tokens, context, True)
         share_s = max(stage.floor_s + w / shares for stage, w in zip(cost.stages, work, strict=True))
         # Never below the decodes this microbatch takes (the share must not move a decode its quota
-        # admits) plus a chunk of a quarter of the budget, the token share's floor (MIN_SHARE_OF_BUDGET):
-        # beside the decodes a stage's time is mostly its floor, and a smaller chunk only delays a prompt.
+        # admits) plus a minimum chunk (`min_chunk_tokens`): beside the decodes a stage's time is mostly
+        # its floor, and a chunk much cheaper than the floor only delays a prompt.
         # Nor may it leave a prompt a tiny rest (MIN_REST_OF_BUDGET): that would cost a microbatch of its own.
         quota = b.decode_quota if b.decode_quota is not None else len(b.decodes)
         decodes = sorted(b.decodes, key=lambda r: r.ready_seq)[:quota]
-        min_chunk = 0.0 if filling else (budget.token_budget or 0) * MIN_SHARE_OF_BUDGET
-        chunk = max(0, math.ceil(min_chunk) - len(decodes))
+        min_chunk = 0 if filling else min_chunk_tokens(cost, budget.token_budget or 0)
+        chunk = max(0, min_chunk - len(decodes))
         floor_s = max(
             stage.floor_s + sum(stage.chunk_s(1, r.num_computed_tokens, True) for r in decodes)
             + (stage.chunk_s(chunk, 0, False) if chunk else 0.0)

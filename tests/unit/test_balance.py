@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ppserve.sched import StepResult
-from ppserve.sched.balance import decode_quota, fair_share
+from ppserve.sched.balance import decode_quota, fair_share, min_chunk_tokens
 from ppserve.sched.budget import TimeBudgetMode
 from ppserve.sched.cost import BatchShape, PipelineCost, StepCost
 from tests.unit.sched_helpers import fake_result, make_request, make_scheduler
@@ -230,3 +230,38 @@ def test_requests_waiting_for_seats_keep_the_budget_whole(waiting_beyond_seats):
     first = s.schedule()
     assert first is not None and first.chunks() == [(64 if waiting_beyond_seats else math.ceil(70 / 4), 0)]
     s.check_invariants()
+
+
+def test_min_chunk_is_the_chunk_that_costs_the_step_floor():
+    """The smallest chunk a time share cuts a prompt to: what costs a stage its per-step floor, at most a
+    quarter of the budget. A stage whose floor is worth 1,000 tokens keeps the quarter budget; one whose
+    floor is worth 10 tokens cuts to 10; a stage with no floor to 0."""
+    gpu = StepCost(10e-3, 10e-6)
+    cpu = StepCost(1e-3, 1e-4)
+    assert min_chunk_tokens(PipelineCost((gpu, gpu)), 512) == 128
+    assert min_chunk_tokens(PipelineCost((cpu, cpu)), 512) == 10
+    assert min_chunk_tokens(PipelineCost((cpu, gpu)), 512) == 128  # the stage where it is longest
+    assert min_chunk_tokens(PipelineCost((StepCost(0.0, 1e-4),) * 2), 512) == 0
+
+
+@pytest.mark.parametrize(("stage", "kept_whole"), [(StepCost(1e-3, 1e-4), False), (StepCost(10e-3, 10e-6), True)])
+def test_a_short_prompt_beside_decodes_is_cut_where_the_floor_is_cheap(stage, kept_whole):
+    """A 113-token prompt arriving beside 8 decodes on a calibrated pp=2 pipeline, budget 512. Where a
+    step's floor is worth ~10 tokens the prompt is shared out like any other work, so no
+    microbatch is long for the other stage to wait behind; where it is worth ~1,000 a chunk below a
+    quarter budget balances nothing, and the prompt goes whole."""
+    s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
+    s.cost.reset(PipelineCost((stage, stage)))
+    for i in range(8):
+        s.add_request(make_request(f"d{i}", 8, max_tokens=50))
+    run(s, 6)  # the decodes are under way, in two groups of four
+    s.add_request(make_request("late", 113, max_tokens=4))
+    formed = run(s, 4)[1]
+    chunks = [o.num_scheduled_tokens[o.order.index("late")] for o in formed if "late" in o.order][:2]
+    if kept_whole:
+        assert chunks[0] == 113
+    else:
+        assert chunks[0] < 113 and sum(chunks) <= 113
+        # The two microbatches in flight together cost the same (kept whole: 12.7 ms next to 1.4 ms).
+        first, second = (stage.predict(BatchShape.of(o)) for o in formed[:2])
+        assert max(first, second) < 1.2 * min(first, second), (first, second)
