@@ -90,7 +90,7 @@ class TimeBudget(TokenBudget):
     attention keys and, when it completes its request's known tokens, its sampling (the last stage's LM
     head). An empty microbatch always gets at least one token, so a request whose chunk alone is
     predicted over the budget (a decode with a huge context) still makes progress. `min_rest` > 0 makes
-    the time a soft limit for the end of a prompt: a chunk never leaves its request fewer than
+    the time a soft limit for the end of a prompt: a chunk that starts never leaves its request fewer than
     `min_rest` tokens, it takes them all if the token budget allows (a rest that small would cost a
     whole microbatch of its own later, and the request's first token a round of the pipeline).
     """
@@ -117,7 +117,10 @@ class TimeBudget(TokenBudget):
         if n == 0:
             return 0
         timed = self._timed_chunk(wanted, n, context)
-        return n if n == wanted and wanted - timed < self.min_rest else timed
+        # Only a chunk that starts would leave a rest: a request the time leaves out (timed == 0) waits
+        # whole for the next microbatch. Taken whole instead, every prompt shorter than min_rest ignored
+        # the time budget (the demo's eight ~24-token prompts: one 194-token microbatch, not two halves).
+        return n if n == wanted and 0 < timed and wanted - timed < self.min_rest else timed
 
     def _timed_chunk(self, wanted: int, n: int, context: int) -> int:
         budget_s = self.time_budget_s

@@ -150,6 +150,10 @@ def test_time_budget_grants_fewer_tokens_to_long_context_chunks_on_the_slowest_s
     assert TimeBudget(4096, None, PIPE, time_s).chunk(512, context=0) == 511
     # ... unless the rest it would leave is under min_rest: then it takes the rest within the tokens.
     assert TimeBudget(4096, None, PIPE, time_s, min_rest=8).chunk(512, context=0) == 512
+    # A request the time leaves out entirely leaves no rest: a short prompt waits whole, however short.
+    full = TimeBudget(4096, None, PIPE, time_s, min_rest=32)
+    full.spend(512, context=0)
+    assert full.num_seqs == 1 and full.chunk(24, context=0) == 0
     # The token cap stays a hard cap; an empty microbatch always gets one token.
     assert TimeBudget(100, None, PIPE, time_s).chunk(4000, context=0) == 100
     assert TimeBudget(100, None, PIPE, 1e-9).chunk(4000, context=0) == 1
