@@ -14,9 +14,11 @@ from __future__ import annotations
 import gc
 import os
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ppserve.config import EngineConfig
+from ppserve.sched.cost import PipelineCost, StepCost
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.info import WorkerInfo
 
@@ -33,6 +35,9 @@ class Executor(Protocol):
     num_kv_blocks: int
     block_size: int  # the KV block size every stage agreed on (agreed_block_size)
     ranges: list[tuple[int, int]]  # decoder layers [start, end) per stage
+    # Each stage's step cost timed at start-up (worker/startup_cost.py), the prior of the scheduler's
+    # cost model; None when a stage did not time one.
+    startup_cost: PipelineCost | None
 
     def submit(self, out: SchedulerOutput) -> None:
         """Start a microbatch; returns without waiting when the executor is asynchronous."""
@@ -105,8 +110,7 @@ class InProcExecutor:
         self._build(ranges)
         self.block_size = agreed_block_size([w.block_size for w in self.workers])
         self.num_kv_blocks = self._fit_kv_blocks()
-        for a in self.actors:
-            a.init_cache(self.num_kv_blocks)
+        self.startup_cost = startup_pipeline_cost([a.init_cache(self.num_kv_blocks) for a in self.actors])
         self._pending: deque[SchedulerOutput] = deque()  # submitted, computed when collected
 
     def _fit_kv_blocks(self) -> int:
@@ -174,8 +178,7 @@ class InProcExecutor:
     def repartition(self, ranges: list[tuple[int, int]]) -> None:
         self._release_stages()  # before the new stages load: the old ones' memory would count against them
         self._build(ranges)
-        for a in self.actors:
-            a.init_cache(self.num_kv_blocks)
+        self.startup_cost = startup_pipeline_cost([a.init_cache(self.num_kv_blocks) for a in self.actors])
 
     def shutdown(self) -> None:
         self._release_stages()
@@ -196,3 +199,11 @@ class InProcExecutor:
             import torch
 
             torch.cuda.empty_cache()  # the caching allocator's blocks back to the driver
+
+
+def startup_pipeline_cost(per_stage: Sequence[Sequence[float] | None]) -> PipelineCost | None:
+    """The pipeline's start-up step costs from each stage's coefficients (TP rank 0's, in stage order),
+    or None when a stage has none."""
+    if not per_stage or any(c is None for c in per_stage):
+        return None
+    return PipelineCost(tuple(StepCost.of(c) for c in per_stage if c is not None))

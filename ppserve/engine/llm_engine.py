@@ -126,6 +126,9 @@ class LLMEngine:
             num_stages=self.config.parallel.pipeline_parallel_size,
             clock=self.clock,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            # The stages' step costs timed at start-up: time shares from the first microbatch, as in the
+            # simulator, whose scheduler starts from the roofline's (worker/startup_cost.py).
+            cost_prior=self.executor.startup_cost,
         )
         self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
         # The prefix cache over time, for the trace's counter track: (name, engine ns, values), one

@@ -25,7 +25,7 @@ from ppserve.engine.dispatch import (
     StageActorHandle,
     resolve_dispatch,
 )
-from ppserve.engine.executor import agreed_block_size, pool_cap, stage_spec
+from ppserve.engine.executor import agreed_block_size, pool_cap, stage_spec, startup_pipeline_cost
 from ppserve.engine.placement import order_stages_by_node, resolve_gpus_per_worker
 from ppserve.metrics.spans import estimate_offset
 from ppserve.sched.output import SchedulerOutput, StepResult
@@ -196,7 +196,9 @@ class RayExecutor:
     def init_caches_and_dispatch(self) -> None:
         import ray
 
-        self._startup_get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors], "allocating the KV cache")
+        costs = self._startup_get([a.init_cache.remote(self.num_kv_blocks) for a in self.actors],
+                                  "allocating the KV cache")
+        self.startup_cost = startup_pipeline_cost(costs[:: self.tp])  # TP rank 0's of each stage
         if self.dispatch_kind == "connections":
             # The actors connect back to this process: on loopback when Ray is embedded, else on the
             # address the cluster knows this node by.

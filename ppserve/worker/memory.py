@@ -155,7 +155,7 @@ class StageMemory:
             base = torch.cuda.memory_allocated(self.device)
         params = (SamplingParams(temperature=1.0, top_p=0.9, logprobs=5) if worst_case_sampling
                   else SamplingParams(temperature=0.0))
-        self._scratch_forward(lens, lens, params)
+        self.scratch_forward(lens, lens, params)
         self.warm = True
         if not cuda:
             return 0
@@ -164,7 +164,7 @@ class StageMemory:
         torch.cuda.empty_cache()
         return max(0, peak)
 
-    def _scratch_forward(self, query_lens: list[int], seq_lens: list[int], params: SamplingParams,
+    def scratch_forward(self, query_lens: list[int], seq_lens: list[int], params: SamplingParams,
                          kv_cache: list[torch.Tensor] | None = None) -> None:
         """One forward of `query_lens[i]` new tokens after `seq_lens[i] - query_lens[i]` cached ones per
         sequence, then logits and sampling on the sampling rank of the last stage; on a scratch KV cache,
@@ -214,19 +214,27 @@ class StageMemory:
         greedy = SamplingParams(temperature=0.0)
         if not self.warm:
             self.profile_peak_bytes(worst_case_sampling=False)
+        cached, chunk, seqs = self.warm_shapes(kv_cache)
+        self.scratch_forward([chunk], [cached + chunk], greedy, kv_cache)
+        self.scratch_forward([1] * seqs, [cached + 1] * seqs, greedy, kv_cache)
+        self.decode_warm = True
+        return time.perf_counter() - t0
+
+    def warm_shapes(self, kv_cache: list[torch.Tensor] | None = None) -> tuple[int, int, int]:
+        """(cached tokens, chunk tokens, decoding sequences) of the warm-up's chunk and decode step: a
+        context that spans blocks and ends inside one (the general case), a chunk of up to four blocks
+        after it, and as many decodes of that context as the scheduler may batch, all within `kv_cache`
+        when given."""
         room = self.arch.max_position_embeddings
-        cached = min(2 * self.block_size + 1, room // 2)  # spans blocks, ends inside one: the general case
+        cached = min(2 * self.block_size + 1, room // 2)
         chunk = max(2, min(self.profile_tokens, 4 * self.block_size, room - cached))
         blocks = kv_cache[0].shape[1] if kv_cache else None
         if blocks is not None:  # a cache too small for the general case: as long a context as fits
             chunk = max(1, min(chunk, blocks * self.block_size - cached))
             cached = min(cached, blocks * self.block_size - chunk)
-        self._scratch_forward([chunk], [cached + chunk], greedy, kv_cache)
         per_seq = -(-(cached + 1) // self.block_size)  # blocks one decode needs
         seqs = max(1, self.profile_seqs if blocks is None else min(self.profile_seqs, blocks // per_seq))
-        self._scratch_forward([1] * seqs, [cached + 1] * seqs, greedy, kv_cache)
-        self.decode_warm = True
-        return time.perf_counter() - t0
+        return cached, chunk, seqs
 
     def note(self, phase: str, **facts: float) -> dict[str, Any]:
         """Record (and log) the memory figures at a start-up phase, with what else the phase measured

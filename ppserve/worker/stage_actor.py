@@ -171,8 +171,14 @@ class StageActor:
     def num_blocks_for_memory(self, kv_cache_memory: float | None, gpu_memory_utilization: float) -> int:
         return self._on_device().memory.num_blocks(kv_cache_memory, gpu_memory_utilization)
 
-    def init_cache(self, num_blocks: int) -> None:
-        self._on_device().init_cache(num_blocks)
+    def init_cache(self, num_blocks: int) -> tuple[float, ...] | None:
+        """Allocate the KV cache, warm up and time the stage's step cost; TP rank 0 returns that cost's
+        coefficients (the stage's prior for the scheduler's cost model), other ranks None."""
+        worker = self._on_device()
+        worker.init_cache(num_blocks)
+        if self.spec.tp_rank != 0 or worker.startup_cost is None:
+            return None
+        return worker.startup_cost.coefficients
 
     # ---- one microbatch ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult | None:

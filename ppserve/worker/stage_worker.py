@@ -28,6 +28,7 @@ from ppserve.model.ops.settings import configure as configure_kernels
 from ppserve.model.parallel import TPContext
 from ppserve.model.registry import build_stage_model
 from ppserve.request import TokenLogprob
+from ppserve.sched.cost import StepCost
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.devices import current_device, kernel_settings_for, resolve_dtype, resolve_kv_dtype
@@ -35,6 +36,7 @@ from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, StageMemory
 from ppserve.worker.sampler import sample
 from ppserve.worker.stage_times import StageTimes
+from ppserve.worker.startup_cost import measure_startup_cost
 from ppserve.worker.step_timer import step_timer_for
 
 logger = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class StageWorker:
         self.block_size = spec.block_size or self.model.attn_backend.preferred_block_size
         self.batch = InputBatch(self.block_size, self.device)
         self.kv_caches: list[Tensor] = []
+        self.startup_cost: StepCost | None = None  # timed once the KV cache exists (init_cache)
         self.graphs: DecodeGraphRunner | None = None
         # KV sizing, the memory profile and the per-phase memory figures (worker/memory.py).
         self.memory = StageMemory(self.model, self.arch, block_size=self.block_size, dtype=self.dtype,
@@ -149,7 +152,8 @@ class StageWorker:
         return mode
 
     def init_cache(self, num_blocks: int) -> None:
-        """`num_blocks` for the block manager, plus one pad block (the last) when decode graphs are on."""
+        """`num_blocks` for the block manager, plus one pad block (the last) when decode graphs are on;
+        then the warm-up and the timing of this stage's step cost (`startup_cost`, worker/startup_cost.py)."""
         mode = self.graphs_mode()
         pad = 0 if mode == "off" else 1
         self.kv_caches = allocate_kv_cache(
@@ -172,6 +176,10 @@ class StageWorker:
                          kv_gib=num_blocks * self.memory.kv_bytes_per_block() / GiB)
         if not self.memory.decode_warm:  # after a GPU profile too: its decode and chunk paths are still cold
             self.memory.note("warmed up", warm_up_s=self.memory.warm_up(self.kv_caches))
+        t0 = time.perf_counter()
+        self.startup_cost = measure_startup_cost(self.memory, self.kv_caches)  # the scheduler's prior
+        self.memory.note("step cost timed", timing_s=time.perf_counter() - t0, floor_ms=self.startup_cost.floor_s * 1e3,
+                         token_us=self.startup_cost.token_s * 1e6)
         if self.graphs is not None and mode == "capture":
             seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
             self.memory.note("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))

@@ -27,8 +27,8 @@ def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
         memory = worker.memory
         memory.decode_warm = False
         shapes = []
-        forward = memory._scratch_forward
-        memory._scratch_forward = lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest)  # type: ignore[method-assign]
+        forward = memory.scratch_forward
+        memory.scratch_forward = lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest)  # type: ignore[method-assign]
         worker.kv_caches[0][:, :3].fill_(1.0)  # as if written: the warm-up leaves its blocks zeroed
         assert memory.warm_up(worker.kv_caches) > 0.0
         assert all(not layer[:, :8].any() for layer in worker.kv_caches)
@@ -37,3 +37,19 @@ def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
         assert memory.decode_warm and memory.warm_up() == 0.0
     finally:
         executor.shutdown()
+
+
+def test_the_scheduler_starts_from_the_stages_timed_step_costs(tiny_llama_dir):
+    """Each stage times its step cost at start-up (worker/startup_cost.py); the engine's scheduler starts
+    calibrated from them, so its first microbatches are shared by predicted time, as the simulator's are."""
+    from ppserve import LLM
+
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, token_budget=24, block_size=4,
+             overrides=["parallel.executor=inproc"]) as llm:
+        prior = llm.engine.executor.startup_cost
+        assert prior is not None and prior.num_stages == 2
+        assert all(s.floor_s > 0 and s.token_s + s.sample_s > 0 for s in prior.stages), prior
+        cost = llm.engine.scheduler.cost
+        assert cost.calibrated and cost.current == prior  # before any microbatch: the prior itself
+        for worker in llm.engine.executor.workers:
+            assert [e["phase"] for e in worker.memory.log].count("step cost timed") == 1

@@ -1,0 +1,82 @@
+"""A stage's step-cost prior, timed at start-up, so the scheduler's cost model is calibrated from the
+first microbatch (ARCHITECTURE.md §3, "Balanced formation").
+
+The scheduler shares work by predicted time once its online cost model is calibrated (sched/cost.py),
+and by tokens before, with a quarter-budget floor per chunk that suits a GPU. The online fit needs a few
+microbatches per stage, and on a real pipeline the first microbatches are exactly when prompts arrive:
+the demo's eight requests reach the engine within its first few steps, and a 128-token chunk formed
+by tokens before the fit had its samples took stage 0 98 ms where its neighbours took 35 (a run beside
+other work). The simulator never had that gap: its scheduler starts from the roofline's prior. This
+module gives the real pipeline one too, measured: after the warm-up (every path's first-call costs paid), each stage times a few
+microbatch shapes on its own KV cache (decodes, a pair of chunk sizes, a mix) and fits the same
+`StepCost` the online model fits, which then refines it with the serving stream's own times.
+
+The shapes are timed as the stage's step is (its layers, the last stage's LM head), best of a few runs,
+synchronized on a GPU (start-up only: nothing serves yet). What a real step has and they do not (its
+prepare span, decode graphs on a GPU) and what they have and it does not (the last stage's greedy
+argmax) is the online fit's to correct from the first real microbatches on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ppserve.request import SamplingParams
+from ppserve.sched.cost import StepCost, StepCostFit, features
+from ppserve.worker.memory import StageMemory
+
+REPEATS = 3  # runs per shape; the fastest counts (a shared host's noise only adds time)
+
+
+def startup_shapes(cached: int, chunk: int, seqs: int) -> list[tuple[list[int], list[int]]]:
+    """(query tokens, sequence lengths) per sequence of the timed microbatches: one decode and `seqs`
+    decodes after `cached` tokens (the floor and what a sampled decode adds), a chunk of `chunk` tokens
+    and one of half that after `cached` (a token's cost and attention's), and the half chunk beside the
+    decodes (a mixed step, as Sarathi-Serve forms them)."""
+    half = max(2, chunk // 2)
+    shapes = [([1], [cached + 1]), ([1] * seqs, [cached + 1] * seqs), ([half], [cached + half])]
+    if chunk > half:
+        shapes.append(([chunk], [cached + chunk]))
+    shapes.append(([half] + [1] * seqs, [cached + half] + [cached + 1] * seqs))
+    return shapes
+
+
+def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> StepCost:
+    """Time `startup_shapes` on the stage's own cache (zeroed again after each) and fit its StepCost."""
+    cached, chunk, seqs = memory.warm_shapes(kv_cache)
+    greedy = SamplingParams(temperature=0.0)
+    cuda = memory.device.type == "cuda"
+    samples: list[tuple[Sequence[tuple[int, int]], int, float]] = []
+    for query_lens, seq_lens in startup_shapes(cached, chunk, seqs):
+        if _blocks_needed(seq_lens, memory.block_size) > kv_cache[0].shape[1]:
+            continue  # the mix in a cache sized for the decodes alone
+        best = float("inf")
+        for _ in range(REPEATS):
+            if cuda:
+                torch.cuda.synchronize(memory.device)
+            t0 = time.perf_counter()
+            memory.scratch_forward(query_lens, seq_lens, greedy, kv_cache)
+            if cuda:
+                torch.cuda.synchronize(memory.device)
+            best = min(best, time.perf_counter() - t0)
+        chunks = [(q, n - q) for q, n in zip(query_lens, seq_lens, strict=True)]
+        samples.append((chunks, len(query_lens), best))
+    return fit_startup_cost(samples)
+
+
+def fit_startup_cost(samples: Sequence[tuple[Sequence[tuple[int, int]], int, float]]) -> StepCost:
+    """A StepCost from (chunks as (tokens, context), sampled rows, seconds) per timed microbatch: the
+    online model's own least squares, every sample weighed alike. Five shapes cannot separate every
+    coefficient (a decode's tokens, keys and sample move together); the fit's weak ridge splits what
+    they leave open, which a prior may do: serving's own times decide it."""
+    fit = StepCostFit(forgetting=1.0, min_samples=1, refit_every=1)
+    for chunks, sampled, seconds in samples:
+        fit.observe(features(chunks, sampled), seconds)
+    return fit.cost
+
+
+def _blocks_needed(seq_lens: Sequence[int], block_size: int) -> int:
+    return sum(-(-n // block_size) for n in seq_lens)
