@@ -77,7 +77,7 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int
         attention_backend=cfg.model.attention_backend, num_threads=num_threads or par.num_threads,
         trace=cfg.trace.enabled,
         cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
-        max_model_len=cfg.model.max_model_len, kernels=kernels, gpus=gpus,
+        max_model_len=cfg.model.max_model_len, kernels=kernels, gpus=gpus, stage_link=par.stage_link,
     )
 
 

@@ -134,8 +134,18 @@ class StageActor:
         tp = TPContext(rank=self.spec.tp_rank, size=self.spec.tp_size, group=my_group)
         self._worker = StageWorker(self.spec, tp)
         device = self._worker.device
-        self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
-        self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
+        link = self.spec.stage_link
+        if link == "socket" or (link == "auto" and backend == "gloo"):  # CPU stages: comm/socket_channel.py
+            from ppserve.comm.socket_channel import connect_links
+
+            if device.type != "cpu":
+                raise ValueError("parallel.stage_link=socket carries CPU tensors; GPU stages use torch (NCCL)")
+            host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else ray.util.get_node_ip_address()
+            self.inbound, self.outbound = connect_links(store, self.rank, self.prev_rank, self.next_rank, host)
+        else:
+            self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
+            self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
+        self._store = store  # the socket links met through it; kept while the group lives
         self.warm_up_links()
 
     def warm_up_links(self) -> None:

@@ -74,6 +74,7 @@ class StageSpec:
     profile_tokens: int = 512  # the largest microbatch (scheduler.token_budget): what the memory profile runs
     profile_seqs: int = 256  # sequences it may hold (scheduler.max_num_seqs): rows of logits and sampling
     gpus: float = 0.0  # GPUs Ray gave this actor (its device comes from that assignment: worker/devices.py)
+    stage_link: str = "auto"  # parallel.stage_link: how hidden states reach the next stage (comm/)
 
 
 class StageWorker:
