@@ -73,8 +73,7 @@ class SocketChannel:
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
              num_times: int) -> tuple[Tensor, tuple[float, ...]]:
-        item = torch.empty((), dtype=dtype).element_size()
-        n_hidden = num_tokens * hidden_size * item
+        n_hidden = num_tokens * hidden_size * dtype.itemsize
         buf = bytearray(n_hidden + 8 * num_times)
         view = memoryview(buf)
         got = 0
