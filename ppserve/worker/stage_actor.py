@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ppserve.comm.channel import StageChannel
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.info import NodeInfo
+from ppserve.worker.openmp_pool import release_thread_pool
 from ppserve.worker.stage_times import TimeRow, unwire, wire, wire_length
 
 if TYPE_CHECKING:  # torch and the worker are imported where the actor builds them (init_distributed)
@@ -247,6 +248,9 @@ class StageActor:
         conn = Client(address, authkey=authkey)
         conn.send_bytes(pickle.dumps(index))
         self._conn = conn
+        # Ray ran the set-up calls (loading, warm-up, start-up costs) on this thread; the loop thread computes
+        # from now on, and this thread's idle OpenMP pool would stop the loop's from spinning at barriers.
+        release_thread_pool()
         self._loop = threading.Thread(target=self._serve, args=(conn,), name="ppserve-stage", daemon=True)
         self._loop.start()
 
