@@ -2,8 +2,10 @@
 
 The LLMEngine is not thread-safe, so exactly one thread ("ppserve-engine") ever touches it after
 start-up. Everything else talks to that thread through a FIFO inbox of commands (engine/inbox.py),
-applied between steps. Results travel back with `loop.call_soon_threadsafe`, one callback per step
-carrying that step's `TokenDelta`s, so the engine thread never blocks on a client; on the event loop
+applied between steps; new requests also mid-step, just before the engine core schedules (`_intake`),
+so a prompt that arrives while a microbatch computes is in the very next one. Results travel back with
+`loop.call_soon_threadsafe`, one callback per step carrying that step's `TokenDelta`s, so the engine
+thread never blocks on a client; on the event loop
 each request's deltas merge into its `RequestStream` (engine/streams.py). The statistics window
 (engine/stats.py) is fed on the engine thread and read anywhere (see below).
 
@@ -86,6 +88,11 @@ class AsyncEngine:
         self._publish_failed = False
         # Engine clock (monotonic) -> Unix time, for the per-token timestamps clients see.
         self.engine_to_unix = engine_to_unix_offset(engine.clock)
+        # Prompts that arrive while a microbatch computes join the one scheduled right after it (the
+        # engine core's intake, mid-step), not the one after that: the core schedules its next
+        # microbatch before the step returns, so at pp = 1 a new prompt waited a whole extra step.
+        self._held: Command | None = None  # the first non-add command the intake met, for the loop
+        engine.core.intake = self._intake
 
     @classmethod
     def build(cls, config: EngineConfig, **kwargs: Any) -> AsyncEngine:
@@ -243,10 +250,27 @@ class AsyncEngine:
             self._publish_stats()
         self._cancel_all(FinishReason.CANCELLED)
 
+    def _intake(self) -> None:
+        """Mid-step, before the core schedules: apply the AddRequests queued so far, in order, up to the
+        first other command. Cancels, calls and stops wait for the loop, between steps, where no
+        microbatch's results are half processed."""
+        while self._held is None:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, AddRequest):
+                self._apply(cmd)
+            else:
+                self._held = cmd
+
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
+        """Apply queued commands (the one the intake held first); False when asked to stop."""
         try:
-            cmd = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+            if self._held is not None:
+                cmd, self._held = self._held, None
+            else:
+                cmd = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -332,10 +356,10 @@ class AsyncEngine:
             closing.append(delta or TokenDelta(rid, (), "", (), True, reason.value))
         self._observe(closing)
         self._post(self._deliver, closing)
-        # Commands that arrived after the last step are answered, not left hanging.
+        # Commands that arrived after the last step (and one the intake held) are answered, not left hanging.
         while True:
             try:
-                cmd = self._inbox.get_nowait()
+                cmd, self._held = (self._held, None) if self._held is not None else (self._inbox.get_nowait(), None)
             except queue.Empty:
                 break
             if not isinstance(cmd, Stop) and cmd.reply is not None:

@@ -1,7 +1,7 @@
 """The engine thread's inbox: the commands the event loop sends it, one frozen dataclass per kind.
 
 The AsyncEngine puts these on a FIFO queue; the engine thread applies them between steps and
-dispatches on their type. A command with a `reply` future is answered on the event loop (its
+dispatches on their type (AddRequests at the head of the queue also mid-step, before the core schedules). A command with a `reply` future is answered on the event loop (its
 result, or the exception applying it raised); one without is fire-and-forget.
 """
 

@@ -36,3 +36,66 @@ def test_a_sampled_token_returns_before_the_next_microbatch_computes(tiny_llama_
             if deltas and deltas[0].token_ids:
                 assert len(forwards) == len(seen)  # this step's forward sampled exactly these tokens
         assert len(seen) == 3 and len(forwards) == 3
+
+
+def test_a_prompt_that_arrives_during_a_forward_is_in_the_next_microbatch(tiny_llama_dir, monkeypatch):
+    """The AsyncEngine takes in requests mid-step, before the core schedules the next microbatch
+    (EngineCore.fill's intake): a prompt queued while a microbatch computes is in the very next one, not
+    the one after it (at pp = 1 the core schedules microbatch k + 1 before step k returns)."""
+    import asyncio
+    import threading
+
+    from ppserve.engine.async_engine import AsyncEngine
+    from ppserve.engine.llm_engine import LLMEngine
+    from ppserve.engine.messages import PromptInput
+    from ppserve.worker.stage_actor import StageActor
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=1,
+              token_budget=16, block_size=4, num_kv_blocks=64)
+    engine: LLMEngine = llm.engine
+    executed: list[tuple[int, tuple[str, ...]]] = []  # (step id, requests) per forward, in order
+    arrive = threading.Event()  # set: the next forward lets "late" arrive while it computes
+    queued = threading.Event()
+    original = StageActor.execute
+
+    def execute(self, out):
+        executed.append((out.step_id, out.order))
+        if arrive.is_set():
+            arrive.clear()
+            assert queued.wait(30), "the late request was not queued"
+        return original(self, out)
+
+    monkeypatch.setattr(StageActor, "execute", execute)
+
+    async def main() -> None:
+        eng = AsyncEngine(engine)
+        eng.start()
+        loop = asyncio.get_running_loop()
+        try:
+            first = await eng.add_choices(PromptInput(token_ids=(5, 6, 7)),
+                                          SamplingParams(max_tokens=12, ignore_eos=True), "early")
+            while len(executed) < 3:  # "early" is decoding
+                await asyncio.sleep(0.001)
+            arrive.set()
+            while arrive.is_set():  # until a forward has taken it: that forward now waits for `queued`
+                await asyncio.sleep(0.001)
+            late_add = loop.create_task(eng.add_choices(PromptInput(token_ids=(8, 9)),
+                                                        SamplingParams(max_tokens=2, ignore_eos=True), "late"))
+            while eng._inbox.qsize() == 0:
+                await asyncio.sleep(0)
+            arrived_during = len(executed)  # the forward computing now is executed[arrived_during - 1]
+            queued.set()
+            late = await late_add
+            async for _ in late[0]:
+                pass
+            async for _ in first[0]:
+                pass
+            with_late = [i for i, (_, order) in enumerate(executed) if "late" in order]
+            assert with_late and with_late[0] == arrived_during, (arrived_during, executed)
+        finally:
+            await loop.run_in_executor(None, eng.stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.shutdown()
