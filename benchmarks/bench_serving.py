@@ -10,9 +10,10 @@ Without that environment nothing can run and the script says so.
 
     python benchmarks/bench_serving.py                                   # every engine and scenario
     python benchmarks/bench_serving.py --engines ppserve-pp1,vllm --scenarios moderate,moderate-greedy
-    python benchmarks/bench_serving.py --offline                         # + the offline API, same prompts
+    python benchmarks/bench_serving.py --offline                         # + the offline API, same shape
 
-Scenarios (48 requests, 256 prompt tokens, 64 output tokens, --ignore-eos, seed 0): `moderate` (Poisson
+Scenarios (48 requests, 256 prompt tokens, 64 output tokens, --ignore-eos, the dataset seeded by --seed plus
+the scenario's index, so no scenario re-sends another's prompts into a warm prefix cache): `moderate` (Poisson
 2 req/s, the client's default sampling: temperature 1), `moderate-greedy` (the same at temperature 0),
 `saturation` (every request at once), `shared-prefix` (vLLM's prefix_repetition dataset: 4 prefixes of
 192 tokens, 64-token suffixes, 2 req/s). Results: JSON at --out, a markdown table on stdout.
@@ -50,6 +51,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 FIGURES = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms", "mean_itl_ms",
            "completed", "failed", "duration")
+
+
+def scenario_seed(seed: int, scenario: str) -> int:
+    """The client's dataset seed for a scenario: the same for every server, different per scenario. A
+    server serves its scenarios one after another, and with one seed every scenario after the first
+    would re-send the first one's prompts, which both servers' prefix caches then hold."""
+    return seed + list(SCENARIOS).index(scenario)
 
 
 def pin_cores(cores: str) -> None:
@@ -110,7 +118,7 @@ def run_client(scenario: str, model_dir: str, port: int, out_dir: Path, args: ar
            "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
            "--model", SERVED_NAME, "--tokenizer", model_dir, *spec["dataset"], "--num-prompts", str(args.num_prompts),
            "--request-rate", "inf" if math.isinf(spec["rate"]) else str(spec["rate"]), "--ignore-eos",
-           "--seed", str(args.seed), "--num-warmups", "2", "--disable-tqdm", "--save-result",
+           "--seed", str(scenario_seed(args.seed, scenario)), "--num-warmups", "2", "--disable-tqdm", "--save-result",
            "--result-dir", str(out_dir), "--result-filename", name]
     if spec["temperature"] is not None:
         cmd += ["--temperature", str(spec["temperature"])]
@@ -160,6 +168,8 @@ with LLM({model_dir!r}, token_budget={args.token_budget}, trace=False) as llm:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     out = {{}}
     for label, temperature in (("sampled", 1.0), ("greedy", 0.0)):
+        # Fresh prompts per run: the second run would otherwise find every prompt in the prefix cache.
+        prompts = [[rng.randrange(vocab) for _ in range({INPUT_LEN})] for _ in range({args.num_prompts})]
         sp = SamplingParams(max_tokens={OUTPUT_LEN}, temperature=temperature, ignore_eos=True, seed=None)
         t0 = time.perf_counter()
         res = llm.generate(prompts, sp)
