@@ -1,0 +1,163 @@
+"""`ppserve plan` on this CPU, then its winner run for real: predicted capacity against measured (issue 26).
+
+Three steps, each a ppserve command (printed as it runs), under --out:
+
+1. Two profiles of this machine's stages, both at pp=2 with 15 + 15 layers: `profile/profile.json`, fitted
+   from one real run of the workload (`ppserve bench capacity --on sim` runs the real pipeline once for its
+   spans), and `profile/startup.json`, the stages' own start-up step costs (worker/startup_cost.py) with the
+   transfer time the run measured.
+2. `plan-probes/` and `plan-startup/`: `ppserve plan --model smollm2-135m --hardware cpu --gpus <cores>
+   --profile P --profile-layers 15,15` with each: every deployment of the cores (replicas x pp x tp), each
+   one's capacity under the SLO on the simulator; a winner is its `plan.json`'s first row.
+3. `run/`: `ppserve bench capacity --on real` with the winner's pp, tp, policy, token budget, sequence cap,
+   layer split and KV blocks (of the plan --profile-source names), on the same workload, seed, probe
+   length and SLO. A winner of several replicas runs one replica, pinned to its share of the cores (the
+   others would hold the rest), and its capacity is multiplied by the replica count.
+
+Prints predicted / measured per profile (the issue's goal: 0.85-1.15) and writes `plan_then_run.json`.
+
+    python benchmarks/plan_then_run.py [--out results/plan_then_run] [--tbt-p99-ms 400] [--scale 0.05]
+        [--probe-duration 30] [--num-requests 48] [--max-evals 6] [--cores 2] [--reuse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# SmolLM2-135M's 30 decoder layers, split evenly where the profile is measured: the planner re-splits a
+# profile by telling one layer's cost from the last stage's head, which takes two stages or more.
+PROFILE_LAYERS = (15, 15)
+
+
+def run(cmd: list[str], cores: str | None = None) -> None:
+    full = (["taskset", "-c", cores] if cores else []) + cmd
+    print("$ " + shlex.join(full), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(full, cwd=REPO, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    if proc.returncode != 0:
+        raise SystemExit(f"exit {proc.returncode}: {shlex.join(full)}")
+    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+STARTUP_PROFILE = """
+import json, sys
+from ppserve import LLM
+from ppserve.sim.cost_model import Profile
+out, transfer_s, layers = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
+with LLM(None, pipeline_parallel_size=len(layers), layer_partition=layers) as llm:
+    cost = llm.engine.executor.startup_cost
+Profile(cost, transfer_s=transfer_s, note="the stages' start-up step costs (worker/startup_cost.py)").save(out)
+"""
+
+
+def startup_profile(probes_profile: Path, out: Path) -> Path:
+    """The profile of the stages' own start-up timing (five shapes each on its KV cache, after warm-up),
+    with the stage-to-stage transfer the probes measured: an alternative to the probes' least-squares fit."""
+    transfer = json.loads(probes_profile.read_text())["transfer_s"]
+    print(f"$ (start-up step costs of a pp={len(PROFILE_LAYERS)} pipeline) -> {out}", flush=True)
+    proc = subprocess.run([sys.executable, "-c", STARTUP_PROFILE, str(out), str(transfer),
+                           json.dumps(list(PROFILE_LAYERS))], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"start-up profile failed:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def plan(cli: list[str], args: argparse.Namespace, profile: Path, out: Path) -> dict[str, Any]:
+    """`ppserve plan` over the cores priced by `profile`; its winner (plan.json's first row)."""
+    run([*cli, "plan", "--model", "smollm2-135m", "--hardware", "cpu", "--gpus", str(args.cores),
+         "--profile", str(profile), "--profile-layers", ",".join(map(str, PROFILE_LAYERS)),
+         "--policies", args.policies, *workload_args(args, bench=False), "--tbt-p99-ms", str(args.tbt_p99_ms),
+         "--no-progress", "--out", str(out)])
+    winner: dict[str, Any] = json.loads((out / "plan.json").read_text())["ranked"][0]
+    print(f"winner: {winner['deployment']}, predicted {winner['capacity_req_s']:.3g} req/s", flush=True)
+    return winner
+
+
+def workload_args(args: argparse.Namespace, bench: bool) -> list[str]:
+    """The same lengths, arrivals and probe size for the planner and the real run."""
+    trace = f"trace:{args.trace}.csv" if bench else args.trace
+    out = ["--workload", trace, "--prefill-scale", str(args.scale), "--decode-scale", str(args.scale),
+           "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
+    return out + (["--probe-duration", str(args.probe_duration)] if bench else ["--duration-s", str(args.probe_duration)])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "results" / "plan_then_run"))
+    ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="the cluster: this many cores")
+    ap.add_argument("--trace", default="splitwise_conv", help="a trace in ../shared/traces (its name, without .csv)")
+    ap.add_argument("--scale", type=float, default=0.05, help="prompt and output lengths scaled by this")
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--probe-duration", type=float, default=30.0, help="seconds of arrivals per probe")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tbt-p99-ms", type=float, default=400.0)
+    ap.add_argument("--max-evals", type=int, default=6, help="real probes of the winner")
+    ap.add_argument("--policies", default="sarathi,vllm")
+    ap.add_argument("--profile-source", choices=("probes", "startup"), default="startup",
+                    help="whose plan's winner runs for real: the profile fitted from the probes' spans, or the "
+                         "stages' start-up step costs (both plans are written and reported)")
+    ap.add_argument("--reuse", action="store_true", help="keep what an earlier run under --out measured: its "
+                    "probes' profile, and its real run when it was of this winner")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "ppserve.cli"]
+    slo = ["--tbt-slo-ms", str(args.tbt_p99_ms)]
+
+    # 1. This machine's profile, from one real run at pp = 2 (the stage link's cost is in it too).
+    profile = out / "profile" / "profile.json"
+    if not (args.reuse and profile.exists()):
+        run([*cli, "bench", "capacity", "--on", "sim", "--pp", str(len(PROFILE_LAYERS)), "--policies", "sarathi", *slo,
+             "--set", f"parallel.layer_partition={json.dumps(list(PROFILE_LAYERS))}",
+             *workload_args(args, bench=True), "--sim-max-evals", "1", "--no-progress", "--no-traces",
+             "--out", str(out / "profile")])
+
+    # 2. The plan over the cores, priced by each profile: the probes' fit and the stages' start-up timing.
+    winners = {"probes": plan(cli, args, profile, out / "plan-probes")}
+    winners["startup"] = plan(cli, args, startup_profile(profile, out / "profile" / "startup.json"),
+                              out / "plan-startup")
+    winner = winners[args.profile_source]
+
+    # 3. The winner for real: one replica on its share of the cores.
+    per_replica = winner["pp"] * winner["tp"]
+    cores = f"0-{per_replica - 1}" if per_replica > 1 else "0"
+    settings = ["--set", f"parallel.tensor_parallel_size={winner['tp']}",
+                "--set", f"parallel.layer_partition={json.dumps(winner['layer_counts'])}"]
+    marker = out / "run" / "deployment.txt"  # which deployment run/ measured (for --reuse)
+    if not (args.reuse and marker.exists() and marker.read_text() == winner["deployment"]):
+        run([*cli, "bench", "capacity", "--on", "real", "--pp", str(winner["pp"]), "--policies", winner["policy"],
+             "--token-budget", str(winner["token_budget"]), "--max-num-seqs", str(winner["max_num_seqs"]),
+             "--num-kv-blocks", str(winner["kv_blocks_per_replica"]), *settings, *slo,
+             *workload_args(args, bench=True), "--max-evals", str(args.max_evals), "--no-progress", "--no-traces",
+             "--out", str(out / "run")], cores=cores if winner["replicas"] > 1 else None)
+        marker.write_text(winner["deployment"])
+    real = json.loads((out / "run" / "results.json").read_text())["results"][f"real/{winner['policy']}"]
+    measured = float(real["capacity"]) * winner["replicas"]
+    rows = {}
+    for source, w in winners.items():
+        same = w["deployment"] == winner["deployment"]  # the run measures the run winner's deployment only
+        rows[source] = {"winner": w, "predicted_req_s": w["capacity_req_s"],
+                        "predicted_over_measured": w["capacity_req_s"] / measured if same and measured else None}
+    report = {"run": winner["deployment"], "profile_source": args.profile_source, "measured_req_s": measured,
+              "measured_per_replica": real, "plans": rows, "settings": vars(args)}
+    (out / "plan_then_run.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nran {winner['deployment']}: measured {measured:.3g} req/s (one replica {float(real['capacity']):.3g} "
+          f"x {winner['replicas']})")
+    for source, r in rows.items():
+        ratio = r["predicted_over_measured"]
+        shown = f"{ratio:.2f}" if ratio is not None else "n/a (a different winner, not run)"
+        print(f"  profile from {source}: winner {r['winner']['deployment']}, predicted "
+              f"{r['predicted_req_s']:.3g} req/s, predicted / measured {shown}")
+
+
+if __name__ == "__main__":
+    main()
