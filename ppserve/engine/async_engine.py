@@ -5,9 +5,9 @@ start-up. Everything else talks to that thread through a FIFO inbox of commands 
 applied between steps; new requests also mid-step, just before the engine core schedules (`_intake`),
 so a prompt that arrives while a microbatch computes is in the very next one. Results travel back with
 `loop.call_soon_threadsafe`, one callback per step carrying that step's `TokenDelta`s, so the engine
-thread never blocks on a client; on the event loop
-each request's deltas merge into its `RequestStream` (engine/streams.py). The statistics window
-(engine/stats.py) is fed on the engine thread and read anywhere (see below).
+thread never blocks on a client; on the event loop each request's deltas merge into its `RequestStream`
+(engine/streams.py). The statistics window (engine/stats.py) is fed on the engine thread and read
+anywhere (see below).
 
 Every front door (gRPC, HTTP, the demo) uses this bridge; it imports no grpc, protobuf or web
 framework, and keeps no copy of the engine's request state: the engine's final delta of a request
@@ -267,10 +267,7 @@ class AsyncEngine:
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued commands (the one the intake held first); False when asked to stop."""
         try:
-            if self._held is not None:
-                cmd, self._held = self._held, None
-            else:
-                cmd = self._inbox.get(timeout=IDLE_POLL_S) if block else self._inbox.get_nowait()
+            cmd = self._next_command(timeout=IDLE_POLL_S if block else None)
         except queue.Empty:
             return True
         while True:
@@ -278,9 +275,16 @@ class AsyncEngine:
                 return False
             self._apply(cmd)
             try:
-                cmd = self._inbox.get_nowait()
+                cmd = self._next_command()
             except queue.Empty:
                 return True
+
+    def _next_command(self, timeout: float | None = None) -> Command:
+        """The command the intake held, else the inbox's next (waiting up to `timeout` s; queue.Empty)."""
+        if self._held is not None:
+            cmd, self._held = self._held, None
+            return cmd
+        return self._inbox.get(timeout=timeout) if timeout is not None else self._inbox.get_nowait()
 
     def _apply(self, cmd: AddRequest | Cancel | Call) -> None:
         try:
@@ -359,7 +363,7 @@ class AsyncEngine:
         # Commands that arrived after the last step (and one the intake held) are answered, not left hanging.
         while True:
             try:
-                cmd, self._held = (self._held, None) if self._held is not None else (self._inbox.get_nowait(), None)
+                cmd = self._next_command()
             except queue.Empty:
                 break
             if not isinstance(cmd, Stop) and cmd.reply is not None:

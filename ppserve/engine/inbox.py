@@ -1,8 +1,9 @@
 """The engine thread's inbox: the commands the event loop sends it, one frozen dataclass per kind.
 
 The AsyncEngine puts these on a FIFO queue; the engine thread applies them between steps and
-dispatches on their type (AddRequests at the head of the queue also mid-step, before the core schedules). A command with a `reply` future is answered on the event loop (its
-result, or the exception applying it raised); one without is fire-and-forget.
+dispatches on their type (AddRequests at the head of the queue also mid-step, before the core
+schedules). A command with a `reply` future is answered on the event loop (its result, or the exception
+applying it raised); one without is fire-and-forget.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: soft keeps nothing the next region needs to rebuild
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's omp_pause_soft
 
 
 def loaded_libgomp(maps: Path = Path("/proc/self/maps")) -> str | None:
