@@ -148,6 +148,12 @@ class SchedulerConfig:
     # each); more rounds give more equal microbatches, so fewer bubbles, at the price of cutting prompts
     # into more chunks (longer TTFT when work is scarce); 1 = every slot of one round gets an equal share
     balance_rounds: int = 1
+    # pp > 1: a decode may be scheduled before its last token comes back. The last stage hands each
+    # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine
+    # forms the next microbatch one step ahead, so its result handling and the dispatch leave the decode
+    # ring's critical path (ARCHITECTURE.md §3, "The token ring"). A request that stops on a stop token
+    # computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
+    async_scheduling: bool = False
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
     budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)

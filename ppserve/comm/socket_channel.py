@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 STORE_KEY = "ppserve/stage_link/{rank}"  # "token@host:port" that a rank's inbound link listens on
+RING_STORE_KEY = "ppserve/token_ring/{rank}"  # the same for stage 0's inbound token ring (scheduler.async_scheduling)
 TOKEN_BYTES = 16
 TOKEN_TIMEOUT_S = 30.0  # a connection that does not send its token by then is not the sender
 
@@ -101,17 +102,18 @@ def _bytes_of(t: Tensor) -> Any:
 
 
 def connect_links(store: Any, rank: int, prev_rank: int | None, next_rank: int | None,
-                  host: str) -> tuple[SocketChannel | None, SocketChannel | None]:
-    """This rank's (inbound, outbound) socket links, met through the shared torch.distributed `store`.
-    Every rank listens before it waits on anyone, so the ranks of a pipeline can call this in any order."""
+                  host: str, store_key: str = STORE_KEY) -> tuple[SocketChannel | None, SocketChannel | None]:
+    """This rank's (inbound, outbound) socket links, met through the shared torch.distributed `store`
+    under `store_key` (the token ring's links, last stage to stage 0, use their own). Every rank listens
+    before it waits on anyone, so the ranks of a pipeline can call this in any order."""
     listener = None
     token = secrets.token_hex(TOKEN_BYTES)
     if prev_rank is not None:
         listener = socket.create_server((host, 0))
-        store.set(STORE_KEY.format(rank=rank), f"{token}@{host}:{listener.getsockname()[1]}")
+        store.set(store_key.format(rank=rank), f"{token}@{host}:{listener.getsockname()[1]}")
     outbound = None
     if next_rank is not None:
-        published = store.get(STORE_KEY.format(rank=next_rank)).decode()  # waits until the next rank listens
+        published = store.get(store_key.format(rank=next_rank)).decode()  # waits until the next rank listens
         peer_token, address = published.split("@", 1)
         peer_host, port = address.rsplit(":", 1)
         sock = socket.create_connection((peer_host, int(port)))

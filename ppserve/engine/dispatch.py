@@ -134,7 +134,7 @@ class ConnectionDispatch:
 
 
 class CompiledGraphDispatch:
-    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int) -> None:
+    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int, max_in_flight: int | None = None) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:
@@ -143,8 +143,9 @@ class CompiledGraphDispatch:
                 upstream = [actors[s * tp + r].execute_chained.bind(inp, upstream[r]) for r in range(tp)]
             dag = MultiOutputNode(upstream)
         t0 = time.perf_counter()
-        # At most num_stages microbatches are in flight (the scheduler's invariant); one more would block execute().
-        self.graph = dag.experimental_compile(_max_inflight_executions=num_stages)
+        # At most num_stages microbatches are in flight (the scheduler's invariant; one more with the token
+        # ring, scheduler.async_scheduling); one more than that would block execute().
+        self.graph = dag.experimental_compile(_max_inflight_executions=max_in_flight or num_stages)
         logger.info("compiled the stage graph (%d actors) in %.2f s", len(actors), time.perf_counter() - t0)
         self.in_flight: deque[tuple[int, list[Any]]] = deque()
 

@@ -78,6 +78,7 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int
         trace=cfg.trace.enabled,
         cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
         max_model_len=cfg.model.max_model_len, kernels=kernels, gpus=gpus, stage_link=par.stage_link,
+        token_ring=cfg.scheduler.async_scheduling and len(ranges) > 1,
     )
 
 
@@ -142,12 +143,16 @@ class InProcExecutor:
 
         self.ranges = list(ranges)
         links = [InProcChannel() for _ in range(len(ranges) - 1)]
+        last = len(ranges) - 1
+        # The token ring (scheduler.async_scheduling): the last stage's tokens back to stage 0.
+        ring = InProcChannel() if self.config.scheduler.async_scheduling and last > 0 else None
         self.actors: list[StageActor] = []
         for s in range(len(ranges)):
             worker = StageWorker(stage_spec(self.config, self.model_dir, self.arch, s, self.ranges))
             inbound = links[s - 1] if s > 0 else None
-            outbound = links[s] if s < len(ranges) - 1 else None
-            self.actors.append(StageActor.local(worker, inbound, outbound))
+            outbound = links[s] if s < last else None
+            self.actors.append(StageActor.local(worker, inbound, outbound, ring_in=ring if s == 0 else None,
+                                                ring_out=ring if s == last else None))
 
     @property
     def workers(self) -> list[StageWorker]:

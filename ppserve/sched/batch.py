@@ -33,6 +33,7 @@ class BatchBuilder:
         max_total_tokens: Callable[[Request], int],
         clock: Callable[[], float],
         pipeline_chunks: bool = False,
+        ring: dict[str, Request] | None = None,
     ) -> None:
         self.budget = budget
         self._blocks = blocks
@@ -42,6 +43,9 @@ class BatchBuilder:
         self._max_num_seqs = max_num_seqs
         self._max_total_tokens = max_total_tokens
         self._clock = clock
+        # Decodes whose input token is still in flight (the token ring: Scheduler._ring_candidates); they
+        # count one token more than they know.
+        self.ring: dict[str, Request] = ring or {}
         self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
         self.chosen_requests: list[Request] = []  # aligned with `chosen`
         # How many decodes this microbatch may take (balanced formation); None = as many as fit.
@@ -59,6 +63,8 @@ class BatchBuilder:
         for req in running.values():
             left = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
             if left == 0:
+                if req.request_id in self.ring:
+                    self.decodes.append(req)
                 continue
             if req.num_in_flight:
                 if pipeline_chunks:
@@ -96,6 +102,17 @@ class BatchBuilder:
             head.num_computed_tokens = len(self._head_hits[1]) * self._blocks.block_size
         return head
 
+    def decode_rank(self, req: Request) -> tuple[bool, int]:
+        """Which decodes go first when not all fit: those whose token is back before those on the token
+        ring (the ring's group follows its in-flight microbatch; a decode that is back would otherwise
+        wait a whole round), then the longest waiting."""
+        return req.request_id in self.ring, req.ready_seq
+
+    @property
+    def looked_up_head(self) -> Request | None:
+        """The last waiting head `waiting_head` counted a cached prefix for (None if none was looked up)."""
+        return self._head_hits[0]
+
     # ---- what a policy does ----------------------------------------------------------------------
     def add_decodes(self, may_preempt: bool = True) -> None:
         """One token for each schedulable decode, oldest ready first, up to the decode quota and while
@@ -104,7 +121,7 @@ class BatchBuilder:
         limit = len(reqs) if self.decode_quota is None else min(self.decode_quota, len(reqs))
         budget = self.budget
         if type(budget) is not TokenBudget:  # a time budget prices each decode by its context
-            reqs.sort(key=_ready_seq)
+            reqs.sort(key=self.decode_rank)
             taken = 0
             for req in reqs:
                 if taken >= limit or budget.chunk(1, req.num_computed_tokens) == 0:
@@ -119,7 +136,7 @@ class BatchBuilder:
         if budget.max_seqs is not None:
             limit = min(limit, budget.max_seqs - budget.num_seqs)
         if limit < len(reqs):
-            reqs.sort(key=_ready_seq)  # not all fit: the longest waiting go first
+            reqs.sort(key=self.decode_rank)  # not all fit: the longest waiting go first
         block_size = self._blocks.block_size
         chosen, chosen_reqs = self.chosen, self.chosen_requests
         taken = fast = 0
@@ -194,8 +211,9 @@ class BatchBuilder:
             self.budget.tokens_used = self.budget.token_budget or 0
             self.budget.num_seqs += 1
         else:
-            # The chunk that completes the request's known tokens gets logits (the last stage's LM head).
-            self.budget.spend(num_tokens, req.num_computed_tokens, sampled=num_tokens == req.num_uncomputed_tokens)
+            # The chunk that completes the request's known tokens gets logits (the last stage's LM head); a
+            # decode on the ring token has none left to know (num_uncomputed_tokens 0).
+            self.budget.spend(num_tokens, req.num_computed_tokens, sampled=num_tokens >= req.num_uncomputed_tokens)
         # Key the prompt blocks these tokens fill now, so a request admitted later in this step hits them
         # too. Blocks of generated tokens are keyed when the request lets its blocks go (BlockManager.free):
         # only a later request (the next turn, the request itself after preemption) can hit them, and a
@@ -215,5 +233,3 @@ class BatchBuilder:
         return None
 
 
-def _ready_seq(req: Request) -> int:
-    return req.ready_seq

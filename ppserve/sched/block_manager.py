@@ -236,7 +236,9 @@ class BlockManager:
         becomes free, or cached-and-evictable if keyed; the request's tail blocks are the first
         evicted (they are the least likely to be shared)."""
         # The blocks its generated tokens filled get their keys now (the prompt's got theirs when scheduled).
-        self.cache_full_blocks(req, req.num_computed_tokens)
+        # Only over tokens it knows: a decode on a token still in flight (the token ring) is computed but
+        # its token is not known when the request is cancelled first.
+        self.cache_full_blocks(req, min(req.num_computed_tokens, req.num_tokens))
         n = len(req.block_ids)
         refs = self._refs
         for b in reversed(req.block_ids):

@@ -3,7 +3,9 @@
 No torch, ray, grpc, I/O or clock reads of its own (the clock is injected). It owns the only KV block
 allocator and enforces the pipeline invariants: at most `num_stages` microbatches in flight (one per stage), a
 decoding request in at most one of them (a prompt's consecutive prefill chunks may follow each other;
-only the last one samples).
+only the last one samples). With the token ring (`scheduler.async_scheduling`, pp > 1) one microbatch
+more may be formed, and the decodes the oldest in-flight microbatch samples may ride in it too, their
+input token handed from the last stage to stage 0 without the engine (`_ring_candidates`).
 
 How a microbatch is formed (ARCHITECTURE.md §3-§4). The policy decides which requests join and how many
 tokens each computes; for `sarathi` that is: every schedulable decode first (one token each, never
@@ -85,6 +87,10 @@ class Scheduler:
         self._next_step = 0
         self.num_preemptions = 0
         self.balanced = self.policy.balanced and num_stages > 1
+        # The token ring (ARCHITECTURE.md §3): one microbatch more than the stages may be formed, its
+        # decodes taking the tokens the oldest in-flight microbatch samples, straight from the last stage.
+        self.async_scheduling = config.async_scheduling and num_stages > 1
+        self.max_in_flight = num_stages + 1 if self.async_scheduling else num_stages
         self._seq_cap: int | None = None
         if config.per_microbatch_seq_cap:
             self._seq_cap = max(1, config.max_num_seqs // num_stages)
@@ -204,7 +210,7 @@ class Scheduler:
         return bool(self.waiting or self.running or self.in_flight)
 
     def has_room(self) -> bool:
-        return len(self.in_flight) < self.num_stages
+        return len(self.in_flight) < self.max_in_flight
 
     def schedule(self) -> SchedulerOutput | None:
         """Form the next microbatch, or None when the pipeline is full or nothing can run now."""
@@ -215,20 +221,51 @@ class Scheduler:
             budget = mode.new_budget(mode.token_budget, self._seq_cap)
         else:
             budget = TokenBudget(None, self._seq_cap)  # whole prompts: no token budget, so no time budget
+        ring = self._ring_candidates()
+        if not ring and len(self.in_flight) >= self.num_stages:
+            return None  # the extra slot is the token ring's: without ring decodes, form it once a result is back
         b = BatchBuilder(
             budget=budget, blocks=self.blocks, running=self.running, waiting=self.waiting, preempt=self._preempt,
             max_num_seqs=self.config.max_num_seqs, max_total_tokens=self.max_total_tokens, clock=self.clock,
-            pipeline_chunks=self.balanced,
+            pipeline_chunks=self.balanced, ring=ring,
         )
         if self.balanced:
             self._balance(b)
         self.policy.fill(b)
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and not head.block_ids:  # looked up for admission but not admitted: holds nothing
-            head.num_computed_tokens = 0
+        # Looked up for admission but not admitted: holds nothing. The one looked up, not the queue's head
+        # now: a decode's block may have preempted a request to the front after the lookup (vllm, orca).
+        for head in (b.looked_up_head, self.waiting[0] if self.waiting else None):
+            if head is not None and head.status is RequestStatus.WAITING and not head.block_ids:
+                head.num_computed_tokens = 0
         if not b.chosen:
             return None
-        return self._emit(b)
+        return self._emit(b, ring)
+
+    def _ring_candidates(self) -> dict[str, Request]:
+        """With the token ring: the requests the oldest in-flight microbatch samples that may decode again
+        before it comes back (their only microbatch in flight; that token not their last by length). Only
+        the oldest's: stage 0 waits for its ring message, and that microbatch is the next to leave the
+        last stage. A stop token is seen only when the result comes back: such a request then loses the
+        one token computed for it (`update_from_output` skips finished requests)."""
+        if not self.async_scheduling or not self.in_flight:
+            return {}
+        oldest = self.in_flight[0]
+        ring: dict[str, Request] = {}
+        max_len = self.max_model_len
+        for rid in oldest.sample_request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status is not _RUNNING or req.num_in_flight != 1:
+                continue
+            outputs = len(req.output_token_ids) + 1  # with the token in flight
+            if outputs >= (req.sampling.max_tokens or max_len) or len(req.prompt_token_ids) + outputs >= max_len:
+                continue
+            ring[rid] = req
+        return ring
+
+    def _peers_in_flight(self) -> list[SchedulerOutput]:
+        """The in-flight microbatches the next one shares a round of the pipeline with: the newest p - 1.
+        With the token ring the oldest of p is leaving the last stage (its decodes may be in reach again)."""
+        return list(self.in_flight)[max(0, len(self.in_flight) - (self.num_stages - 1)):] if self.num_stages > 1 else []
 
     def _balance(self, b: BatchBuilder) -> None:
         """Give the builder its decode quota and, unless the pipeline is saturated, shrink its budget to
@@ -243,8 +280,11 @@ class Scheduler:
         decode groups even where plain Sarathi-Serve would leave them as they fell."""
         stages = self.num_stages
         num_ready = len(b.decodes)
-        awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight)  # decode next once back
-        b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, stages - len(self.in_flight))
+        ring = b.ring
+        # Decode next once back (those the token ring may take now are ready already).
+        awaiting = sum(1 for mb in self.in_flight for rid in mb.sample_request_ids if rid not in ring)
+        free_slots = min(stages, self.max_in_flight - len(self.in_flight))
+        b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, free_slots)
         seats = max(0, self.config.max_num_seqs - len(self.running))
         if len(self.waiting) > seats:
             return
@@ -253,7 +293,7 @@ class Scheduler:
         assert cap is not None, "a balanced policy has a token budget"
         shares = stages * self.config.balance_rounds  # the microbatches the work in reach is shared among
         reach = self._prefills_in_reach(b)
-        tokens = sum(mb.total_tokens for mb in self.in_flight) + num_ready
+        tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
         limit = shares * cap  # beyond this every share is the whole budget: saturated
         work: list[tuple[int, int]] = []  # per prefill in reach: (tokens it will compute, tokens before them)
         seen: set[bytes] = set()
@@ -292,7 +332,7 @@ class Scheduler:
             for i, stage in enumerate(cost.stages):
                 work[i] += stage.chunk_s(num_tokens, context, sampled)
 
-        for mb in self.in_flight:
+        for mb in self._peers_in_flight():
             sampled = set(mb.sample_request_ids)
             for rid, (n, ctx) in zip(mb.order, mb.chunks(), strict=True):
                 add(n, ctx, rid in sampled)
@@ -306,7 +346,7 @@ class Scheduler:
         # its floor, and a chunk much cheaper than the floor only delays a prompt.
         # Nor may it leave a prompt a tiny rest (MIN_REST_OF_BUDGET): that would cost a microbatch of its own.
         quota = b.decode_quota if b.decode_quota is not None else len(b.decodes)
-        decodes = sorted(b.decodes, key=lambda r: r.ready_seq)[:quota]
+        decodes = sorted(b.decodes, key=b.decode_rank)[:quota]
         min_chunk = 0 if filling else min_chunk_tokens(cost, budget.token_budget or 0)
         chunk = max(0, min_chunk - len(decodes))
         floor_s = max(
@@ -327,10 +367,11 @@ class Scheduler:
         seats = max(0, self.config.max_num_seqs - len(self.running))
         return b.prefills + b.following + list(itertools.islice(self.waiting, seats))
 
-    def _emit(self, b: BatchBuilder) -> SchedulerOutput:
+    def _emit(self, b: BatchBuilder, ring: dict[str, Request]) -> SchedulerOutput:
         new: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         sample: list[str] = []
+        ringed: list[str] = []
         computed: list[int] = []
         prefill_tokens = decode_tokens = 0
         kv = self.blocks
@@ -343,6 +384,11 @@ class Scheduler:
             num_outputs = len(outputs)
             num_blocks = len(req.block_ids)
             num_tokens = len(req.prompt_token_ids) + num_outputs
+            pending = 0
+            if rid in ring:  # its input is the token the oldest in-flight microbatch samples (the token ring)
+                pending = 1
+                num_tokens += 1
+                ringed.append(rid)
             if req.sent_to_workers:
                 # The usual diff is one new token and no block: spare the slicing.
                 k = req.num_output_tokens_sent
@@ -356,7 +402,7 @@ class Scheduler:
                     block_ids=tuple(req.block_ids), num_computed_tokens=done, sampling=req.sampling,
                 ))
                 req.sent_to_workers = True
-            req.num_output_tokens_sent = num_outputs
+            req.num_output_tokens_sent = num_outputs + pending  # the workers get the ring's token without a diff
             req.num_blocks_sent = num_blocks
             if num_tokens - done > 1:
                 prefill_tokens += n
@@ -381,6 +427,8 @@ class Scheduler:
             released_request_ids=tuple(self._released),
             num_prefill_tokens=prefill_tokens,
             num_decode_tokens=decode_tokens,
+            ring_request_ids=tuple(ringed),
+            ring_step_id=self.in_flight[0].step_id if ringed else None,
         )
         self._released = []
         self._next_step += 1
@@ -453,17 +501,24 @@ class Scheduler:
 
     # ---- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        if len(self.in_flight) > self.num_stages:
-            raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.num_stages}")
+        if len(self.in_flight) > self.max_in_flight:
+            raise AssertionError(f"{len(self.in_flight)} microbatches in flight > {self.max_in_flight}")
         sampling: set[str] = set()  # requests whose token is due from an in-flight microbatch
         counts: dict[str, int] = {}
+        by_step = {out.step_id: out for out in self.in_flight}
         for out in self.in_flight:
+            ringed = set(out.ring_request_ids)
+            source = by_step.get(out.ring_step_id) if out.ring_step_id is not None else None
+            if ringed and (not self.async_scheduling or out.ring_step_id is None or out.ring_step_id >= out.step_id
+                           or (source is not None and not ringed <= set(source.sample_request_ids))):
+                raise AssertionError(f"microbatch {out.step_id} takes ring tokens {sorted(ringed)} that step "
+                                     f"{out.ring_step_id} does not sample before it")
             for rid in out.order:
                 req = self.requests.get(rid)
                 if req is not None and not req.is_finished:
-                    if rid in sampling:
+                    if rid in sampling and rid not in ringed:
                         raise AssertionError(f"request {rid} is in an in-flight microbatch after the one that samples it")
-                    if counts.get(rid) and not self.balanced:
+                    if counts.get(rid) and not self.balanced and rid not in ringed:
                         raise AssertionError(f"request {rid} is in two in-flight microbatches")
                 counts[rid] = counts.get(rid, 0) + 1
             sampling.update(out.sample_request_ids)

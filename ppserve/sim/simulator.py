@@ -6,7 +6,9 @@ until `num_stages` are in flight (or nothing can run), then waits for the *oldes
 stage, hands its result to the scheduler after a fixed overhead (`schedule_overhead_s`: the result's
 way back and the engine's turnaround), and decides again. The control plane takes
 `dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
-max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives. The scheduler classes are used unchanged; only its clock is the simulated one.
+max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives and, with the
+token ring (`scheduler.async_scheduling`), once the tokens its decodes take have come back from the last
+stage (the step that samples them done there, plus the slowest link's latency). The scheduler classes are used unchanged; only its clock is the simulated one.
 
 Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
 schedule on the engine track), work intervals, per-request token times — so `bubble_report`, the
@@ -163,6 +165,10 @@ class _Pipeline:
         self.spans: list[Span] = []
         # Checked once: a runtime Protocol check costs microseconds, a run has many microbatches.
         self.placed = cost if isinstance(cost, PlacedCostModel) else None
+        # The token ring (scheduler.async_scheduling): when each microbatch left the last stage, and how
+        # long its sampled tokens take back to stage 0 (a few ids: the slowest link's latency).
+        self.left_ns: dict[int, int] = {}
+        self.ring_ns = max(self._transfers(BatchShape(())), default=0)
 
     def run(self, out: SchedulerOutput, scheduled_ns: int) -> tuple[int, list[float]]:
         """Push one microbatch through every stage; returns when the last stage finishes it and its
@@ -172,12 +178,15 @@ class _Pipeline:
         transfers = self._transfers(shape)
         submit_ns = scheduled_ns + self.dispatch_ns  # when the stages hold the scheduler output
         ready = submit_ns  # stage 0's input is the scheduler output itself
+        if out.ring_step_id is not None:  # and the tokens the ring brings from the last stage
+            ready = max(ready, self.left_ns[out.ring_step_id] + self.ring_ns)
         end = submit_ns
         last = self.cost.num_stages - 1
         stage_s: list[float] = []
         for s in range(self.cost.num_stages):
-            if s > 0 and ready > max(self.free_ns[s], submit_ns):
-                # The worker got the scheduler output at submit time, then blocks on the hidden states.
+            if ready > max(self.free_ns[s], submit_ns):
+                # The worker got the scheduler output at submit time, then blocks on the hidden states
+                # (stage 0: on the ring's tokens).
                 self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0, out.step_id))
             start = max(self.free_ns[s], ready)
             dur = _ns(self.cost.stage_time(s, shape))
@@ -189,6 +198,9 @@ class _Pipeline:
                 self.spans.append(Span("send", end, end, s, 0, out.step_id))
             self.free_ns[s] = end
             ready = end + (transfers[s] if s < last else 0)
+        if out.sample_request_ids:
+            self.left_ns[out.step_id] = end
+            self.left_ns.pop(out.step_id - 4 * self.cost.num_stages, None)  # a ring source is at most p + 1 back
         return end, stage_s
 
     def _transfers(self, shape: BatchShape) -> list[int]:

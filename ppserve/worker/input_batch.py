@@ -24,6 +24,12 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingParams
+    last_sampled: int | None = None  # the last stage's latest token for it (its input on the token ring)
+
+
+# A ring decode's input token on a stage that neither embeds it (stage 0 gets it from the ring) nor
+# sampled it (the last stage's TP rank 0 did): never read there, and an invalid id if it ever were.
+UNKNOWN_TOKEN = -1
 
 
 @dataclass
@@ -85,8 +91,11 @@ class InputBatch:
         # Block-table entries not yet on the device: (request id, first new column), per apply().
         self._table_diff: list[tuple[str, int]] = []
 
-    def apply(self, out: SchedulerOutput) -> None:
-        """Bring the per-request records up to date with one SchedulerOutput (releases first)."""
+    def apply(self, out: SchedulerOutput, ring_tokens: dict[str, int] | None = None) -> None:
+        """Bring the per-request records up to date with one SchedulerOutput (releases first). A ring
+        decode's input token is in no diff: `ring_tokens` (stage 0's, from the last stage), else this
+        stage's own sample of it (the last stage), else unknown (the stages between: they read only
+        positions and block tables)."""
         for rid in out.released_request_ids:
             self.requests.pop(rid, None)
             self.tables.release(rid)
@@ -107,6 +116,10 @@ class InputBatch:
                 self._table_diff.append((diff.request_id, len(st.block_ids)))
             st.block_ids.extend(diff.new_block_ids)
             st.num_computed_tokens = diff.num_computed_tokens
+        for rid in out.ring_request_ids:
+            st = self.requests[rid]
+            token = ring_tokens.get(rid) if ring_tokens is not None else st.last_sampled
+            st.token_ids.append(UNKNOWN_TOKEN if token is None else token)
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the microbatch: token ids, positions, attention metadata, where logits are due; every

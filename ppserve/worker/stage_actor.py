@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -53,14 +54,22 @@ class StageActor:
         self._worker: StageWorker | None = None
         self.inbound: StageChannel | None = None
         self.outbound: StageChannel | None = None
+        # The token ring (spec.token_ring): the last stage's TP rank 0 sends each sampling step's tokens to
+        # stage 0's TP rank 0, which hands them to its TP group.
+        self.ring_in: StageChannel | None = None
+        self.ring_out: StageChannel | None = None
+        self._ring_due: deque[tuple[int, tuple[str, ...]]] = deque()  # stage 0: steps whose tokens are still to read
+        self._ring_tokens: dict[str, int] = {}  # stage 0: each request's latest token read off the ring
         self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
         self._conn: Connection | None = None  # the engine's connection (connection control plane)
 
     @classmethod
-    def local(cls, worker: StageWorker, inbound: StageChannel | None, outbound: StageChannel | None) -> StageActor:
+    def local(cls, worker: StageWorker, inbound: StageChannel | None, outbound: StageChannel | None,
+              ring_in: StageChannel | None = None, ring_out: StageChannel | None = None) -> StageActor:
         """An actor body around a worker built in this process, linked by in-memory channels."""
         actor = cls(worker.spec)
         actor._worker, actor.inbound, actor.outbound = worker, inbound, outbound
+        actor.ring_in, actor.ring_out = ring_in, ring_out
         return actor
 
     @property
@@ -141,13 +150,34 @@ class StageActor:
 
             if device.type != "cpu":
                 raise ValueError("parallel.stage_link=socket carries CPU tensors; GPU stages use torch (NCCL)")
+            from ppserve.comm.socket_channel import RING_STORE_KEY
+
             host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else ray.util.get_node_ip_address()
             self.inbound, self.outbound = connect_links(store, self.rank, self.prev_rank, self.next_rank, host)
+            ring_from, ring_to = self._ring_peers()
+            if ring_from is not None or ring_to is not None:
+                self.ring_in, self.ring_out = connect_links(store, self.rank, ring_from, ring_to, host, RING_STORE_KEY)
         else:
             self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
             self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
+            ring_from, ring_to = self._ring_peers()
+            self.ring_in = None if ring_from is None else TorchP2PChannel(ring_from, device)
+            self.ring_out = None if ring_to is None else TorchP2PChannel(ring_to, device)
         self._store = store  # the socket links met through it; kept while the group lives
         self.warm_up_links()
+
+    def _ring_peers(self) -> tuple[int | None, int | None]:
+        """(the rank this one reads ring tokens from, the rank it sends them to): stage 0's TP rank 0 reads
+        from the last stage's TP rank 0 (ranks are stage * tp + tp rank), and that one sends to it."""
+        spec = self.spec
+        if not spec.token_ring or spec.tp_rank != 0 or spec.num_stages < 2:
+            return None, None
+        last = (spec.num_stages - 1) * spec.tp_size
+        if spec.stage == 0:
+            return last, None
+        if spec.stage == spec.num_stages - 1:
+            return None, 0
+        return None, None
 
     def warm_up_links(self) -> None:
         """One collective over the TP group and one message over each stage link, now: NCCL creates its
@@ -162,8 +192,12 @@ class StageActor:
         if self.outbound is not None:  # non-blocking: every rank sends before it receives, so none waits forever
             self.outbound.send(torch.zeros(1, hidden, dtype=worker.dtype, device=worker.device),
                                wire(None, self.spec.stage + 1))
+        if self.ring_out is not None:  # the token ring's link too (a step id of -1: no step's tokens)
+            self.ring_out.send(torch.zeros(1, 1, dtype=torch.int64, device=worker.device), (-1.0,))
         if self.spec.stage > 0:
             self._receive(1)  # and the TP broadcast that passes it on
+        if self.ring_in is not None:
+            self.ring_in.recv(1, 1, torch.int64, 1)
         worker.memory.note("communication warmed up")
 
     def block_size(self) -> int:
@@ -197,7 +231,8 @@ class StageActor:
         worker = self._on_device()
         upstream: TimeRow | None = None
         hidden_in = None
-        inp = worker.prepare(out)  # before the wait: it needs nothing from the previous stage
+        ring_tokens = self._ring_receive(out) if self.spec.token_ring and self.spec.stage == 0 else None
+        inp = worker.prepare(out, ring_tokens)  # before the wait: it needs nothing from the previous stage
         if self.spec.stage > 0:
             with worker.recorder.span("recv_wait", out.step_id):
                 hidden_in, upstream = self._receive(out.total_tokens)
@@ -212,9 +247,58 @@ class StageActor:
         if self.spec.tp_rank != 0:
             return None
         assert result is not None
+        if self.ring_out is not None and out.sample_request_ids:
+            self._ring_send(out, result)
         if row is None:
             return result
         return dataclasses.replace(result, stage_seconds=row.seconds, timed_step_id=row.step_id)
+
+    def _ring_send(self, out: SchedulerOutput, result: StepResult) -> None:
+        """The last stage: this step's sampled tokens to stage 0, in `out.sample_request_ids` order (the
+        order stage 0 reads them in), with the step id beside them."""
+        import torch
+
+        assert self.ring_out is not None
+        sampled = result.sampled_token_ids
+        tokens = torch.tensor([[sampled[rid]] for rid in out.sample_request_ids], dtype=torch.int64,
+                              device=self.worker.device)
+        self.ring_out.send(tokens, (float(out.step_id),))
+
+    def _ring_receive(self, out: SchedulerOutput) -> dict[str, int]:
+        """Stage 0, before microbatch `out`: read the ring's messages up to the step its ring decodes take
+        their tokens from, and at least up to p + 1 steps back (the engine had those results back before it
+        formed `out`, so they are here or on their way: the backlog stays bounded); the tokens of `out`'s
+        ring decodes. The wait is `out`'s recv_wait span: stage 0's, as the other stages' is their
+        hidden states'."""
+        import torch
+
+        worker = self.worker
+        due = self._ring_due
+        target = out.step_id - (self.spec.num_stages + 1)
+        if out.ring_step_id is not None:
+            target = max(target, out.ring_step_id)
+        tokens = self._ring_tokens
+        live = worker.batch.requests
+        if len(tokens) > 2 * len(live) + 64:  # finished requests' last tokens: dropped now and then, not per step
+            for rid in [r for r in tokens if r not in live]:
+                del tokens[rid]
+        if due and due[0][0] <= target:
+            with worker.recorder.span("recv_wait", out.step_id):
+                while due and due[0][0] <= target:
+                    step, rids = due.popleft()
+                    if self.ring_in is not None:
+                        got, values = self.ring_in.recv(len(rids), 1, torch.int64, 1)
+                        if int(values[0]) != step:
+                            raise RuntimeError(f"token ring: stage 0 expected step {step}'s tokens, got step "
+                                               f"{int(values[0])}'s")
+                    else:  # a TP rank of stage 0 other than 0: its rank 0 hands them on
+                        got = torch.empty(len(rids), 1, dtype=torch.int64, device=worker.device)
+                    if worker.tp.size > 1:
+                        worker.tp.broadcast_from_first(got)
+                    tokens.update(zip(rids, got.view(-1).tolist(), strict=True))
+        if out.sample_request_ids:
+            due.append((out.step_id, out.sample_request_ids))
+        return {rid: tokens[rid] for rid in out.ring_request_ids}
 
     def _receive(self, num_tokens: int) -> tuple[Tensor, TimeRow | None]:
         """The previous stage's hidden states and the row of step times it sent on. Only TP rank 0 of
@@ -284,7 +368,7 @@ class StageActor:
     def shutdown(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        for ch in (self.inbound, self.outbound):
+        for ch in (self.inbound, self.outbound, self.ring_in, self.ring_out):
             if ch is not None:
                 ch.close()
         if self.rank is not None and self.world_size > 1:

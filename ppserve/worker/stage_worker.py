@@ -75,6 +75,7 @@ class StageSpec:
     profile_seqs: int = 256  # sequences it may hold (scheduler.max_num_seqs): rows of logits and sampling
     gpus: float = 0.0  # GPUs Ray gave this actor (its device comes from that assignment: worker/devices.py)
     stage_link: str = "auto"  # parallel.stage_link: how hidden states reach the next stage (comm/)
+    token_ring: bool = False  # scheduler.async_scheduling at pp > 1: sampled tokens go straight back to stage 0
 
 
 class StageWorker:
@@ -187,13 +188,14 @@ class StageWorker:
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
+    def prepare(self, out: SchedulerOutput, ring_tokens: dict[str, int] | None = None) -> ModelInput:
         """Apply the microbatch's diff and build its input tensors (a `prepare` span). It needs nothing
         from the previous stage, so the actor runs it before waiting for the hidden states: the host
-        work of step k overlaps the previous stage's compute of step k instead of following it."""
+        work of step k overlaps the previous stage's compute of step k instead of following it.
+        `ring_tokens`: stage 0's input tokens for the microbatch's ring decodes (the token ring)."""
         start = time.perf_counter_ns()
         try:
-            self.batch.apply(out)
+            self.batch.apply(out, ring_tokens)
             inp = self.batch.prepare(out)
         finally:
             end = time.perf_counter_ns()
@@ -255,6 +257,8 @@ class StageWorker:
                                  histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
                                  stop_ids=self.arch.eos_token_ids)
             sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
+            for st, token in zip(states, tokens, strict=True):
+                st.last_sampled = token  # the token ring: this stage's input token for the request's next decode
             logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True) if lp is not None}
         return StepResult(out.step_id, sampled, logprobs=logprobs)
 

@@ -1,0 +1,194 @@
+"""The token ring (scheduler.async_scheduling): a decode scheduled before its last token comes back, its
+input token handed from the last stage to stage 0. Torch-free: the scheduler's side and the simulator's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ppserve.config import SchedulerConfig
+from ppserve.request import FinishReason
+from ppserve.sched import StepResult
+from ppserve.sim import ConstantCostModel, SimConfig, WorkloadRequest, simulate
+from tests.unit.sched_helpers import (
+    EOS,
+    assert_drained,
+    drive,
+    fake_result,
+    make_request,
+    make_scheduler,
+    random_scheduler,
+)
+
+
+def _decoding(s, n: int, prompt: int = 3, max_tokens: int = 20):
+    """n requests whose prompts fit one microbatch each, scheduled and back: all decoding, nothing in flight."""
+    for i in range(n):
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=max_tokens))
+    while s.schedule() is not None:
+        pass
+    while s.in_flight:
+        s.update_from_output(s.in_flight[0], fake_result(s.in_flight[0]))
+    s.check_invariants()
+
+
+def test_without_the_ring_a_full_pipeline_waits_for_a_result():
+    s = make_scheduler(pp=2, token_budget=8)
+    _decoding(s, 4)
+    a, b = s.schedule(), s.schedule()
+    assert a is not None and b is not None and s.schedule() is None
+    assert not a.ring_request_ids and a.ring_step_id is None
+
+
+def test_the_ring_forms_the_oldest_groups_next_microbatch_before_it_returns():
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    _decoding(s, 4)
+    a, b = s.schedule(), s.schedule()
+    c = s.schedule()  # one more than the stages: a's decodes again, their tokens from a's ring message
+    assert c is not None and s.schedule() is None
+    assert set(c.order) == set(a.sample_request_ids) == set(c.ring_request_ids)
+    assert c.ring_step_id == a.step_id
+    assert c.num_decode_tokens == len(c.order) and c.sample_request_ids == c.order
+    # No diff carries the ring token: the workers had every earlier token already.
+    assert all(d.new_token_ids == () for d in c.cached_requests)
+    s.check_invariants()
+    s.update_from_output(a, fake_result(a, 11))
+    s.check_invariants()
+    d = s.schedule()  # b's group, with b still in flight
+    assert d is not None and d.ring_step_id == b.step_id
+    s.update_from_output(b, fake_result(b, 12))
+    s.update_from_output(c, fake_result(c, 13))
+    e = s.schedule()  # a's group again: c is not the oldest (d is), so c's tokens come in the diff
+    assert e is not None
+    for rid in c.order:
+        assert s.requests[rid].output_token_ids[-2:] == [11, 13]
+    ring_rows = set(e.ring_request_ids)
+    for diff in e.cached_requests:
+        if diff.request_id in c.order and diff.request_id not in ring_rows:
+            assert diff.new_token_ids == (13,)
+
+
+def test_a_stop_token_on_the_ring_wastes_one_token_and_loses_nothing():
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s.add_request(make_request("x", 3, max_tokens=20, ignore_eos=False))
+    s.add_request(make_request("y", 3, max_tokens=20, ignore_eos=False))
+    a = s.schedule()
+    b = s.schedule()
+    s.update_from_output(a, fake_result(a))
+    s.update_from_output(b, fake_result(b))
+    a, b = s.schedule(), s.schedule()
+    c = s.schedule()
+    assert c is not None and set(c.ring_request_ids) == set(a.sample_request_ids)
+    rid = c.ring_request_ids[0]
+    updates = s.update_from_output(a, fake_result(a, EOS))  # the ring already computes the next token
+    assert {u.request_id for u in updates if u.finished} == set(a.sample_request_ids)
+    s.check_invariants()
+    assert s.requests[rid].finish_reason is FinishReason.STOP
+    s.update_from_output(b, fake_result(b))
+    outputs_before = list(s.requests[rid].output_token_ids)
+    late = s.update_from_output(c, fake_result(c, 99))  # its token is thrown away
+    assert all(u.request_id not in c.order for u in late)
+    assert rid not in s.requests and outputs_before[-1] == EOS
+    s.check_invariants()
+
+
+def test_a_request_whose_token_in_flight_is_its_last_is_not_put_on_the_ring():
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s.add_request(make_request("short", 3, max_tokens=2))
+    s.add_request(make_request("long", 3, max_tokens=9))
+    a, b = s.schedule(), s.schedule()
+    s.update_from_output(a, fake_result(a))
+    s.update_from_output(b, fake_result(b))
+    a, b = s.schedule(), s.schedule()  # each request's second token: "short" finishes with it
+    c = s.schedule()
+    assert "short" not in (c.order if c is not None else ())
+
+
+def test_cancel_with_a_ring_decode_in_flight_keys_only_known_tokens():
+    s = make_scheduler(pp=2, token_budget=8, block_size=4, async_scheduling=True)
+    _decoding(s, 2, prompt=3)
+    a, b = s.schedule(), s.schedule()
+    c = s.schedule()
+    rid = c.ring_request_ids[0]
+    req = s.requests[rid]
+    assert req.num_computed_tokens == req.num_tokens + 1  # one token computed that is not known yet
+    s.cancel(rid)
+    s.check_invariants()
+    for out in (a, b, c):
+        s.update_from_output(out, fake_result(out))
+        s.check_invariants()
+    while s.has_unfinished:
+        while s.schedule() is not None:
+            s.check_invariants()
+        done = s.in_flight[0]
+        s.update_from_output(done, fake_result(done))
+        s.check_invariants()
+    assert_drained(s)
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_random_traces_hold_invariants_with_the_ring(policy, pp):
+    for seed in range(5):
+        rng = random.Random(seed * 17 + pp)
+        s = random_scheduler(rng, policy, pp, async_scheduling=True)
+        outs = drive(s, rng, eos_prob=0.05, cancel_prob=0.02)
+        assert_drained(s)
+        assert any(o.ring_request_ids for o in outs) or policy != "sarathi"
+
+
+def test_the_ring_gives_every_request_the_same_tokens_and_counts():
+    """Same trace with the ring on and off: every request gets as many tokens, and a decode is never
+    computed past its max_tokens (the ring's only waste is a token after a stop token)."""
+    def run(ring: bool) -> dict[str, int]:
+        rng = random.Random(5)
+        s = random_scheduler(rng, "sarathi", 3, async_scheduling=ring)
+        lengths: dict[str, int] = {}
+
+        def complete(done, result):
+            for u in s.update_from_output(done, result):
+                lengths[u.request_id] = lengths.get(u.request_id, 0) + len(u.new_token_ids)
+        drive(s, rng, complete=complete)
+        return lengths
+    assert run(True) == run(False)
+
+
+def test_pp1_has_no_ring():
+    s = make_scheduler(pp=1, async_scheduling=True)
+    assert not s.async_scheduling and s.max_in_flight == 1
+
+
+def test_the_simulated_ring_takes_the_engine_off_the_decode_cycle():
+    """Two decoding requests on two equal stages with 1 ms of turnaround and 2 ms of dispatch: without the
+    ring every token waits for both; with it stage 0 waits only for the last stage's tokens."""
+    wl = [WorkloadRequest(0.0, 4, 40), WorkloadRequest(0.0, 4, 40)]
+
+    def tbt(ring: bool) -> float:
+        cfg = SchedulerConfig(policy="sarathi", token_budget=64, async_scheduling=ring)
+        res = simulate(wl, ConstantCostModel(2, 0.010), SimConfig(cfg, 64, 16, 512, 0.001, 0.002,
+                                                                  check_invariants=True))
+        return res.latency()["tbt_s"]["p50"]
+    assert tbt(False) == pytest.approx(0.023)  # two stages + turnaround + dispatch per token
+    assert tbt(True) == pytest.approx(0.020)  # two stages: the ring costs no time on a ConstantCostModel
+
+
+def test_step_result_tokens_reach_the_ring_request_in_order():
+    s = make_scheduler(pp=3, token_budget=8, async_scheduling=True)
+    _decoding(s, 3, max_tokens=12)
+    before = {rid: len(req.output_token_ids) for rid, req in s.requests.items()}
+    got: dict[str, list[int]] = {}
+    token = 100
+    while s.has_unfinished:
+        while s.schedule() is not None:
+            s.check_invariants()
+        done = s.in_flight[0]
+        result = StepResult(done.step_id, {rid: token + i for i, rid in enumerate(done.sample_request_ids)})
+        token += 10
+        for u in s.update_from_output(done, result):
+            got.setdefault(u.request_id, []).extend(u.new_token_ids)
+        s.check_invariants()
+    assert set(got) == set(before)
+    for rid, toks in got.items():
+        assert before[rid] + len(toks) == 12
+        assert toks == sorted(toks)  # in the order they were sampled
