@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
     for sp in (c, k, s, v):
         _common(sp)
         sp.set_defaults(func=run)
-    r = bsub.add_parser("regimes", help="four microbatch formations on nine load regimes, in the simulator")
+    r = bsub.add_parser("regimes", help="five microbatch formations on eleven load regimes, in the simulator")
     r.add_argument("--reduced", action="store_true", help="fewer requests per regime, same regimes (CI)")
     r.add_argument("--only", help="comma-separated regime names (default: all nine)")
     r.add_argument("--results", default="results", help="results root (a dated folder is made inside)")

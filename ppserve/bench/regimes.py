@@ -1,12 +1,14 @@
 """The regime suite (issue 21): every microbatch formation on every load regime, in the simulator.
 
 One table answers "are the microbatches uniform in every regime?": the simulator (ppserve/sim, the
-engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs four
+engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs five
 formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
 Formations (SchedulerConfig, otherwise each regime's settings):
 - `sarathi`: the default, balanced formation (balance=True; ARCHITECTURE.md §3);
 - `sarathi-unbal`: sarathi with balance=False (one request per in-flight microbatch, filled to the budget);
+- `sarathi-ring`: the balanced formation with the token ring (async_scheduling=True: a decode group's next
+  microbatch formed before its last one returns, its tokens handed from the last stage to stage 0);
 - `vllm`, `orca`: the baselines.
 
 Regimes (request counts full / `--reduced`):
@@ -86,6 +88,7 @@ __all__ = [
     "Regime",
     "regimes",
     "run_cell",
+    "sim_setup",
     "run_suite",
     "criteria",
     "cells_table",
@@ -104,6 +107,7 @@ class Formation:
     name: str
     policy: str
     balance: bool = True
+    async_scheduling: bool = False
 
 
 BALANCED = "sarathi"
@@ -111,6 +115,7 @@ UNBALANCED = "sarathi-unbal"
 FORMATIONS: tuple[Formation, ...] = (
     Formation(BALANCED, "sarathi", True),
     Formation(UNBALANCED, "sarathi", False),
+    Formation("sarathi-ring", "sarathi", True, async_scheduling=True),
     Formation("vllm", "vllm"),
     Formation("orca", "orca"),
 )
@@ -208,17 +213,26 @@ def regimes(reduced: bool = False) -> list[Regime]:
     return out
 
 
-def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None) -> dict[str, Any]:
-    """Simulate one regime under one formation; the cell's figures (seconds, fractions)."""
+def sim_setup(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None,
+              ) -> tuple[list[WorkloadRequest], RooflineCostModel, SimConfig]:
+    """What one cell simulates: the regime's workload (or `workload`), its roofline and the SimConfig of
+    its settings under `formation` (also for analyses of a regime: benchmarks/analysis_sim_bubble.py)."""
     model, hw = load_model_spec(regime.model), load_hardware(regime.hardware)
     cost = RooflineCostModel(model, hw, regime.pp, regime.tp)
     blocks = kv_cache_blocks(model, hw, regime.pp, regime.tp, regime.block_size)
     wl = list(regime.workload() if workload is None else workload)
     sched = SchedulerConfig(policy=formation.policy, token_budget=regime.token_budget,
                             max_num_seqs=regime.max_num_seqs, per_microbatch_seq_cap=regime.seq_cap,
-                            max_waiting=max(4096, len(wl)), balance=formation.balance)
+                            max_waiting=max(4096, len(wl)), balance=formation.balance,
+                            async_scheduling=formation.async_scheduling)
     cfg = SimConfig(sched, blocks, regime.block_size, regime.max_model_len or model.max_model_len,
                     regime.overhead_ms * 1e-3, regime.dispatch_ms * 1e-3)
+    return wl, cost, cfg
+
+
+def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None) -> dict[str, Any]:
+    """Simulate one regime under one formation; the cell's figures (seconds, fractions)."""
+    wl, cost, cfg = sim_setup(regime, formation, workload)
     t0 = time.perf_counter()
     res = simulate(wl, cost, cfg)
     s = res.summary("active")
@@ -246,7 +260,7 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
 
 
 def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One regime's criteria from its four cells: each figure, the reference it is held to, the ratio, pass."""
+    """One regime's criteria from its cells (one per formation): each figure, the reference it is held to, the ratio, pass."""
     by = {c["formation"]: c for c in cells}
     bal, unbal = by[BALANCED], by[UNBALANCED]
     best_thr = max(c["requests_per_s"] for c in cells)

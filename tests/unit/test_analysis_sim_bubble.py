@@ -1,0 +1,70 @@
+"""benchmarks/analysis_sim_bubble.py: stage 0's idle time cut by cause adds up to its bubble, and each part
+is what the simulated engine's events say on hand-computable runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from ppserve.config import SchedulerConfig
+from ppserve.sim import ConstantCostModel, SimConfig, WorkloadRequest, simulate
+from ppserve.sim.cost_model import BatchShape
+from tests.bench_scripts import load_benchmark
+
+MS = 1_000_000
+
+
+@dataclass(frozen=True)
+class PrefillHeavyCost:
+    """A microbatch with a prefill chunk costs `prefill_s`, a decode-only one `step_s`, on every stage."""
+
+    num_stages: int
+    step_s: float
+    prefill_s: float
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        return self.prefill_s if shape.num_prefill_tokens else self.step_s
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        return 0.0
+
+
+def _run(cost, workload, overhead_s: float, dispatch_s: float, **sched):
+    cfg = SchedulerConfig(**{"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, **sched})
+    res = simulate(workload, cost, SimConfig(cfg, 256, 16, 512, overhead_s, dispatch_s))
+    mod = load_benchmark("analysis_sim_bubble")
+    parts = mod.first_stage_idle(res, dispatch_s)
+    bubble = res.bubble_report("active").stages[0].bubble_ns
+    return parts, bubble
+
+
+def test_decode_ring_idles_stage_zero_for_the_turnaround_and_the_dispatch_only():
+    # Two decoding requests on two equal stages: each group's next microbatch waits for its return
+    # (1 ms turnaround, then 2 ms dispatch) and never for an unequal microbatch.
+    wl = [WorkloadRequest(0.0, 4, 12), WorkloadRequest(0.0, 4, 12)]
+    parts, bubble = _run(ConstantCostModel(2, 0.010), wl, 0.001, 0.002)
+    assert parts["ring_prefill"] == parts["ring_decode"] == 0
+    assert parts["turnaround"] > 0
+    # Every gap after a return: 1 ms of turnaround then 2 ms of dispatch; the first microbatch only waits
+    # for its dispatch (2 ms).
+    assert parts["dispatch"] == 2 * parts["turnaround"] + 2 * MS
+    assert sum(parts.values()) == pytest.approx(bubble, abs=1)
+
+
+def test_a_long_microbatch_makes_the_ring_wait_for_it():
+    # Prefill microbatches cost 3x a decode step: the decode group behind one finishes early on stage 0
+    # and waits for it to come back round.
+    wl = [WorkloadRequest(0.0, 40, 16), WorkloadRequest(0.05, 40, 16), WorkloadRequest(0.12, 40, 4)]
+    parts, bubble = _run(PrefillHeavyCost(2, 0.010, 0.030), wl, 0.0, 0.0, token_budget=40)
+    assert parts["ring_prefill"] > 0
+    assert parts["turnaround"] == parts["dispatch"] == 0
+    assert sum(parts.values()) == pytest.approx(bubble, abs=1)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_parts_add_up_to_the_bubble_on_a_mixed_run(balance: bool):
+    wl = [WorkloadRequest(0.004 * k, 20 + 37 * (k % 5), 6 + 3 * (k % 4)) for k in range(24)]
+    parts, bubble = _run(PrefillHeavyCost(3, 0.004, 0.009), wl, 0.0004, 0.0003, balance=balance)
+    assert bubble > 0
+    assert sum(parts.values()) == pytest.approx(bubble, abs=1)
