@@ -198,7 +198,7 @@ def spawn(name: str, args: argparse.Namespace, workload: Path) -> EngineResult |
             return None
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=args.cores)
         cmd = [str(python), str(Path(__file__).with_name("vllm_cpu_runner.py")), "--workload", str(workload),
-               "--dtype", "bfloat16", "--max-num-batched-tokens", str(args.token_budget)]
+               "--dtype", args.vllm_dtype or args.dtype, "--max-num-batched-tokens", str(args.token_budget)]
         if args.prefix_caching:
             cmd.append("--enable-prefix-caching")
     else:
@@ -278,7 +278,9 @@ def main() -> None:
                          "num_requests / GROUPS distinct QUESTION-token questions (instead of --min/--max-len)")
     ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in ppserve and vLLM alike")
     ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
-    ap.add_argument("--dtype", default="bfloat16", help="ppserve and transformers dtype (vLLM always bf16)")
+    ap.add_argument("--dtype", default="bfloat16", help="ppserve's and transformers' dtype, and vLLM's unless --vllm-dtype")
+    ap.add_argument("--vllm-dtype", help="vLLM's dtype (default: --dtype); on a CPU without native bf16 both serve "
+                                         "float32 (bf16 there is emulated, slower in every engine)")
     ap.add_argument("--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens")
     ap.add_argument("--partition-mode", default="even", help="ppserve pp>1: parallel.partition_mode (even|cost|calibrated)")
     ap.add_argument("--hf-batch", type=int, default=8, help="transformers static batch size")
