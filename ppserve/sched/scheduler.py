@@ -213,17 +213,27 @@ class Scheduler:
         return len(self.in_flight) < self.max_in_flight
 
     def schedule(self) -> SchedulerOutput | None:
-        """Form the next microbatch, or None when the pipeline is full or nothing can run now."""
+        """Form the next microbatch, or None when the pipeline is full or nothing can run now.
+
+        With the token ring: a full pipeline's extra slot is the ring's (formed only with ring decodes);
+        with a free slot the microbatch is formed without them first, and takes them only when it would
+        otherwise be empty. Ring decodes make a microbatch wait at stage 0 for the oldest one to leave
+        the last stage: beside work that could start now (the prompts filling an empty pipeline) they
+        would hold it back, where without them a free slot only waits for work."""
         if not self.has_room():
             return None
+        ring = self._ring_candidates()
+        if len(self.in_flight) >= self.num_stages:
+            return self._form(ring) if ring else None
+        return self._form({}) or (self._form(ring) if ring else None)
+
+    def _form(self, ring: dict[str, Request]) -> SchedulerOutput | None:
+        """Fill a microbatch (`ring`: the decodes it may take on the token ring) and emit it, if not empty."""
         if self.policy.token_budgeted:
             mode = self.budget_mode
             budget = mode.new_budget(mode.token_budget, self._seq_cap)
         else:
             budget = TokenBudget(None, self._seq_cap)  # whole prompts: no token budget, so no time budget
-        ring = self._ring_candidates()
-        if not ring and len(self.in_flight) >= self.num_stages:
-            return None  # the extra slot is the token ring's: without ring decodes, form it once a result is back
         b = BatchBuilder(
             budget=budget, blocks=self.blocks, running=self.running, waiting=self.waiting, preempt=self._preempt,
             max_num_seqs=self.config.max_num_seqs, max_total_tokens=self.max_total_tokens, clock=self.clock,
@@ -283,7 +293,7 @@ class Scheduler:
         ring = b.ring
         # Decode next once back (those the token ring may take now are ready already).
         awaiting = sum(1 for mb in self.in_flight for rid in mb.sample_request_ids if rid not in ring)
-        free_slots = min(stages, self.max_in_flight - len(self.in_flight))
+        free_slots = max(1, stages - len(self.in_flight))  # the token ring's extra slot is the oldest's group's
         b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, free_slots)
         seats = max(0, self.config.max_num_seqs - len(self.running))
         if len(self.waiting) > seats:
