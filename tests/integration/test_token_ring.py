@@ -35,10 +35,13 @@ def test_in_process_ring_equals_transformers(tiny_llama_dir, prompts, expected, 
     assert got == expected
 
 
-@pytest.mark.parametrize("dispatch,pp,tp", [("connections", 2, 2), ("compiled", 3, 1)])
-def test_ray_ring_equals_transformers(ray_session, tiny_llama_dir, prompts, expected, dispatch, pp, tp):
+@pytest.mark.parametrize("dispatch,pp,tp,link", [("connections", 2, 2, "auto"), ("compiled", 3, 1, "auto"),
+                                                  ("connections", 2, 1, "torch")])
+def test_ray_ring_equals_transformers(ray_session, tiny_llama_dir, prompts, expected, dispatch, pp, tp, link):
+    """The ring over the CPU socket link (auto) and over torch.distributed p2p (gloo here, NCCL on GPUs)."""
     got, _ = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                            token_budget=16, block_size=4, overrides=RING + [f"parallel.dispatch={dispatch}"])
+                            token_budget=16, block_size=4,
+                            overrides=RING + [f"parallel.dispatch={dispatch}", f"parallel.stage_link={link}"])
     assert got == expected
 
 
