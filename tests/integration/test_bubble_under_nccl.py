@@ -76,12 +76,12 @@ class TouchingWorker:
         self.arch = SimpleNamespace(hidden_size=8)
         self.dtype = torch.float32
         self.device = torch.device("cpu")
-        self.spec = SimpleNamespace(stage=1, tp_rank=0)
+        self.spec = SimpleNamespace(stage=1, tp_rank=0, token_ring=False)
         self.tp = TPContext()  # one rank: no broadcast after the receive
         self.model = SimpleNamespace(is_last=False)  # a middle stage: it sends on
         self.times = SimpleNamespace(relay=lambda upstream: None)  # no step times in this model
 
-    def prepare(self, out: Any) -> None:
+    def prepare(self, out: Any, ring_tokens: dict[str, int] | None = None) -> None:
         with self.recorder.span("prepare", out.step_id):
             self.stream.clock.spend(_ns(PREPARE_S))  # host work on the step's inputs
 
