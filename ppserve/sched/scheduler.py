@@ -291,8 +291,9 @@ class Scheduler:
         stages = self.num_stages
         num_ready = len(b.decodes)
         ring = b.ring
-        # Decode next once back (those the token ring may take now are ready already).
-        awaiting = sum(1 for mb in self.in_flight for rid in mb.sample_request_ids if rid not in ring)
+        # Decode next once back. The ring's candidates are ready already: each is sampled by the oldest
+        # in-flight microbatch and rides in no other, so they count once among the samples in flight.
+        awaiting = sum(len(mb.sample_request_ids) for mb in self.in_flight) - len(ring)
         free_slots = max(1, stages - len(self.in_flight))  # the token ring's extra slot is the oldest's group's
         b.decode_quota = decode_quota(num_ready + awaiting, num_ready, stages, free_slots)
         seats = max(0, self.config.max_num_seqs - len(self.running))
