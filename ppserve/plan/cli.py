@@ -56,6 +56,8 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--token-budgets", type=_ints, default=(256, 512, 1024, 2048), help="sarathi's, comma-separated")
     k.add_argument("--max-num-seqs", type=_ints, default=(256,), help="sarathi's, comma-separated")
     k.add_argument("--vllm-max-num-seqs", type=_ints, default=(32, 64, 128), help="vllm's max batch sizes")
+    k.add_argument("--no-slo-budget", action="store_true",
+                   help="search the budget grid only, not also each shape's budget for the TBT SLO (plan/slo_budget.py)")
     k.add_argument("--max-pp", type=int)
     k.add_argument("--refine", type=int, default=4, help="leaders refined to --fine-tol after the coarse round")
     k.add_argument("--coarse-tol", type=float, default=0.25)
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from ppserve.plan import inputs
     from ppserve.plan.report import format_table, table_rows, write_report
     from ppserve.plan.search import PlanContext, search
+    from ppserve.plan.slo_budget import with_slo_budgets
     from ppserve.plan.space import SearchSpace, WorkloadShape, enumerate_deployments
 
     t0 = time.perf_counter()
@@ -104,12 +107,15 @@ def run(args: argparse.Namespace) -> int:
     space = SearchSpace(tuple(x.strip() for x in args.policies.split(",") if x.strip()), args.token_budgets,
                         args.max_num_seqs, args.vllm_max_num_seqs, args.max_pp)
     feasible, rejected = enumerate_deployments(model, clu, space, WorkloadShape.of([(r.prompt_len, r.output_len) for r in reqs]))
-    cluster_desc = f"{clu.nodes} x {clu.gpus_per_node} {clu.hardware.name}"
-    print(f"{model.name} on {cluster_desc}: {len(feasible)} deployments to search, {len(rejected)} shapes rejected")
     ctx = PlanContext(model, clu, tuple(reqs), slo, args.duration_s, seed=args.seed,
                       overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
     if args.profile:
         ctx = replace(ctx, cost_model=_profile_factory(args, model.num_layers))
+    if not args.no_slo_budget:
+        feasible = with_slo_budgets(feasible, lambda d: ctx.cost_model(ctx, d), slo.tbt_p99_s,
+                                    sum(r.prompt_len for r in reqs) / len(reqs))
+    cluster_desc = f"{clu.nodes} x {clu.gpus_per_node} {clu.hardware.name}"
+    print(f"{model.name} on {cluster_desc}: {len(feasible)} deployments to search, {len(rejected)} shapes rejected")
     cands = search(ctx, feasible, jobs=args.jobs, coarse_tol=args.coarse_tol, fine_tol=args.fine_tol,
                    refine=args.refine, progress=_progress(not args.no_progress))
     wall = time.perf_counter() - t0

@@ -33,7 +33,8 @@ def table_rows(cands: Sequence[Candidate]) -> list[dict[str, Any]]:
         lo, hi = c.result.bracket
         rows.append({
             "rank": rank, "deployment": d.label, "pp": d.pp, "tp": d.tp, "replicas": d.replicas, "gpus": d.gpus,
-            "policy": d.policy, "token_budget": d.token_budget, "max_num_seqs": d.max_num_seqs,
+            "policy": d.policy, "token_budget": d.token_budget, "budget_from_slo": d.budget_from_slo,
+            "max_num_seqs": d.max_num_seqs,
             "layer_counts": list(d.layer_counts), "kv_blocks_per_replica": d.num_blocks,
             "capacity_req_s": c.capacity, "capacity_per_gpu": c.capacity_per_gpu,
             "bracket_req_s": [lo, hi], "refined": c.refined, "saturated": c.result.saturated,

@@ -94,6 +94,7 @@ class Deployment:
     layer_counts: tuple[int, ...] = field(default=())  # decoder layers per stage
     num_blocks: int = 0  # KV blocks of block_size tokens one replica's scheduler may hand out
     block_size: int = 16
+    budget_from_slo: bool = False  # the token budget is the TBT SLO's (plan/slo_budget.py), not the grid's
 
     @property
     def gpus(self) -> int:
@@ -101,7 +102,9 @@ class Deployment:
 
     @property
     def label(self) -> str:
-        knobs = f"max {self.max_num_seqs}" if self.policy == "vllm" else f"budget {self.token_budget}, seqs {self.max_num_seqs}"
+        slo = " from SLO" if self.budget_from_slo else ""
+        knobs = (f"max {self.max_num_seqs}" if self.policy == "vllm"
+                 else f"budget {self.token_budget}{slo}, seqs {self.max_num_seqs}")
         return f"tp{self.tp}·pp{self.pp} x{self.replicas} {self.policy} ({knobs})"
 
 

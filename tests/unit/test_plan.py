@@ -238,3 +238,66 @@ def test_a_fitted_profile_is_re_split_over_another_pp_and_tp(tmp_path):
                       cost_model=resplit, min_requests=10)
     d = Deployment(2, 1, 1, "sarathi", 128, 16, (4, 4), 1000, 16)
     assert probe(ctx, d, 1.0).ok
+
+
+# --- the token budget a TBT SLO allows (plan/slo_budget.py) ---------------------------------------------
+
+def linear_pipeline(stages: int, floor_s: float, token_s: float):
+    from ppserve.sched.cost import PipelineCost, StepCost
+    from ppserve.sim.cost_model import Profile, ProfileCostModel
+
+    return ProfileCostModel(Profile(PipelineCost((StepCost(floor_s, token_s),) * stages)))
+
+
+def test_the_slo_budget_is_the_largest_step_that_goes_round_the_pipeline_in_time():
+    from ppserve.plan.slo_budget import SLO_BUDGET_MARGIN, slo_token_budget
+
+    # Two stages of 10 ms + 1 ms a token; SLO 100 ms, margin 0.8: 2 * (10 + B) <= 80 ms, so B = 30 tokens,
+    # 16 in whole blocks of 16; one stage: 10 + B <= 80, B = 70 -> 64.
+    two = linear_pipeline(2, 0.010, 0.001)
+    assert slo_token_budget(two, 0.100, context=0, cap=2048, margin=0.8, block_size=1) == 30
+    assert slo_token_budget(two, 0.100, context=0, cap=2048, margin=0.8, block_size=16) == 16
+    assert slo_token_budget(linear_pipeline(1, 0.010, 0.001), 0.100, context=0, cap=2048, margin=0.8) == 64
+    assert slo_token_budget(two, 0.100, context=0, cap=8, margin=0.8) == 8  # below a block: kept as it is
+    assert slo_token_budget(two, 0.100, context=0, cap=20, margin=0.8, block_size=1) == 20  # the cap holds
+    assert slo_token_budget(two, 0.100, context=0, cap=2048, margin=1.0, block_size=1) == 40
+    # The default margin: 10 + B <= 100 * SLO_BUDGET_MARGIN ms on one stage.
+    one = linear_pipeline(1, 0.010, 0.001)
+    assert slo_token_budget(one, 0.100, context=0, cap=2048, block_size=1) == int(100 * SLO_BUDGET_MARGIN - 10 + 1e-9)
+    # A step's floor alone outlasts the SLO around the pipeline: no budget meets it.
+    assert slo_token_budget(linear_pipeline(2, 0.045, 0.001), 0.100, context=0, cap=2048) is None
+    with pytest.raises(ValueError, match="margin"):
+        slo_token_budget(two, 0.100, context=0, cap=2048, margin=0.0)
+
+
+def test_each_sarathi_setting_gains_its_slo_budget_where_the_grid_lacks_it_and_it_stands_for_its_shape():
+    from ppserve.plan.search import _representatives
+    from ppserve.plan.slo_budget import with_slo_budgets
+
+    cluster = Cluster(load_hardware("a100"), gpus_per_node=2)
+    space = SearchSpace(policies=("sarathi", "vllm"), token_budgets=(256, 512), max_num_seqs=(64, 128))
+    feasible, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, space, WorkloadShape(500, 2048))
+    # Every stage at 10 ms + 1 ms a token, margin 0.65: 2 * (10 + B) <= 65 ms at pp 2 (B = 22 -> 16), 10 + B <=
+    # 65 at pp 1 (B = 55 -> 48).
+    out = with_slo_budgets(feasible, lambda d: linear_pipeline(d.pp, 0.010, 0.001), 0.100, mean_prompt=64)
+    added = [d for d in out if d.budget_from_slo]
+    assert all(d in out for d in feasible) and len(out) == len(feasible) + len(added)
+    sarathi_settings = {(d.pp, d.tp, d.max_num_seqs) for d in feasible if d.policy == "sarathi"}
+    assert {(d.pp, d.tp, d.max_num_seqs) for d in added} == sarathi_settings  # one per setting, none for vllm
+    assert {d.token_budget for d in added if d.pp == 2} == {16} and {d.token_budget for d in added if d.pp == 1} == {48}
+    assert all(d.policy == "sarathi" and "from SLO" in d.label for d in added)
+    # A shape is stood for by the budget nearest 512 that its SLO allows: the SLO's own (16, 48) here.
+    reps = _representatives(out)
+    assert all(out[i].budget_from_slo for i in reps.values())
+    # An SLO budget above 512 (1 + 0.08 B <= 65 ms at pp 1: 800 tokens) leaves 512 to stand for the shape.
+    wide, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, replace(space, token_budgets=(256, 512, 1024)),
+                                    WorkloadShape(500, 2048))
+    roomy = with_slo_budgets(wide, lambda d: linear_pipeline(d.pp, 0.001, 0.00008), 0.100, mean_prompt=64)
+    assert {d.token_budget for d in roomy if d.budget_from_slo and d.pp == 1} == {800}
+    assert {roomy[i].token_budget for i in _representatives(roomy).values() if roomy[i].pp == 1} == {512}
+    # A budget the grid has, or one above the grid (every grid budget already meets the SLO), adds nothing.
+    assert with_slo_budgets(feasible, lambda d: linear_pipeline(d.pp, 0.0, 1e-6), 0.100, mean_prompt=64) == feasible
+    grid_has_it = replace(space, token_budgets=(48, 256))
+    pp1, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, grid_has_it, WorkloadShape(500, 2048))
+    pp1 = [d for d in pp1 if d.pp == 1]
+    assert with_slo_budgets(pp1, lambda d: linear_pipeline(d.pp, 0.010, 0.001), 0.100, mean_prompt=64) == pp1

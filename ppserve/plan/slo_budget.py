@@ -1,0 +1,98 @@
+"""The token budget a TBT SLO allows on a deployment: Sarathi-Serve's rule, priced by the planner's cost model.
+
+Sarathi-Serve chooses its token budget from the TBT SLO: the largest microbatch whose step still hands every
+decode its next token in time (the paper: 512 tokens for its strict SLOs, 2048 for the relaxed ones, on
+A100s). The planner's grid of budgets (256 ... 2048) is such a GPU's choice. Where a step costs more (a
+slower machine, a deeper pipeline, a bigger model per GPU), every budget of the grid can let one long prompt
+fill a step that outlasts the SLO; each decode in flight then misses it, and the capacity search turns on
+whether long prompts happen to arrive beside decodes, not on what the deployment sustains. On the 2-core
+CPU that `benchmarks/plan_then_run.py` plans: one request's 204-token prompt took one 1.6 s step, against
+a p99 TBT SLO of 400 ms, at every budget of the grid.
+
+A decode's next token comes when its microbatch has gone round the pipeline: with p microbatches in flight,
+about p steps of the slowest stage. The SLO's budget is the largest B (of at most `cap` tokens) with
+
+    p * max over stages of t_s(a chunk of B tokens after `context` cached tokens, one sampled) <= margin * SLO
+
+`context` is half the workload's mean prompt (a chunk midway through a prompt of mean length). A full
+microbatch's decodes are priced as its chunk's tokens are; a decode's own terms (its keys, its sample) and
+the step-to-step spread of a real stream are what `margin` leaves room for. B is rounded down to whole KV
+blocks where it holds one. The step-cost models are monotone in the chunk's length (every coefficient
+>= 0), so B is found by bisection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from ppserve.plan.space import Deployment
+from ppserve.sched.cost import BatchShape
+from ppserve.sim.cost_model import CostModel
+
+__all__ = ["SLO_BUDGET_MARGIN", "slo_token_budget", "with_slo_budgets"]
+
+# The part of the TBT SLO a budget-full step may take around the pipeline: the rest is for decodes priced
+# above a chunk's token, the p99's tail and the control plane. At capacity the simulated p99 TBT came to
+# 1.07-1.25x the round trip this prices (Llama-3-70B on 8 H100, conversation trace, 100 ms SLO): with 0.8
+# tp2·pp2's budget (608) sat at the SLO, its capacity fell to 11.6 req/s against 26.2 at budget 512, and
+# the shape was pruned; a budget a little short of the best costs a little throughput, one a little over
+# it fails the SLO at every rate.
+SLO_BUDGET_MARGIN = 0.65
+
+
+def slo_token_budget(cost: CostModel, tbt_slo_s: float, context: int, cap: int, block_size: int = 16,
+                     margin: float = SLO_BUDGET_MARGIN) -> int | None:
+    """The largest token budget (at most `cap`) whose full step keeps a decode's next token within
+    `margin` x `tbt_slo_s` on the deployment `cost` prices (see the module doc); None when not even a
+    one-token step does."""
+    if not (tbt_slo_s > 0 and 0 < margin <= 1):
+        raise ValueError(f"need a TBT SLO > 0 and a margin in (0, 1], got {tbt_slo_s!r} and {margin!r}")
+    if cap < 1 or block_size < 1 or context < 0:
+        raise ValueError(f"need cap >= 1, block_size >= 1 and context >= 0, got {cap}, {block_size}, {context}")
+    limit = margin * tbt_slo_s
+
+    def round_trip(tokens: int) -> float:
+        shape = BatchShape(((tokens, context),), 1, tokens, 0)
+        return cost.num_stages * max(cost.stage_time(s, shape) for s in range(cost.num_stages))
+
+    if round_trip(1) > limit:
+        return None
+    lo, hi = 1, cap  # round_trip(lo) fits; find the largest that does
+    if round_trip(hi) <= limit:
+        lo = hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if round_trip(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid
+    return lo - lo % block_size if lo >= block_size else lo
+
+
+def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[Deployment], CostModel],
+                     tbt_slo_s: float, mean_prompt: float) -> list[Deployment]:
+    """The deployments, and for each sarathi setting whose budget grid lacks its SLO's budget (below the
+    grid's largest), the same deployment at that budget (`budget_from_slo`), after the setting's first.
+    The search's first round stands each shape for by the budget nearest 512 that this one allows."""
+    grids: dict[tuple[object, ...], set[int]] = {}
+    for d in deployments:
+        grids.setdefault(_setting(d), set()).add(d.token_budget)
+    out: list[Deployment] = []
+    done: set[tuple[object, ...]] = set()
+    for d in deployments:
+        out.append(d)
+        key = _setting(d)
+        if d.policy != "sarathi" or key in done:
+            continue
+        done.add(key)
+        grid = grids[key]
+        budget = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, max(grid), d.block_size)
+        if budget is not None and budget not in grid:
+            out.append(replace(d, token_budget=budget, budget_from_slo=True))
+    return out
+
+
+def _setting(d: Deployment) -> tuple[object, ...]:
+    """A deployment without its token budget: what one SLO budget is computed for."""
+    return d.pp, d.tp, d.replicas, d.policy, d.max_num_seqs, d.layer_counts, d.num_blocks, d.block_size
