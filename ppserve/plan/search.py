@@ -189,27 +189,20 @@ def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: 
 
 
 def _representatives(deployments: Sequence[Deployment]) -> dict[tuple[int, int], int]:
-    """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi with the budget
-    nearest 512 that the shape's TBT SLO allows where it has an SLO budget (plan/slo_budget.py: a budget
-    that outlasts the SLO would judge the shape by its longest prompts' steps, and prune it), else with
-    the budget nearest 512; else the shape's first deployment."""
-    slo_budget: dict[tuple[int, int], int] = {}
-    for d in deployments:
-        if d.budget_from_slo:
-            key = (d.pp, d.tp)
-            slo_budget[key] = min(slo_budget.get(key, d.token_budget), d.token_budget)
+    """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi at its TBT SLO's
+    budget where it has one (plan/slo_budget.py: then every grid budget outlasts the SLO, fails it at every
+    rate and would prune the shape), else sarathi with the budget nearest 512; else its first deployment."""
     best: dict[tuple[int, int], int] = {}
     for i, d in enumerate(deployments):
         key = (d.pp, d.tp)
         j = best.get(key)
-        if j is None or _rep_score(d, slo_budget.get(key)) < _rep_score(deployments[j], slo_budget.get(key)):
+        if j is None or _rep_score(d) < _rep_score(deployments[j]):
             best[key] = i
     return best
 
 
-def _rep_score(d: Deployment, slo_budget: int | None) -> tuple[int, int, float]:
-    over_slo = slo_budget is not None and d.token_budget > slo_budget
-    return (0 if d.policy == "sarathi" else 1, 1 if over_slo else 0, abs(math.log2(d.token_budget / 512)))
+def _rep_score(d: Deployment) -> tuple[int, int, float]:
+    return (0 if d.policy == "sarathi" else 1, 0 if d.budget_from_slo else 1, abs(math.log2(d.token_budget / 512)))
 
 
 def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | None = None,

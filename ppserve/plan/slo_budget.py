@@ -72,9 +72,14 @@ def slo_token_budget(cost: CostModel, tbt_slo_s: float, context: int, cap: int, 
 
 def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[Deployment], CostModel],
                      tbt_slo_s: float, mean_prompt: float) -> list[Deployment]:
-    """The deployments, and for each sarathi setting whose budget grid lacks its SLO's budget (below the
-    grid's largest), the same deployment at that budget (`budget_from_slo`), after the setting's first.
-    The search's first round stands each shape for by the budget nearest 512 that this one allows."""
+    """The deployments, and for each sarathi setting where every budget of the grid outlasts the TBT SLO
+    (its SLO budget is below the grid's smallest), the same deployment at the SLO's budget
+    (`budget_from_slo`), after the setting's first; the search's first round stands the shape for by it.
+
+    Only there: where the grid holds a budget the SLO allows, the grid brackets the best budget already,
+    and an SLO budget between grid budgets bought nothing at GPU scale (Llama-3-70B on 8 H100, conversation
+    trace, 100 ms SLO: the same refined winner, 26.2 req/s, with 70 deployments searched in 785 s against
+    63 in 343 s on a 2-core AMD EPYC)."""
     grids: dict[tuple[object, ...], set[int]] = {}
     for d in deployments:
         grids.setdefault(_setting(d), set()).add(d.token_budget)
@@ -87,8 +92,8 @@ def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[De
             continue
         done.add(key)
         grid = grids[key]
-        budget = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, max(grid), d.block_size)
-        if budget is not None and budget not in grid:
+        budget = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, min(grid), d.block_size)
+        if budget is not None and budget < min(grid):
             out.append(replace(d, token_budget=budget, budget_from_slo=True))
     return out
 
