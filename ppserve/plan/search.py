@@ -189,9 +189,10 @@ def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: 
 
 
 def _representatives(deployments: Sequence[Deployment]) -> dict[tuple[int, int], int]:
-    """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi at its TBT SLO's
-    budget where it has one (plan/slo_budget.py: then every grid budget outlasts the SLO, fails it at every
-    rate and would prune the shape), else sarathi with the budget nearest 512; else its first deployment."""
+    """Per (pp, tp) shape, the deployment that stands for it in the first round: sarathi with the budget
+    nearest 512 that the shape's TBT SLO allows where the planner priced it (plan/slo_budget.py: a budget
+    over it fails the SLO at every rate and would prune a shape that a smaller budget serves well), else
+    with the budget nearest 512; else the shape's first deployment."""
     best: dict[tuple[int, int], int] = {}
     for i, d in enumerate(deployments):
         key = (d.pp, d.tp)
@@ -202,7 +203,8 @@ def _representatives(deployments: Sequence[Deployment]) -> dict[tuple[int, int],
 
 
 def _rep_score(d: Deployment) -> tuple[int, int, float]:
-    return (0 if d.policy == "sarathi" else 1, 0 if d.budget_from_slo else 1, abs(math.log2(d.token_budget / 512)))
+    over_slo = d.slo_budget is not None and d.token_budget > d.slo_budget
+    return (0 if d.policy == "sarathi" else 1, 1 if over_slo else 0, abs(math.log2(d.token_budget / 512)))
 
 
 def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | None = None,

@@ -72,29 +72,33 @@ def slo_token_budget(cost: CostModel, tbt_slo_s: float, context: int, cap: int, 
 
 def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[Deployment], CostModel],
                      tbt_slo_s: float, mean_prompt: float) -> list[Deployment]:
-    """The deployments, and for each sarathi setting where every budget of the grid outlasts the TBT SLO
-    (its SLO budget is below the grid's smallest), the same deployment at the SLO's budget
-    (`budget_from_slo`), after the setting's first; the search's first round stands the shape for by it.
+    """The deployments, each sarathi one told its SLO's budget (`slo_budget`: the search's first round
+    stands a shape for by the budget nearest 512 that it allows), and for each sarathi setting where every
+    budget of the grid outlasts the TBT SLO (its SLO budget is below the grid's smallest), the same
+    deployment at the SLO's budget (`budget_from_slo`), after the setting's first.
 
-    Only there: where the grid holds a budget the SLO allows, the grid brackets the best budget already,
-    and an SLO budget between grid budgets bought nothing at GPU scale (Llama-3-70B on 8 H100, conversation
-    trace, 100 ms SLO: the same refined winner, 26.2 req/s, with 70 deployments searched in 785 s against
-    63 in 343 s on a 2-core AMD EPYC)."""
+    A deployment is added only there: where the grid holds a budget the SLO allows it brackets the best
+    budget already, and an SLO budget between grid budgets bought nothing at GPU scale (Llama-3-70B on 8
+    H100, conversation trace, 100 ms SLO: the same refined winner, 26.2 req/s, with 70 deployments
+    searched in 785 s against 63 in 343 s on a 2-core AMD EPYC)."""
+    budgets: dict[tuple[object, ...], int | None] = {}
     grids: dict[tuple[object, ...], set[int]] = {}
     for d in deployments:
         grids.setdefault(_setting(d), set()).add(d.token_budget)
     out: list[Deployment] = []
-    done: set[tuple[object, ...]] = set()
     for d in deployments:
-        out.append(d)
-        key = _setting(d)
-        if d.policy != "sarathi" or key in done:
+        if d.policy != "sarathi":
+            out.append(d)
             continue
-        done.add(key)
+        key = _setting(d)
         grid = grids[key]
-        budget = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, min(grid), d.block_size)
-        if budget is not None and budget < min(grid):
-            out.append(replace(d, token_budget=budget, budget_from_slo=True))
+        first = key not in budgets
+        if first:
+            budgets[key] = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, max(grid), d.block_size)
+        budget = budgets[key]
+        out.append(replace(d, slo_budget=budget))
+        if first and budget is not None and budget < min(grid):
+            out.append(replace(d, token_budget=budget, budget_from_slo=True, slo_budget=budget))
     return out
 
 

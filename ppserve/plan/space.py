@@ -95,6 +95,7 @@ class Deployment:
     num_blocks: int = 0  # KV blocks of block_size tokens one replica's scheduler may hand out
     block_size: int = 16
     budget_from_slo: bool = False  # the token budget is the TBT SLO's (plan/slo_budget.py), not the grid's
+    slo_budget: int | None = None  # the largest budget this shape's TBT SLO allows, where the planner priced it
 
     @property
     def gpus(self) -> int:

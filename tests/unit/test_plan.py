@@ -281,14 +281,19 @@ def test_where_every_grid_budget_outlasts_the_slo_each_sarathi_setting_gains_the
     # 65 at pp 1 (B = 55 -> 48); both below the grid's 256.
     out = with_slo_budgets(feasible, lambda d: linear_pipeline(d.pp, 0.010, 0.001), 0.100, mean_prompt=64)
     added = [d for d in out if d.budget_from_slo]
-    assert all(d in out for d in feasible) and len(out) == len(feasible) + len(added)
+    assert [replace(d, slo_budget=None) for d in out if not d.budget_from_slo] == feasible
     sarathi_settings = {(d.pp, d.tp, d.max_num_seqs) for d in feasible if d.policy == "sarathi"}
     assert {(d.pp, d.tp, d.max_num_seqs) for d in added} == sarathi_settings  # one per setting, none for vllm
     assert {d.token_budget for d in added if d.pp == 2} == {16} and {d.token_budget for d in added if d.pp == 1} == {48}
     assert all(d.policy == "sarathi" and "from SLO" in d.label for d in added)
     assert all(out[i].budget_from_slo for i in _representatives(out).values())
-    # Where the grid holds a budget the SLO allows (1 + 0.08 B <= 65 ms at pp 1: 800 tokens; 384 at pp 2)
-    # nothing is added, and 512 stands for each shape as before.
+    # Where the grid holds a budget the SLO allows (1 + 0.08 B <= 65 ms at pp 1: 800 tokens, capped at the
+    # grid's 512; 2 * (1 + 0.08 B) <= 65 at pp 2: 384) nothing is added; each sarathi deployment is told its
+    # shape's SLO budget, and the budget nearest 512 that it allows stands for the shape: 512 at pp 1, 256 at
+    # pp 2 (512 would fail the SLO at every rate).
     roomy = with_slo_budgets(feasible, lambda d: linear_pipeline(d.pp, 0.001, 0.00008), 0.100, mean_prompt=64)
-    assert roomy == feasible
-    assert {roomy[i].token_budget for i in _representatives(roomy).values()} == {512}
+    assert [replace(d, slo_budget=None) for d in roomy] == feasible
+    assert {(d.pp, d.slo_budget) for d in roomy if d.policy == "sarathi"} == {(1, 512), (2, 384)}
+    assert all(d.slo_budget is None for d in roomy if d.policy == "vllm")
+    reps = {(roomy[i].pp, roomy[i].token_budget) for i in _representatives(roomy).values()}
+    assert reps == {(1, 512), (2, 256)}
