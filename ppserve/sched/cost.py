@@ -44,6 +44,7 @@ __all__ = [
     "PipelineCost",
     "StepCost",
     "StepCostFit",
+    "WorkFeatures",
     "attention_keys",
     "features",
     "fit_layer_costs",
@@ -98,6 +99,35 @@ def features(chunks: Iterable[tuple[int, int]], num_sampled: int) -> Features:
         else:
             keys += attention_keys(n, ctx)
     return 1.0, tokens, keys, decode_keys, float(num_sampled)
+
+
+class WorkFeatures:
+    """A running sum of chunks' features without the floor: what those chunks add to a step on any stage
+    (`seconds`), summed once for every stage to price (the step cost is linear in its features)."""
+
+    __slots__ = ("tokens", "prefill_keys", "decode_keys", "sampled")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.prefill_keys = 0.0
+        self.decode_keys = 0
+        self.sampled = 0
+
+    def add(self, num_tokens: int, context: int, sampled: bool) -> None:
+        """One request's chunk of `num_tokens` after `context` cached tokens (one token: a decode)."""
+        self.tokens += num_tokens
+        if num_tokens == 1:
+            self.decode_keys += context + 1
+        else:
+            self.prefill_keys += attention_keys(num_tokens, context)
+        if sampled:
+            self.sampled += 1
+
+    def seconds(self, cost: StepCost) -> float:
+        """What the chunks added so far cost on a stage priced by `cost` (its floor left out), as the
+        sum of their `StepCost.chunk_s`."""
+        return (cost.token_s * self.tokens + cost.prefill_key_s * self.prefill_keys
+                + cost.decode_key_s * self.decode_keys + cost.sample_s * self.sampled)
 
 
 @dataclass(frozen=True)

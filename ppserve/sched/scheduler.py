@@ -48,7 +48,7 @@ from ppserve.sched.balance import (
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budget_mode
-from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost
+from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost, WorkFeatures
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
 
@@ -337,21 +337,18 @@ class Scheduler:
         slowest stage's share being the one that counts; never more tokens than the token budget.
         `prefills`: per prefill in reach, (tokens it will compute, tokens before them)."""
         cost = self.cost.current
-        work = [0.0] * cost.num_stages
-
-        def add(num_tokens: int, context: int, sampled: bool) -> None:
-            for i, stage in enumerate(cost.stages):
-                work[i] += stage.chunk_s(num_tokens, context, sampled)
-
+        # Every stage prices the same work with its own coefficients (the step cost is linear in the
+        # features), so the work's features are summed once, not once per stage.
+        work = WorkFeatures()
         for mb in self._peers_in_flight():
             sampled = set(mb.sample_request_ids)
-            for rid, (n, ctx) in zip(mb.order, mb.chunks(), strict=True):
-                add(n, ctx, rid in sampled)
+            for rid, n, ctx in zip(mb.order, mb.num_scheduled_tokens, mb.num_computed_tokens, strict=True):
+                work.add(n, ctx, rid in sampled)
         for req in b.decodes:
-            add(1, req.num_computed_tokens, True)
+            work.add(1, req.num_computed_tokens, True)
         for num_tokens, context in prefills:  # each prompt's rest, as one piece: its keys add up the same in chunks
-            add(num_tokens, context, True)
-        share_s = max(stage.floor_s + w / shares for stage, w in zip(cost.stages, work, strict=True))
+            work.add(num_tokens, context, True)
+        share_s = max(stage.floor_s + work.seconds(stage) / shares for stage in cost.stages)
         # Never below the decodes this microbatch takes (the share must not move a decode its quota
         # admits) plus a minimum chunk (`min_chunk_tokens`): beside the decodes a stage's time is mostly
         # its floor, and a chunk much cheaper than the floor only delays a prompt.
@@ -360,11 +357,12 @@ class Scheduler:
         decodes = sorted(b.decodes, key=b.decode_rank)[:quota]
         min_chunk = 0 if filling else min_chunk_tokens(cost, budget.token_budget or 0)
         chunk = max(0, min_chunk - len(decodes))
-        floor_s = max(
-            stage.floor_s + sum(stage.chunk_s(1, r.num_computed_tokens, True) for r in decodes)
-            + (stage.chunk_s(chunk, 0, False) if chunk else 0.0)
-            for stage in cost.stages
-        )
+        least = WorkFeatures()
+        for r in decodes:
+            least.add(1, r.num_computed_tokens, True)
+        if chunk:
+            least.add(chunk, 0, False)
+        floor_s = max(stage.floor_s + least.seconds(stage) for stage in cost.stages)
         share_s = max(share_s, floor_s * (1 + 1e-9))  # the tolerance: summed in another order
         if isinstance(budget, TimeBudget):  # budget_mode: time caps it already
             budget.limit(budget.token_budget or 0, share_s)

@@ -396,6 +396,8 @@ class RooflineCostModel:
     # (one stage per node, the layout of Sarathi-Serve's and Megatron's multi-node pipelines).
     gpus_per_node: int = 0
 
+    _last_layer_time: tuple[BatchShape | None, float] = field(default=(None, 0.0), init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
         if not self.layer_counts:
@@ -461,7 +463,13 @@ class RooflineCostModel:
                 + self.attention_time(shape.chunks) + 2 * self.allreduce_time(n))
 
     def stage_time(self, stage: int, shape: BatchShape) -> float:
-        t = self.layer_counts[stage] * self.layer_time(shape)
+        # Every stage's layers price the same shape: the simulator asks for it once per stage in turn,
+        # so the last shape's layer time is kept (by identity: a shape is immutable).
+        last = self._last_layer_time
+        if last[0] is not shape:
+            last = (shape, self.layer_time(shape))
+            object.__setattr__(self, "_last_layer_time", last)
+        t = self.layer_counts[stage] * last[1]
         if stage == self.num_stages - 1:
             t += self.lm_head_time(shape.num_sampled)
         return t
