@@ -28,6 +28,7 @@ from ppserve.plan.space import Cluster, Deployment
 from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import CostModel, ModelSpec, RooflineCostModel
 from ppserve.sim.simulator import SimConfig, simulate
+from ppserve.sim.slo_watch import SloStop
 from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
 
 __all__ = ["PlanContext", "Candidate", "probe", "estimate_rate", "search", "capacities", "CostModelFactory"]
@@ -57,6 +58,7 @@ class PlanContext:
     overhead_s: float = 0.5e-3  # engine turnaround per returned microbatch
     dispatch_s: float = 0.5e-3  # control-plane latency to the stages
     cost_model: CostModelFactory = roofline
+    stop_early: bool = True  # a probe stops once it is certain to fail (False: every probe runs to the end)
     # What one probe runs: `probe` (the simulator) unless a test stands in a system of known capacity.
     # A module-level function, so the context pickles into the worker processes.
     prober: Callable[[PlanContext, Deployment, float], Probe] | None = None
@@ -97,12 +99,19 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     reqs = [ctx.requests[i % len(ctx.requests)] for i in range(n)]
     sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,
                             max_waiting=max(4096, n))
-    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s, ctx.dispatch_s)
+    # A probe over the capacity stops once its fail is certain (sim/slo_watch.py): the same verdict, and
+    # the rates above the capacity, which the search must try, no longer cost the most.
+    stop = SloStop(ctx.slo.tbt_p99_s, ctx.slo.sched_delay_p50_s) if ctx.stop_early else None
+    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s, ctx.dispatch_s,
+                    stop_on_slo_fail=stop)
     res = simulate(with_poisson_arrivals(reqs, per_replica, ctx.seed), ctx.cost_model(ctx, d), cfg)
     lat = res.latency()
     p = probe_from_summary(rate, {"latency": lat, "throughput": res.throughput()}, ctx.slo)
     extra = {**p.extra, "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],
              "num_preemptions": res.num_preemptions, "num_requests": n, "truncated": n < want}
+    if res.stopped_early:  # the figures are those of the requests admitted when it stopped
+        return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, res.stopped_early,
+                     {**extra, "stopped_early": True, "num_admitted": res.num_finished})
     if res.rejected:  # the scheduler refused requests (too long for the KV cache): not a pass
         why = f"{len(res.rejected)} requests refused: {next(iter(res.rejected.values()))}"
         return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, f"{p.reason}; {why}", extra)

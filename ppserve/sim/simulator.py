@@ -36,6 +36,7 @@ from ppserve.sched import Scheduler, SchedulerOutput, StepResult
 from ppserve.sched.budget import BudgetMode
 from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import CostModel, PlacedCostModel, PricedCostModel
+from ppserve.sim.slo_watch import SloStop, SloWatch
 from ppserve.sim.workload import WorkloadRequest
 
 __all__ = ["SimConfig", "SimResult", "simulate"]
@@ -71,6 +72,9 @@ class SimConfig:
     check_invariants: bool = False  # debug: scheduler.check_invariants() after every schedule and update
     max_microbatches: int = 10_000_000  # guard against a run that never ends
     enable_prefix_caching: bool = True  # the engine's default: shared prefixes (WorkloadRequest.prefix_id) hit
+    # Stop as soon as the run is certain to fail this SLO (capacity searches: sim/slo_watch.py); the
+    # result then holds the requests admitted so far and says why in `stopped_early`.
+    stop_on_slo_fail: SloStop | None = None
 
     def __post_init__(self) -> None:
         if self.schedule_overhead_s < 0:
@@ -92,6 +96,7 @@ class SimResult:
     end_s: float
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why add_request refused it
     budget_mode: BudgetMode | None = None  # the scheduler's budget mode after the run (what it learned)
+    stopped_early: str | None = None  # why the run stopped before every request finished (SimConfig.stop_on_slo_fail)
 
     def bubble_report(self, window: Window = "active") -> BubbleReport:
         return bubble_report(self.spans, self.work_intervals, window)
@@ -277,6 +282,8 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     requests: dict[str, Request] = {}
     token_times: dict[str, list[float]] = {}
     rejected: dict[str, str] = {}
+    watch = SloWatch(cfg.stop_on_slo_fail, [w.output_len for w in workload]) if cfg.stop_on_slo_fail else None
+    stopped_early: str | None = None
 
     def intake() -> None:
         nonlocal next_arrival
@@ -297,6 +304,8 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
                 continue
             requests[rid] = req
             token_times[rid] = []
+            if watch is not None:
+                watch.admitted(req)
             core.work.update(True, arr_ns)
 
     core = EngineCore(sched, executor, clock=clock.seconds, clock_ns=clock.ns, intake=intake)
@@ -306,8 +315,12 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
             now, updates = stepped
             for u in updates:
                 token_times[u.request_id].extend([now] * len(u.new_token_ids))
+                if watch is not None and u.new_token_ids:
+                    watch.tokens(u.request_id, now)
             if check is not None:
                 check()
+            if watch is not None and (stopped_early := watch.step(now)) is not None:
+                break
         elif sched.has_unfinished:
             raise RuntimeError(
                 f"simulation stuck at {clock.seconds():.6f} s: {len(sched.waiting)} waiting, "
@@ -332,4 +345,5 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
         end_s=clock.seconds(),
         rejected=rejected,
         budget_mode=sched.budget_mode,
+        stopped_early=stopped_early,
     )
