@@ -58,6 +58,9 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--vllm-max-num-seqs", type=_ints, default=(32, 64, 128), help="vllm's max batch sizes")
     k.add_argument("--no-slo-budget", action="store_true",
                    help="search the budget grid only, not also each shape's budget for the TBT SLO (plan/slo_budget.py)")
+    k.add_argument("--full-probes", action="store_true",
+                   help="run every probe to its end (by default one stops once it is certain to fail the SLO: "
+                        "the same verdicts, and a failing probe's figures are then those of its requests so far)")
     k.add_argument("--max-pp", type=int)
     k.add_argument("--refine", type=int, default=4, help="leaders refined to --fine-tol after the coarse round")
     k.add_argument("--coarse-tol", type=float, default=0.25)
@@ -108,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
                         args.max_num_seqs, args.vllm_max_num_seqs, args.max_pp)
     feasible, rejected = enumerate_deployments(model, clu, space, WorkloadShape.of([(r.prompt_len, r.output_len) for r in reqs]))
     ctx = PlanContext(model, clu, tuple(reqs), slo, args.duration_s, seed=args.seed,
-                      overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
+                      overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3,
+                      stop_early=not args.full_probes)
     if args.profile:
         ctx = replace(ctx, cost_model=_profile_factory(args, model.num_layers))
     if not args.no_slo_budget:
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 "seed": args.seed, "slo": {"tbt_p99_s": slo.tbt_p99_s, "ttft_p90_s": slo.ttft_p90_s,
                                             "sched_delay_p50_s": slo.sched_delay_p50_s},
                 "coarse_tol": args.coarse_tol, "fine_tol": args.fine_tol, "refine": args.refine,
-                "jobs": args.jobs, "wall_s": round(wall, 1), "hardware": clu.hardware.name}
+                "jobs": args.jobs, "wall_s": round(wall, 1), "hardware": clu.hardware.name,
+                "full_probes": args.full_probes}
     settings["cost_model"] = f"profile {args.profile} re-split" if args.profile else f"roofline on {clu.hardware.name}"
     paths = write_report(Path(args.out), cands, rejected, settings, args.serve_model or hf_dir)
     print(format_table(table_rows(cands), rejected, limit=15))

@@ -102,3 +102,26 @@ def test_plan_probes_keep_their_verdicts_and_stopped_ones_say_why():
             assert fast.reason == full.reason and fast.tbt_p99_s == full.tbt_p99_s
         verdicts.append(fast.ok)
     assert verdicts[0] and not verdicts[-1]  # the rates span the capacity
+
+
+def test_the_plan_is_the_same_with_full_probes(tmp_path):
+    import json
+
+    from ppserve.cli import main
+
+    args = ["plan", "--model", "smollm2-135m", "--hardware", "cpu", "--gpus", "2", "--tbt-p99-ms", "300",
+            "--num-requests", "20", "--duration-s", "3", "--prefill-scale", "0.05", "--decode-scale", "0.05",
+            "--policies", "sarathi", "--token-budgets", "256", "--refine", "1", "--jobs", "1", "--no-progress"]
+    plans = {}
+    for name, extra in (("fast", []), ("full", ["--full-probes"])):
+        assert main([*args, *extra, "--out", str(tmp_path / name)]) == 0
+        plans[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert plans["full"]["settings"]["full_probes"] and not plans["fast"]["settings"]["full_probes"]
+
+    def verdicts(plan):
+        return {k: [(p["rate"], p["ok"]) for p in v["probes"]] for k, v in plan["probes"].items()}
+
+    stopped = [p for v in plans["fast"]["probes"].values() for p in v["probes"] if p["extra"].get("stopped_early")]
+    assert stopped and not any(p["extra"].get("stopped_early") for v in plans["full"]["probes"].values() for p in v["probes"])
+    assert verdicts(plans["fast"]) == verdicts(plans["full"])
+    assert [r["capacity_req_s"] for r in plans["fast"]["ranked"]] == [r["capacity_req_s"] for r in plans["full"]["ranked"]]
