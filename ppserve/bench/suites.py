@@ -326,6 +326,10 @@ class _RealCapacity:
                 # length and its prompt at every rate; a higher rate replays more of the rows.
                 reqs = probe_workload(self.ctx.workload, rate, self.size)
                 span = max(r.arrival_s for r in reqs)
+                # Every probe replays the same first rows' prompts: cached by the probes before, they would
+                # cost a later probe almost no prefill (a probe at 8 req/s passed after slower ones and
+                # failed, median delay 16 s, as the first). Each probe starts cold, as a simulated one does.
+                eng.reset_prefix_cache()
                 run = replay(eng, reqs, self.builder.build_for(reqs), name=f"{policy}@{rate:.3g}",
                              progress=self.ctx.progress,
                              max_duration_s=span + self.run_slack_s)

@@ -187,6 +187,10 @@ class LLM:
         save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals(), counters=self.engine.cache_counters)
         return path
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (between generate calls; see LLMEngine.reset_prefix_cache)."""
+        self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

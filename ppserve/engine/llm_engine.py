@@ -280,6 +280,14 @@ class LLMEngine:
     def unfinished_ids(self) -> list[str]:
         return list(self.tracked)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, so the next requests compute their prompts whole (as vLLM's
+        `reset_prefix_cache`): between benchmark runs that replay the same prompts. Only while no
+        request is in the engine (a running request's blocks are not a cache)."""
+        if self.has_unfinished:
+            raise RuntimeError("reset_prefix_cache needs an idle engine: requests are still running or waiting")
+        self.scheduler.reset_prefix_cache()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

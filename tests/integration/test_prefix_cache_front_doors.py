@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from ppserve.config import load_config
 from ppserve.engine.async_engine import AsyncEngine
@@ -71,3 +72,27 @@ def test_cache_salt_cached_tokens_and_counters(tiny_llama_dir):
     assert abs(s.prefix_cache_hit_rate - hits / queries) < 1e-9 and s.kv_blocks_cached >= 3 * 7
     assert _metric(got["metrics"], "ppserve:prefix_cache_queries_total") == queries
     assert _metric(got["metrics"], "ppserve:prefix_cache_hits_total") == hits
+
+
+def test_reset_prefix_cache_makes_the_next_request_compute_its_prompt_whole(tiny_llama_dir):
+    from ppserve import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", block_size=4, token_budget=64) as llm:
+        def hits_of_one_run() -> int:
+            before = llm.engine.stats().prefix_cache_hits
+            llm.generate([PROMPT], greedy)
+            return llm.engine.stats().prefix_cache_hits - before
+
+        assert hits_of_one_run() == 0
+        assert hits_of_one_run() == HIT
+        llm.reset_prefix_cache()
+        assert hits_of_one_run() == 0  # computed whole, and cached again
+        assert hits_of_one_run() == HIT
+        # Not while a request holds KV: that is not a cache, and the engine refuses, losing nothing.
+        rid = llm.engine.add_request(PROMPT, greedy)
+        with pytest.raises(RuntimeError, match="idle engine"):
+            llm.reset_prefix_cache()
+        while llm.engine.has_unfinished:
+            llm.engine.step()
+        assert rid not in llm.engine.unfinished_ids()
