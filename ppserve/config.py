@@ -144,9 +144,10 @@ class SchedulerConfig:
     # let a prompt's chunks follow each other down the pipeline (ppserve/sched/balance.py); off = one
     # request per in-flight microbatch, filled to the budget (the unbalanced formation, for comparison)
     balance: bool = True
-    # balanced formation: spread the work in reach over this many rounds of the pipeline (p microbatches
-    # each); more rounds give more equal microbatches, so fewer bubbles, at the price of cutting prompts
-    # into more chunks (longer TTFT when work is scarce); 1 = every slot of one round gets an equal share
+    # balanced formation, while requests keep arriving: spread the work in reach over this many rounds of
+    # the pipeline (p microbatches each): thinner chunks beside the decodes keep the microbatch time level
+    # until the next prompt comes, so fewer bubbles and a shorter TBT tail, at the price of TTFT where a
+    # chunk does not ride free beside the decodes; one round once arrivals stop (ppserve/sched/balance.py)
     balance_rounds: int = 1
     # pp > 1: a decode may be scheduled before its last token comes back. The last stage hands each
     # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine

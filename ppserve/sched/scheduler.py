@@ -41,6 +41,7 @@ from ppserve.request import FinishReason, Request, RequestStatus
 from ppserve.sched.balance import (
     MIN_REST_OF_BUDGET,
     MIN_SHARE_OF_BUDGET,
+    ArrivalWatch,
     decode_quota,
     fair_share,
     min_chunk_tokens,
@@ -92,6 +93,7 @@ class Scheduler:
         self.async_scheduling = config.async_scheduling and num_stages > 1
         self.max_in_flight = num_stages + 1 if self.async_scheduling else num_stages
         self._seq_cap: int | None = None
+        self.arrivals = ArrivalWatch()  # whether requests keep arriving: the balanced share's rounds
         if config.per_microbatch_seq_cap:
             self._seq_cap = max(1, config.max_num_seqs // num_stages)
 
@@ -120,6 +122,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_waiting:
             raise OverflowError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         req.status = RequestStatus.WAITING
+        self.arrivals.arrived(self.clock())
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -302,7 +305,10 @@ class Scheduler:
         budget = b.budget
         cap = budget.token_budget
         assert cap is not None, "a balanced policy has a token budget"
-        shares = stages * self.config.balance_rounds  # the microbatches the work in reach is shared among
+        # The microbatches the work in reach is shared among: k rounds while requests keep arriving, one
+        # round when they have stopped (sched/balance.py, "Rounds, while requests keep arriving").
+        rounds = self.config.balance_rounds
+        shares = stages * (rounds if rounds > 1 and self.arrivals.streaming(self.clock()) else 1)
         reach = self._prefills_in_reach(b)
         tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
         limit = shares * cap  # beyond this every share is the whole budget: saturated

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ppserve.sched import StepResult
-from ppserve.sched.balance import decode_quota, fair_share, min_chunk_tokens
+from ppserve.sched.balance import ArrivalWatch, decode_quota, fair_share, min_chunk_tokens
 from ppserve.sched.budget import TimeBudgetMode
 from ppserve.sched.cost import BatchShape, PipelineCost, StepCost
 from tests.unit.sched_helpers import fake_result, make_request, make_scheduler
@@ -152,6 +152,46 @@ def test_lone_prompt_is_cut_into_p_chunks():
     s.add_request(make_request("p", 600, max_tokens=2))
     outs = [s.schedule() for _ in range(4)]
     assert [o.total_tokens for o in outs] == [150, 150, 150, 150]
+
+
+def test_arrival_watch_tells_a_stream_from_a_batch():
+    watch = ArrivalWatch()
+    assert not watch.streaming(0.0)
+    watch.arrived(0.0)
+    assert not watch.streaming(0.0)  # one arrival: no gap seen yet
+    for _ in range(10):
+        watch.arrived(0.0)
+    assert not watch.streaming(0.0)  # a batch given at one instant is no stream
+    stream = ArrivalWatch()
+    for t in range(5):
+        stream.arrived(float(t))
+    assert stream.mean_gap_s == pytest.approx(1.0)
+    assert stream.streaming(4.0) and stream.streaming(6.9)
+    assert not stream.streaming(7.0)  # silent for three mean gaps: the arrivals stopped
+    stream.arrived(100.0)  # a long gap moves the mean by a tenth of the difference
+    assert stream.mean_gap_s == pytest.approx(1.0 + 0.1 * 95.0)
+    assert stream.streaming(100.0)
+
+
+@pytest.mark.parametrize("arrivals, now, rounds, first", [
+    ((0.0, 1.0, 2.0), 2.0, 4, 375),   # arriving: 3000 tokens over 4 rounds of 2 microbatches
+    ((0.0, 1.0, 2.0), 10.0, 4, 512),  # silent for 8 mean gaps: one round, saturated, the whole budget
+    ((0.0, 0.0, 0.0), 0.0, 4, 512),   # a batch at one instant is no stream
+    ((0.0, 1.0, 2.0), 2.0, 1, 512),   # the default: one round
+])
+def test_rounds_share_the_work_only_while_requests_keep_arriving(arrivals, now, rounds, first):
+    """`scheduler.balance_rounds`: three 1000-token prompts at pp=2, budget 512. One round of two
+    microbatches cannot hold 3000 tokens (saturated: the whole budget); four rounds share them 8 ways,
+    but only while requests keep arriving (when they stop, thinner chunks would only delay the last
+    prompts)."""
+    clock = [0.0]
+    s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=2000, balance_rounds=rounds)
+    s.clock = lambda: clock[0]
+    for i, t in enumerate(arrivals):
+        clock[0] = t
+        s.add_request(make_request(f"r{i}", 1000, max_tokens=2))
+    clock[0] = now
+    assert s.schedule().total_tokens == first
 
 
 def test_prompts_filling_an_empty_pipeline_split_evenly():
