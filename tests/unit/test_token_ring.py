@@ -192,3 +192,26 @@ def test_step_result_tokens_reach_the_ring_request_in_order():
     for rid, toks in got.items():
         assert before[rid] + len(toks) == 12
         assert toks == sorted(toks)  # in the order they were sampled
+
+
+def test_a_following_chunk_keeps_a_seat_under_the_sequence_cap():
+    """pp=2, two seats a microbatch (max_num_seqs 5, per-microbatch cap), three requests decoding (groups of
+    two and one), then a 40-token prompt: its first chunk takes the small group's free seat. With the ring,
+    the other group's next microbatch holds its two decodes on the ring; without a seat kept for it, the
+    prompt's next chunk waited for the round after, so its chunks rode every other microbatch (its first
+    token a round late per chunk). One decode is left out instead and goes first next time."""
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, per_microbatch_seq_cap=True, max_num_seqs=5)
+    _decoding(s, 3, max_tokens=40)
+    s.add_request(make_request("p", 40, max_tokens=2))
+    chunks: list[int] = []  # step ids of the microbatches that carry a chunk of the prompt
+    for _ in range(30):
+        while (out := s.schedule()) is not None:
+            s.check_invariants()
+            if "p" in out.order and out.num_prefill_tokens:
+                chunks.append(out.step_id)
+        if not s.in_flight:
+            break
+        s.update_from_output(s.in_flight[0], fake_result(s.in_flight[0]))
+        s.check_invariants()
+    assert len(chunks) >= 3
+    assert chunks == list(range(chunks[0], chunks[0] + len(chunks))), chunks  # consecutive microbatches
