@@ -45,7 +45,8 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   its last prompts' decodes ran on alone, makespan +3.4 %, bubble 4.3 -> 5.6 %; with the watch,
   identical to k = 1).
 
-Pure functions over numbers; the scheduler gathers the numbers. No torch, no clock.
+Functions over numbers, and one small tracker (`ArrivalWatch`) the scheduler feeds arrival times from
+its injected clock; the scheduler gathers the numbers. No torch, no clock reads of its own.
 """
 
 from __future__ import annotations
