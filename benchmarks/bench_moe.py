@@ -6,8 +6,9 @@
    same new tokens, both warmed up at that batch; output tokens per second, side by side in one process,
    runs interleaved, medians. ppserve runs twice: as it is, and with its experts' matmuls one expert at a
    time (the path before F.grouped_mm). float32 tokens are checked equal on all three.
-2. `grouped`: one MoE layer's experts over 64 tokens, the grouped path (ppserve/model/ops/moe.py, both
-   ways of running its matmuls) against a loop over tokens, median of repeated runs.
+2. `grouped`: one MoE layer's experts over 64 tokens in --dtype, the grouped path (ppserve/model/ops/moe.py,
+   every way of running its matmuls: F.grouped_mm, the per-expert torch loop and, in bf16 on an AMX CPU,
+   the AMX GEMM) against a loop over tokens, median of repeated runs.
 3. `breakdown`: where one float32 decode step's milliseconds go, per phase, ppserve against transformers
    (moe_step_breakdown.py).
 4. `sim`: `ppserve simulate` on H100s for Qwen3-235B-A22B and Mixtral-8x22B at PP4xTP8 and PP2xTP8,
@@ -52,10 +53,13 @@ def tiny_qwen3_moe(hidden: int, expert_intermediate: int) -> Path:
 
 @contextlib.contextmanager
 def per_expert_matmuls_only():
-    """ppserve's grouped path with the experts' matmuls one expert at a time (the path before grouped_mm)."""
+    """ppserve's grouped path with its matmuls forced onto the per-expert torch loop: neither F.grouped_mm nor
+    the AMX GEMM (the fast paths the dispatch picks by dtype and CPU)."""
     from ppserve.model.ops import moe as moe_ops
 
-    with mock.patch.object(moe_ops, "uses_grouped_mm", lambda *args, **kwargs: False):
+    real = moe_ops.grouped_experts
+    with mock.patch.object(moe_ops, "grouped_experts", lambda *args, packed=None, **kwargs: real(
+            *args, **{**kwargs, "expert_matmuls": "per_expert"})):
         yield
 
 
@@ -127,8 +131,8 @@ def decode_cell(hf, llm, prompts: list[list[int]], new_tokens: int, repeats: int
             "speedup": tok_s["ppserve"] / tok_s["transformers"],
             "speedup_best": best["ppserve"] / best["transformers"],
             "speedup_per_expert": tok_s["ppserve_per_expert"] / tok_s["transformers"],
-            "grouped_mm_gain": tok_s["ppserve"] / tok_s["ppserve_per_expert"],
-            "grouped_mm_gain_best": best["ppserve"] / best["ppserve_per_expert"], "seconds": runs}
+            "fast_path_gain": tok_s["ppserve"] / tok_s["ppserve_per_expert"],
+            "fast_path_gain_best": best["ppserve"] / best["ppserve_per_expert"], "seconds": runs}
 
 
 def step_breakdown(hidden: int, inter: int, batch: int, prompt_len: int, new_tokens: int, repeats: int,
@@ -179,24 +183,33 @@ def per_token_loop(x, ids, weights, w13, w2):
     return out
 
 
-def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: int, repeats: int) -> dict[str, float]:
-    """One layer's experts: the grouped path (its grouped_mm matmuls, and its per-expert loop) against a loop
-    over tokens, interleaved, medians and fastest runs."""
-    from ppserve.model.ops.moe import grouped_experts
+def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: int, repeats: int,
+                    dtype: str = "float32") -> dict[str, object]:
+    """One layer's experts: the grouped path (its grouped_mm matmuls, its per-expert torch loop and, where the
+    AMX GEMM takes the experts, that) against a loop over tokens, interleaved, medians and fastest runs. The
+    speedup is the loop's time over the path serving picks (`auto`)."""
+    from ppserve.model.ops.moe import grouped_experts, pack_for_amx
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, hidden, generator=g)
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
-    w2 = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    torch_dtype = getattr(torch, dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(torch_dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(torch_dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(torch_dtype)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(torch_dtype)
+    packed = pack_for_amx(w13, w2)
     fns = {"grouped_mm": lambda: grouped_experts(x, ids, weights, w13, w2, expert_matmuls="grouped_mm"),
            "per_expert": lambda: grouped_experts(x, ids, weights, w13, w2, expert_matmuls="per_expert"),
            "per_token_loop": lambda: per_token_loop(x, ids, weights, w13, w2)}
+    if packed is not None:
+        fns["amx"] = lambda: grouped_experts(x, ids, weights, w13, w2, packed=packed)
+    served = "amx" if packed is not None else "grouped_mm"  # what `auto` runs at 64 tokens on 8 experts
     runs: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         assert torch.equal(fns["grouped_mm"](), fns["per_expert"]())
-        torch.testing.assert_close(fns["grouped_mm"](), fns["per_token_loop"](), atol=1e-4, rtol=1e-4)
+        tol = 1e-4 if dtype == "float32" else 3e-2
+        for name in ("grouped_mm", "amx") if packed is not None else ("grouped_mm",):
+            torch.testing.assert_close(fns[name]().float(), fns["per_token_loop"]().float(), atol=tol, rtol=tol)
         for _ in range(repeats):  # interleaved, so all see the same load
             for name, fn in fns.items():
                 t0 = time.perf_counter()
@@ -205,10 +218,11 @@ def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: i
     median = {name: statistics.median(r) for name, r in runs.items()}
     best = {name: min(r) for name, r in runs.items()}  # the least disturbed by the other processes
     return {"tokens": tokens, "hidden": hidden, "expert_intermediate": inter, "experts": experts, "top_k": top_k,
+            "dtype": dtype, "served_path": served,
             **{f"{name}_ms": v * 1e3 for name, v in median.items()},
             **{f"{name}_best_ms": v * 1e3 for name, v in best.items()},
-            "speedup": median["per_token_loop"] / median["grouped_mm"],
-            "speedup_best": best["per_token_loop"] / best["grouped_mm"],
+            "speedup": median["per_token_loop"] / median[served],
+            "speedup_best": best["per_token_loop"] / best[served],
             "speedup_per_expert": median["per_token_loop"] / median["per_expert"],
             "grouped_mm_gain": median["per_expert"] / median["grouped_mm"]}
 
@@ -246,7 +260,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (both sides)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (both sides; decode and grouped parts)")
     # One thread by default: on this shared 2-core machine a two-thread OpenMP region waits ~40 ms whenever
     # its second thread is descheduled, which swamps every multi-threaded op (both sides alike).
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -261,11 +275,13 @@ def main() -> None:
     results: dict[str, object] = {"args": vars(args), "load_average_start": os.getloadavg()}
     print(f"load average at start: {results['load_average_start']}")
     if "grouped" in parts:
-        r = grouped_vs_loop(64, 512, 256, 8, 2, repeats=30)
+        r = grouped_vs_loop(64, 512, 256, 8, 2, repeats=30, dtype=args.dtype)
         results["grouped"] = r
-        print(f"one MoE layer, 64 tokens: grouped (grouped_mm) {r['grouped_mm_ms']:.2f} ms, grouped (per-expert "
-              f"loop) {r['per_expert_ms']:.2f} ms, per-token loop {r['per_token_loop_ms']:.2f} ms: {r['speedup']:.1f}x "
-              f"(per-expert {r['speedup_per_expert']:.1f}x; medians); fastest runs {r['speedup_best']:.1f}x")
+        amx = f", grouped (AMX GEMM) {r['amx_ms']:.2f} ms" if "amx_ms" in r else ""
+        print(f"one MoE layer, 64 tokens, {args.dtype}: grouped (grouped_mm) {r['grouped_mm_ms']:.2f} ms, grouped "
+              f"(per-expert loop) {r['per_expert_ms']:.2f} ms{amx}, per-token loop {r['per_token_loop_ms']:.2f} ms: "
+              f"{r['speedup']:.1f}x for the served path ({r['served_path']}; per-expert {r['speedup_per_expert']:.1f}x; "
+              f"medians); fastest runs {r['speedup_best']:.1f}x")
     if "decode" in parts:
         rows = decode_grid(args.sizes, [int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens,
                            args.repeats, args.threads, args.dtype)
@@ -273,15 +289,15 @@ def main() -> None:
         print(f"tiny Qwen3-MoE decode (8 experts, top-2, 4 layers), {args.dtype}, {args.new_tokens} new tokens, "
               f"output tok/s (medians of {args.repeats}):")
         print("median (fastest run)")
-        print("| hidden x expert inter | batch | transformers | ppserve | ppserve, per-expert loop | ppserve / "
-              "transformers | grouped_mm gain | tokens equal |")
+        print("| hidden x expert inter | batch | transformers | ppserve | ppserve, per-expert torch loop | ppserve / "
+              "transformers | fast-path gain | tokens equal |")
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['hidden']}x{r['expert_intermediate']} | {r['batch']} | {r['transformers_tok_s']:.0f} "
                   f"({r['transformers_best_tok_s']:.0f}) | {r['ppserve_tok_s']:.0f} ({r['ppserve_best_tok_s']:.0f}) | "
                   f"{r['ppserve_per_expert_tok_s']:.0f} ({r['ppserve_per_expert_best_tok_s']:.0f}) | "
-                  f"{r['speedup']:.2f}x ({r['speedup_best']:.2f}x) | {r['grouped_mm_gain']:.2f}x "
-                  f"({r['grouped_mm_gain_best']:.2f}x) | {r['tokens_equal']} |")
+                  f"{r['speedup']:.2f}x ({r['speedup_best']:.2f}x) | {r['fast_path_gain']:.2f}x "
+                  f"({r['fast_path_gain_best']:.2f}x) | {r['tokens_equal']} |")
     if "breakdown" in parts:
         hidden, inter, batch = (int(v) for v in args.breakdown.split("x"))
         r = step_breakdown(hidden, inter, batch, args.prompt_len, args.new_tokens, args.repeats, args.threads)
