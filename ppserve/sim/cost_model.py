@@ -173,8 +173,8 @@ class HardwareSpec:
     # a block-table gather per 16 tokens); where a table calibrates it, it cites the measurement.
     decode_attn_bw_eff: float | None = None
     # Seconds each sequence (each chunk) in a step adds to each decoder layer: per-sequence work that
-    # neither FLOPs nor bytes price. No shipped table sets it; it is the alternative reading of a batch
-    # growth measured at one context (benchmarks/reproduce_sarathi_serve.py's `per-seq` variant).
+    # neither FLOPs nor bytes price (a100-pcie.yaml fits it on Sarathi-Serve's measured batch growth; the
+    # alternative reading of that growth is `decode_attn_bw_eff`, reproduce_sarathi_serve.py's `kv-read`).
     seq_overhead_s: float = 0.0
 
     # Achieved fractions of a peak: a value above 1 or at 0 is a typo, not a faster machine.
