@@ -54,12 +54,18 @@ class EngineCore:
         # Told of every microbatch whose stage times came back, with them (calibration, the GPU check).
         self.timing_observers: list[Callable[[SchedulerOutput, tuple[float, ...]], None]] = []
         self.untimed: dict[int, SchedulerOutput] = {}  # collected, stage times not back yet, by step id
+        # A submit that failed after a result was applied: raised by the next step, once that result's
+        # tokens have reached the caller.
+        self.deferred_failure: Exception | None = None
 
     def step(self) -> tuple[float, list[RequestUpdate]] | None:
         """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again.
         Returns (the time the result came back, what each request gained), or None when nothing could
         be put in flight."""
         sched = self.scheduler
+        if self.deferred_failure is not None:
+            failure, self.deferred_failure = self.deferred_failure, None
+            raise failure
         self.fill()
         if not sched.in_flight:
             self.work.update(sched.has_unfinished, self.clock_ns())
@@ -75,7 +81,13 @@ class EngineCore:
         if timed is not None:
             for observe_time in self.timing_observers:
                 observe_time(timed, result.stage_seconds)
-        self.fill()  # the stages get their next work before the caller does any text work
+        try:
+            self.fill()  # the stages get their next work before the caller does any text work
+        except Exception as e:
+            # The result's tokens are in their requests already (a recovery recomputes from them), so
+            # they must reach the caller: return them, and fail on the next step. Raised here, a stage
+            # that died between this collect and the next submit lost them from the streams.
+            self.deferred_failure = e
         self.work.update(sched.has_unfinished, self.clock_ns())
         return now, updates
 

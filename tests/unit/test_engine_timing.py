@@ -146,3 +146,36 @@ def test_a_step_result_must_say_which_step_its_seconds_measure() -> None:
     with pytest.raises(ValueError, match="a later step"):
         StepResult(3, {}, (0.1,), timed_step_id=4)
     assert StepResult(3, {}, (0.1,), timed_step_id=1).timed_step_id == 1
+
+
+class DiesOnSubmit(LaggedPipeline):
+    """A stage that dies between a collect and the next submit."""
+
+    def __init__(self, die_on_submit: int) -> None:
+        super().__init__(lag=0)
+        self.submits, self.die_on_submit = 0, die_on_submit
+
+    def submit(self, out: SchedulerOutput) -> None:
+        self.submits += 1
+        if self.submits == self.die_on_submit:
+            raise RuntimeError("stage 1 died")
+        super().submit(out)
+
+
+def test_tokens_collected_before_a_failed_submit_reach_the_caller():
+    """The result is applied to its requests before the next microbatch is submitted. A submit that fails
+    there must not take that result's tokens with it: the step returns them, and the next step raises."""
+    sched = make_scheduler(token_budget=64, pp=2)
+    pipeline = DiesOnSubmit(die_on_submit=4)
+    core = EngineCore(sched, pipeline)
+    sched.add_request(make_request("a", 8, max_tokens=20))
+    sched.add_request(make_request("b", 8, max_tokens=20))
+    got: list[int] = []
+    with pytest.raises(RuntimeError, match="stage 1 died"):
+        for _ in range(10):
+            stepped = core.step()
+            assert stepped is not None
+            got.extend(t for u in stepped[1] for t in u.new_token_ids)
+    applied = sum(len(sched.requests[rid].output_token_ids) for rid in ("a", "b"))
+    assert pipeline.submits == 4 and applied == len(got) > 0  # every applied token was handed out
+    assert core.deferred_failure is None
