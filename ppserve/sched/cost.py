@@ -49,6 +49,7 @@ __all__ = [
     "features",
     "fit_layer_costs",
     "solve_linear",
+    "solve_nonnegative",
 ]
 
 # Per request in a microbatch: (tokens computed this step, tokens already in its KV cache).
@@ -270,12 +271,54 @@ def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float], rel_tol: floa
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
+def solve_nonnegative(a: Sequence[Sequence[float]], b: Sequence[float]) -> list[float] | None:
+    """x >= 0 minimizing x.a.x / 2 - b.x for a symmetric positive definite `a`: the least-squares fit
+    with non-negative coefficients, given its normal equations (a = XtX, b = Xty). Lawson and Hanson's
+    active-set method: add the variable whose gradient most wants to grow, solve on the free set, step
+    back to the boundary where a free variable would turn negative. None when a sub-system is singular.
+
+    Why not solve and clamp: with every coefficient free, noise on two nearly collinear columns (a
+    token's cost and attention's, over chunks of similar contexts) can send one below zero while the
+    other absorbs its share and more; clamping the first to zero keeps the second's excess, and the
+    fit then prices a long chunk several times too high. Here the others are refitted without it."""
+    n = len(b)
+    x = [0.0] * n
+    free = [False] * n
+    tol = 1e-12 * max((abs(v) for v in b), default=0.0)
+    for _ in range(4 * n):
+        grad = [b[i] - math.fsum(a[i][j] * x[j] for j in range(n)) for i in range(n)]
+        wants = [i for i in range(n) if not free[i] and grad[i] > tol]
+        if not wants:
+            return x
+        free[max(wants, key=lambda i: grad[i])] = True
+        for _ in range(n + 1):  # each pass frees a variable or ends: at most n
+            idx = [i for i in range(n) if free[i]]
+            sub = solve_linear([[a[i][j] for j in idx] for i in idx], [b[i] for i in idx])
+            if sub is None:
+                return None
+            z = [0.0] * n
+            for i, v in zip(idx, sub, strict=True):
+                z[i] = v
+            if all(z[i] > 0 for i in idx):
+                x = z
+                break
+            # Step from x toward z until the first free variable reaches zero; it leaves the free set.
+            step, first = min((x[i] / (x[i] - z[i]), i) for i in idx if z[i] <= 0)
+            x = [xi + step * (zi - xi) for xi, zi in zip(x, z, strict=True)]
+            for i in idx:
+                if i == first or x[i] <= 0.0:
+                    free[i], x[i] = False, 0.0
+    return x
+
+
 class StepCostFit:
     """One stage's `StepCost`, fitted online from (microbatch features, measured seconds).
 
     `forgetting` < 1 weighs old samples down geometrically (0.995: a memory of ~200 microbatches).
     `prior` is used before `min_samples` observations and is the ridge target; the ridge is weak
-    (`ridge` times the data's own weight) so data overrules it quickly. Coefficients are clamped >= 0.
+    (`ridge` times the data's own weight) so data overrules it quickly. Coefficients are >= 0: where
+    the free solution has a negative one, the fit is solved again with that constraint
+    (`solve_nonnegative`), not clamped.
     Past its first `WARM_UP` samples the solve runs every `refit_every` observations (the sums are
     kept on every one): with the memory of hundreds of microbatches the fit barely moves in between,
     and a solve per stage per step would cost the engine's loop a fraction of a millisecond each time.
@@ -343,6 +386,8 @@ class StepCostFit:
         m = [[self._xtx[i][j] + (lam if i == j else 0.0) for j in range(n)] for i in range(n)]
         v = [self._xty[i] + lam * prior[i] for i in range(n)]
         sol = solve_linear(m, v)
+        if sol is not None and min(sol) < 0:  # rare once a fit has data; the free solve stays the fast path
+            sol = solve_nonnegative(m, v)
         if sol is None:
             return self._cost
         return StepCost.of([w / s for w, s in zip(sol, self._SCALE, strict=True)])

@@ -26,6 +26,8 @@ from ppserve.sched.cost import (
     StepCostFit,
     features,
     fit_layer_costs,
+    solve_linear,
+    solve_nonnegative,
 )
 from ppserve.sim import SimConfig, WorkloadRequest, simulate
 from tests.unit.sched_helpers import assert_drained, drive, make_request, make_scheduler, random_scheduler
@@ -94,6 +96,57 @@ def test_fit_with_identical_microbatches_stays_finite():
         fit.observe(features([(64, 0)], 1), 0.01)
     assert fit.cost.predict(BatchShape(((64, 0),), 1)) == pytest.approx(0.01, rel=1e-3)
     assert all(x >= 0 for x in fit.cost.coefficients)
+
+
+def _brute_force_nonnegative(a, b):
+    """The constrained optimum by trying every support: its free part solves the sub-system."""
+    import itertools
+
+    n, best = len(b), None
+    for r in range(n + 1):
+        for support in itertools.combinations(range(n), r):
+            x = [0.0] * n
+            if support:
+                sub = solve_linear([[a[i][j] for j in support] for i in support], [b[i] for i in support])
+                if sub is None or min(sub) < 0:
+                    continue
+                for i, v in zip(support, sub, strict=True):
+                    x[i] = v
+            value = sum(x[i] * a[i][j] * x[j] for i in range(n) for j in range(n)) / 2 - sum(bi * xi for bi, xi in zip(b, x, strict=True))
+            if best is None or value < best[0] - 1e-15:
+                best = (value, x)
+    assert best is not None
+    return best[1]
+
+
+def test_solve_nonnegative_finds_the_constrained_least_squares_optimum():
+    rng = random.Random(5)
+    for _ in range(300):
+        n, m = rng.randint(1, 5), rng.randint(5, 9)
+        rows = [[rng.gauss(0, 1) for _ in range(n)] for _ in range(m)]
+        ys = [rng.gauss(0, 1) for _ in range(m)]
+        a = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(n)] for i in range(n)]
+        b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
+        x = solve_nonnegative(a, b)
+        assert x is not None and min(x) >= 0
+        assert x == pytest.approx(_brute_force_nonnegative(a, b), abs=1e-7)
+
+
+def test_a_fit_that_would_go_negative_refits_the_others_instead_of_clamping():
+    """Noise sends the token column (nearly collinear with prefill keys over chunks at one context) below
+    zero: the fit sets it to zero and refits the keys, where clamping left the keys' overshoot standing."""
+    fit = StepCostFit(forgetting=1.0, min_samples=1, refit_every=1)
+    samples = [([(32, 33)], 0.040), ([(64, 33)], 0.050), ([(48, 33)], 0.047), ([(1, 33)], 0.030)]
+    for chunks, seconds in samples:
+        fit.observe(features(chunks, 1), seconds)
+    m = [[fit._xtx[i][j] + (fit.ridge * fit._xtx[0][0] if i == j else 0.0) for j in range(5)] for i in range(5)]
+    free = solve_linear(m, fit._xty)  # the prior is zero: the ridge pulls toward nothing
+    assert free is not None and min(free) < 0  # the unconstrained fit has a negative coefficient
+    cost = fit.cost
+    assert min(cost.coefficients) >= 0
+    clamped = StepCost.of([w / s for w, s in zip(free, StepCostFit._SCALE, strict=True)])
+    sse = [sum((c.of_features(features(ch, 1)) - y) ** 2 for ch, y in samples) for c in (cost, clamped)]
+    assert sse[0] < sse[1]
 
 
 def test_prior_is_used_until_data_overrules_it_and_stage_counts_must_match():
