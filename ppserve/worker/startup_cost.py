@@ -8,7 +8,8 @@ the demo's eight requests reach the engine within its first few steps, and a 128
 by tokens before the fit had its samples took stage 0 98 ms where its neighbours took 35 (a run beside
 other work). The simulator never had that gap: its scheduler starts from the roofline's prior. This
 module gives the real pipeline one too, measured: after the warm-up (every path's first-call costs paid), each stage times a few
-microbatch shapes on its own KV cache (decodes, a pair of chunk sizes, a mix) and fits the same
+microbatch shapes on its own KV cache (decodes, a pair of chunk sizes, a mix, and a chunk and decodes
+after a long context) and fits the same
 `StepCost` the online model fits, which then refines it with the serving stream's own times.
 
 The shapes are timed as the stage's step is (its layers, the last stage's LM head), best of a few runs,
@@ -29,19 +30,48 @@ from ppserve.sched.cost import StepCost, StepCostFit, features
 from ppserve.worker.memory import StageMemory
 
 REPEATS = 3  # runs per shape; the fastest counts (a shared host's noise only adds time)
+# The long context of the shapes that price attention (cache room allowing): far enough from the short
+# one that a key's cost stands apart from a token's, short enough to time in a blink on any device.
+# With every shape up to 10 % slow at random, a CPU-like stage's fit priced a budget-sized chunk after
+# 1,500 tokens beside 32 decodes within 16 % (p90 of 50 draws) from shapes after 1,024 tokens, within
+# 35 % from shapes after 512; at 33 tokens alone the split between keys and tokens was noise.
+LONG_CONTEXT = 1024
 
 
-def startup_shapes(cached: int, chunk: int, seqs: int) -> list[tuple[list[int], list[int]]]:
-    """(query tokens, sequence lengths) per sequence of the timed microbatches: one decode and `seqs`
-    decodes after `cached` tokens (the floor and what a sampled decode adds), a chunk of `chunk` tokens
-    and one of half that after `cached` (a token's cost and attention's), and the half chunk beside the
-    decodes (a mixed step, as Sarathi-Serve forms them)."""
+def startup_shapes(cached: int, chunk: int, seqs: int, long_context: int = 0,
+                   long_seqs: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(query tokens, sequence lengths) per sequence of the timed microbatches.
+
+    After `cached` tokens: one decode (the floor), `seqs` decodes (what a decode adds, its sampling
+    included), a chunk of `chunk` tokens and one of half that (a token's cost), and the half chunk
+    beside the decodes (a mixed step, as Sarathi-Serve forms them). After `long_context` tokens, when
+    it is longer: both chunks again and `long_seqs` decodes, so that attention's keys (which grow
+    with the context) are told from tokens (which do not): at one short context a chunk's keys move
+    almost in step with its tokens, and a decode's keys, tokens and sample all move together, so those
+    five shapes alone leave the split between them to noise. A chunk samples one row where a decode
+    samples every row, which tells the last stage's LM head from its layers."""
     half = max(2, chunk // 2)
     shapes = [([1], [cached + 1]), ([1] * seqs, [cached + 1] * seqs), ([half], [cached + half])]
     if chunk > half:
         shapes.append(([chunk], [cached + chunk]))
     shapes.append(([half] + [1] * seqs, [cached + half] + [cached + 1] * seqs))
+    if long_context > cached:
+        shapes.append(([half], [long_context + half]))
+        if chunk > half:
+            shapes.append(([chunk], [long_context + chunk]))
+        if long_seqs > 0:
+            shapes.append(([1] * long_seqs, [long_context + 1] * long_seqs))
     return shapes
+
+
+def long_shapes(memory: StageMemory, kv_cache: list[torch.Tensor], chunk: int, seqs: int) -> tuple[int, int]:
+    """(long context, decodes after it) that fit the stage's cache and its model's positions; (0, 0)
+    when only the short context fits."""
+    bs, blocks = memory.block_size, kv_cache[0].shape[1]
+    context = min(LONG_CONTEXT, memory.arch.max_position_embeddings - chunk, blocks * bs - chunk)
+    if context <= 0:
+        return 0, 0
+    return context, min(seqs, blocks // -(-(context + 1) // bs))
 
 
 def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> StepCost:
@@ -50,7 +80,7 @@ def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> S
     greedy = SamplingParams(temperature=0.0)
     cuda = memory.device.type == "cuda"
     samples: list[tuple[Sequence[tuple[int, int]], int, float]] = []
-    for query_lens, seq_lens in startup_shapes(cached, chunk, seqs):
+    for query_lens, seq_lens in startup_shapes(cached, chunk, seqs, *long_shapes(memory, kv_cache, chunk, seqs)):
         if _blocks_needed(seq_lens, memory.block_size) > kv_cache[0].shape[1]:
             continue  # the mix in a cache sized for the decodes alone
         best = float("inf")
@@ -69,9 +99,10 @@ def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> S
 
 def fit_startup_cost(samples: Sequence[tuple[Sequence[tuple[int, int]], int, float]]) -> StepCost:
     """A StepCost from (chunks as (tokens, context), sampled rows, seconds) per timed microbatch: the
-    online model's own least squares, every sample weighed alike. Five shapes cannot separate every
-    coefficient (a decode's tokens, keys and sample move together); the fit's weak ridge splits what
-    they leave open, which a prior may do: serving's own times decide it."""
+    online model's own least squares (non-negative, `solve_nonnegative`), every sample weighed alike.
+    Where the cache left room for the long-context shapes every coefficient is told apart; where it did
+    not, the fit's weak ridge splits what the short ones leave open, which a prior may do: serving's own
+    times decide it."""
     fit = StepCostFit(forgetting=1.0, min_samples=1, refit_every=1)
     for chunks, sampled, seconds in samples:
         fit.observe(features(chunks, sampled), seconds)

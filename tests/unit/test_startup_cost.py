@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ppserve.sched.cost import StepCost, features
@@ -18,13 +20,22 @@ def test_startup_shapes_are_decodes_two_chunks_and_a_mix():
         ([8, 1, 1, 1], [17, 10, 10, 10]),  # the half chunk beside the decodes
     ]
     assert len(startup_shapes(cached=9, chunk=2, seqs=1)) == 4  # a chunk of two has no smaller half
+    assert startup_shapes(cached=9, chunk=16, seqs=3, long_context=40, long_seqs=2)[5:] == [
+        ([8], [48]),  # half a chunk after the long context
+        ([16], [56]),  # a chunk after it
+        ([1, 1], [41, 41]),  # decodes after it
+    ]
+    assert len(startup_shapes(cached=9, chunk=16, seqs=3, long_context=9, long_seqs=2)) == 5  # not longer
 
 
-def _timed(cost: StepCost, cached: int, chunk: int, seqs: int):
+def _timed(cost: StepCost, cached: int, chunk: int, seqs: int, long_context: int = 0, long_seqs: int = 0,
+           noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
     out = []
-    for q, n in startup_shapes(cached, chunk, seqs):
+    for q, n in startup_shapes(cached, chunk, seqs, long_context, long_seqs):
         chunks = [(a, b - a) for a, b in zip(q, n, strict=True)]
-        out.append((chunks, len(q), cost.of_features(features(chunks, len(q)))))
+        seconds = cost.of_features(features(chunks, len(q)))
+        out.append((chunks, len(q), seconds * (1 + rng.uniform(0, noise))))  # noise only adds time
     return out
 
 
@@ -40,3 +51,25 @@ def test_the_fit_predicts_serving_shapes_it_did_not_time(cost):
     want, got = cost.of_features(features(unseen, 25)), fit.of_features(features(unseen, 25))
     assert got == pytest.approx(want, rel=0.05)
     assert fit.floor_s == pytest.approx(cost.floor_s, rel=0.05)
+
+
+@pytest.mark.parametrize("cost", [StepCost(2e-3, 1e-4, 1e-8, 3e-8, 5e-4),  # a CPU-like last stage
+                                  StepCost(17e-3, 3e-4, 2e-8, 5e-8, 0.0)])  # a CPU-like first stage
+def test_the_long_context_shapes_tell_every_coefficient_apart(cost):
+    """With a chunk and decodes after a long context, exact times give back every coefficient, a key's
+    cost apart from a token's and a decode's sample apart from its token."""
+    fit = fit_startup_cost(_timed(cost, cached=33, chunk=64, seqs=16, long_context=512, long_seqs=16))
+    for got, want in zip(fit.coefficients, cost.coefficients, strict=True):
+        assert got == pytest.approx(want, rel=0.02, abs=1e-7)  # the ridge leaves a zero at ~1e-8
+
+
+def test_timing_noise_leaves_a_fit_that_prices_a_serving_chunk_within_a_quarter():
+    """Each shape up to 10 % slow (a shared host): no coefficient goes negative, and a budget-sized
+    chunk after a longer context beside decodes, far from every timed shape, is priced within 25 %."""
+    cost = StepCost(17e-3, 3e-4, 2e-8, 5e-8, 1e-4)
+    unseen = [(512, 1500)] + [(1, 800)] * 32
+    want = cost.of_features(features(unseen, 33))
+    for seed in range(20):
+        fit = fit_startup_cost(_timed(cost, 33, 64, 256, 1024, 96, noise=0.1, seed=seed))
+        assert min(fit.coefficients) >= 0
+        assert fit.of_features(features(unseen, 33)) == pytest.approx(want, rel=0.25), seed
