@@ -378,13 +378,18 @@ class StepCostFit:
                 self._cost = self._fit()
         return self._cost
 
-    def _fit(self) -> StepCost:
-        # Ridge toward the prior, scaled by the data's own weight so it stays weak.
+    def normal_equations(self) -> tuple[list[list[float]], list[float]]:
+        """The ridge-regularised normal equations `m @ w = v` the fit solves, in the scaled units of `_SCALE`:
+        the ridge pulls toward the prior, scaled by the data's own weight so it stays weak."""
         lam = self.ridge * max(self._xtx[0][0], 1e-12)
         prior = [p * s for p, s in zip(self.prior.coefficients, self._SCALE, strict=True)]
         n = NUM_FEATURES
         m = [[self._xtx[i][j] + (lam if i == j else 0.0) for j in range(n)] for i in range(n)]
         v = [self._xty[i] + lam * prior[i] for i in range(n)]
+        return m, v
+
+    def _fit(self) -> StepCost:
+        m, v = self.normal_equations()
         sol = solve_linear(m, v)
         if sol is not None and min(sol) < 0:  # rare once a fit has data; the free solve stays the fast path
             sol = solve_nonnegative(m, v)

@@ -139,8 +139,7 @@ def test_a_fit_that_would_go_negative_refits_the_others_instead_of_clamping():
     samples = [([(32, 33)], 0.040), ([(64, 33)], 0.050), ([(48, 33)], 0.047), ([(1, 33)], 0.030)]
     for chunks, seconds in samples:
         fit.observe(features(chunks, 1), seconds)
-    m = [[fit._xtx[i][j] + (fit.ridge * fit._xtx[0][0] if i == j else 0.0) for j in range(5)] for i in range(5)]
-    free = solve_linear(m, fit._xty)  # the prior is zero: the ridge pulls toward nothing
+    free = solve_linear(*fit.normal_equations())
     assert free is not None and min(free) < 0  # the unconstrained fit has a negative coefficient
     cost = fit.cost
     assert min(cost.coefficients) >= 0
