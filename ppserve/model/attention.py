@@ -208,6 +208,11 @@ class AttentionBackend(ABC):
         the table's width, so one CUDA-graph width serves all."""
         return False
 
+    def interpreted(self, device: torch.device) -> bool:
+        """Whether this backend's kernels run under an interpreter on `device` (Triton's, off CUDA): a
+        correctness check whose step times say nothing about serving."""
+        return False
+
     @abstractmethod
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 scale: float) -> Tensor:

@@ -182,6 +182,12 @@ class SparseMoeBlock(nn.Module):
         the grouped path may (its per-expert loop reads the token counts of a step's experts)."""
         return moe_ops.resolve_kernel(self.kernel, self.gate.weight.device) == "triton"
 
+    @property
+    def interpreted(self) -> bool:
+        """Whether the experts run the Triton kernel under its interpreter (off CUDA: a correctness check)."""
+        device = self.gate.weight.device
+        return device.type != "cuda" and moe_ops.resolve_kernel(self.kernel, device) == "triton"
+
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
         out = moe_ops.experts(x, ids, weights, self.experts.gate_up.weight, self.experts.down.weight,

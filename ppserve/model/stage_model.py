@@ -100,6 +100,14 @@ class StageModel(nn.Module):
         return all(getattr(m, "capturable", True) for m in self.modules() if m is not self)
 
     @property
+    def interpreted(self) -> bool:
+        """Whether any of this stage's kernels runs under Triton's interpreter (the CPU check of a GPU
+        kernel): its steps are orders of magnitude slower than serving's, so timing them is not worth a
+        long start-up (worker/startup_cost.py)."""
+        return self.attn_backend.interpreted(next(self.parameters()).device) or any(
+            getattr(m, "interpreted", False) for m in self.modules() if m is not self)
+
+    @property
     def num_kv_heads_local(self) -> int:
         return max(1, self.arch.num_kv_heads // self.tp.size)
 

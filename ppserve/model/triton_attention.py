@@ -305,6 +305,9 @@ class TritonPagedBackend(AttentionBackend):
     def reads_cache_in_place(self, block_size: int) -> bool:
         return block_size >= self.MIN_PAGE
 
+    def interpreted(self, device: torch.device) -> bool:
+        return device.type != "cuda"  # off CUDA the kernels run only under TRITON_INTERPRET=1
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                 scale: float) -> Tensor:
         if meta.block_size < self.MIN_PAGE:

@@ -15,7 +15,9 @@ after a long context) and fits the same
 The shapes are timed as the stage's step is (its layers, the last stage's LM head), best of a few runs,
 synchronized on a GPU (start-up only: nothing serves yet). What a real step has and they do not (its
 prepare span, decode graphs on a GPU) and what they have and it does not (the last stage's greedy
-argmax) is the online fit's to correct from the first real microbatches on.
+argmax) is the online fit's to correct from the first real microbatches on. A stage whose kernels run
+under Triton's interpreter (`StageModel.interpreted`: the CPU check of a GPU kernel, seconds a step)
+times only the short shapes, once each: the long context cost its pipeline test 23 minutes of start-up.
 """
 
 from __future__ import annotations
@@ -79,12 +81,16 @@ def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> S
     cached, chunk, seqs = memory.warm_shapes(kv_cache)
     greedy = SamplingParams(temperature=0.0)
     cuda = memory.device.type == "cuda"
+    # Under Triton's interpreter (a GPU kernel's CPU check) a step takes seconds, a long context minutes:
+    # the short shapes once each give a prior in the right units, and the online fit corrects it.
+    interpreted = memory.model.interpreted
+    long = (0, 0) if interpreted else long_shapes(memory, kv_cache, chunk, seqs)
     samples: list[tuple[Sequence[tuple[int, int]], int, float]] = []
-    for query_lens, seq_lens in startup_shapes(cached, chunk, seqs, *long_shapes(memory, kv_cache, chunk, seqs)):
+    for query_lens, seq_lens in startup_shapes(cached, chunk, seqs, *long):
         if _blocks_needed(seq_lens, memory.block_size) > kv_cache[0].shape[1]:
             continue  # the mix in a cache sized for the decodes alone
         best = float("inf")
-        for _ in range(REPEATS):
+        for _ in range(1 if interpreted else REPEATS):
             if cuda:
                 torch.cuda.synchronize(memory.device)
             t0 = time.perf_counter()

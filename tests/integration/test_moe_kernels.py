@@ -296,7 +296,7 @@ def test_a_model_on_the_triton_moe_kernel_equals_transformers(tmp_path):
     prompts = [[5, 9, 13, 200, 7, 11, 40]]
     expected = reference_greedy(model_dir, prompts, 3)
     with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=4,
-             block_size=4, overrides=["model.moe_kernel=triton"]) as llm:
+             max_num_seqs=4, block_size=4, overrides=["model.moe_kernel=triton"]) as llm:
         blocks = [m for w in llm.engine.executor.workers for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
         assert len(blocks) == 2 and all(b.kernel == "triton" for b in blocks)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))]

@@ -124,8 +124,9 @@ def test_a_model_on_the_triton_backend_equals_transformers(tiny_llama_dir):
 
     prompts = [[5, 9, 13, 200, 7], list(range(3, 40))]
     expected = reference_greedy(tiny_llama_dir, prompts, 6)
+    # max_num_seqs: the start-up warm-up and timing run that many decodes, seconds each under the interpreter.
     with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
-             block_size=16, attention_backend="triton_paged") as llm:
+             max_num_seqs=4, block_size=16, attention_backend="triton_paged") as llm:
         assert all(type(w.model.attn_backend) is TritonPagedBackend for w in llm.engine.executor.workers)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert got == expected

@@ -53,3 +53,39 @@ def test_the_scheduler_starts_from_the_stages_timed_step_costs(tiny_llama_dir):
         assert cost.calibrated and cost.current == prior  # before any microbatch: the prior itself
         for worker in llm.engine.executor.workers:
             assert [e["phase"] for e in worker.memory.log].count("step cost timed") == 1
+
+
+def test_a_stage_under_the_triton_interpreter_times_its_short_shapes_once(tiny_llama_dir, monkeypatch):
+    """A stage whose kernels run under Triton's interpreter (the CPU check of a GPU kernel: seconds a
+    step) skips the long-context shapes and times each short one once; a compiled stage times all,
+    best of REPEATS."""
+    from ppserve.model.attention import SdpaBackend
+    from ppserve.model.triton_attention import TritonPagedBackend
+    from ppserve.worker import startup_cost
+
+    config = load_config(overrides=[f"model.model={tiny_llama_dir}", "cache.block_size=16",
+                                    "scheduler.token_budget=24", "scheduler.max_num_seqs=3"])
+    arch = describe_model(read_hf_config(tiny_llama_dir))
+    executor = InProcExecutor(config, str(tiny_llama_dir), arch, [(0, 4)])
+    try:
+        worker = executor.workers[0]
+        assert not worker.model.interpreted
+        assert TritonPagedBackend().interpreted(worker.device) and not SdpaBackend().interpreted(worker.device)
+        memory = worker.memory
+        cached, chunk, _ = memory.warm_shapes(worker.kv_caches)
+        shapes: list[tuple[list[int], list[int]]] = []
+        forward = memory.scratch_forward
+        monkeypatch.setattr(memory, "scratch_forward", lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest))
+        for interpreted in (False, True):
+            shapes.clear()
+            monkeypatch.setattr(worker.model.attn_backend, "interpreted", lambda device, i=interpreted: i)
+            assert worker.model.interpreted == interpreted
+            assert startup_cost.measure_startup_cost(memory, worker.kv_caches).floor_s > 0
+            longest = max(max(n) for _, n in shapes)
+            distinct = {(tuple(q), tuple(n)) for q, n in shapes}
+            if interpreted:
+                assert longest <= cached + chunk and len(shapes) == len(distinct)
+            else:  # this model's positions cap the long context below LONG_CONTEXT, still past the short one
+                assert longest > cached + chunk and len(shapes) == startup_cost.REPEATS * len(distinct)
+    finally:
+        executor.shutdown()
