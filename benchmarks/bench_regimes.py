@@ -1,8 +1,8 @@
-"""`ppserve bench regimes` as a script: four microbatch formations on nine load regimes, in the simulator.
+"""`ppserve bench regimes` as a script: five microbatch formations on eleven load regimes, in the simulator.
 
 See ppserve/bench/regimes.py for the regimes and benchmarks/README.md for a run's table.
 
-    python benchmarks/bench_regimes.py [--reduced] [--only conv-8,decode-heavy] [--out DIR]
+    python benchmarks/bench_regimes.py [--reduced] [--only conv-8,decode-heavy] [--out DIR] [--workers N]
 """
 
 import sys

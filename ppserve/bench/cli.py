@@ -7,6 +7,7 @@ benchmarks/ call `main()` here with their suite name.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -94,11 +95,14 @@ def add_parser(sub: Any) -> None:
         sp.set_defaults(func=run)
     r = bsub.add_parser("regimes", help="five microbatch formations on eleven load regimes, in the simulator")
     r.add_argument("--reduced", action="store_true", help="fewer requests per regime, same regimes (CI)")
-    r.add_argument("--only", help="comma-separated regime names (default: all nine)")
+    r.add_argument("--only", help="comma-separated regime names (default: all eleven)")
     r.add_argument("--results", default="results", help="results root (a dated folder is made inside)")
     r.add_argument("--out", help="exact output folder (instead of a dated one under --results)")
     r.add_argument("--no-plot", action="store_true", help="do not draw regimes.png")
     r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes that run the cells (default: this machine's cores, at most 8; seeded, so the "
+                        "figures do not depend on it)")
     r.set_defaults(func=run_regimes)
 
 
@@ -166,7 +170,8 @@ def run_regimes(args: argparse.Namespace) -> int:
     prog = "ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py") else f"python {sys.argv[0]}"
     command = " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
     progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
-    suite = regimes.run_suite(args.reduced, _names(args.only) if args.only else None, progress=progress)
+    suite = regimes.run_suite(args.reduced, _names(args.only) if args.only else None, progress=progress,
+                              workers=args.workers)
     paths = regimes.write_suite(suite, outdir, command=command, plot=not args.no_plot)
     print(regimes.cells_table(suite))
     print()

@@ -54,8 +54,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import multiprocessing
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,8 +292,12 @@ def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria."""
+              progress: Callable[[str], None] | None = None, workers: int = 1) -> dict[str, Any]:
+    """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria.
+    `workers` > 1 runs the cells in that many processes; every cell is seeded, so the figures are the
+    same either way (only their `sim_wall_s` moves)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers!r}")
     chosen = regimes(reduced)
     if only:
         unknown = set(only) - {r.name for r in chosen}
@@ -301,21 +307,36 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
     t0 = time.perf_counter()
     out: dict[str, Any] = {"reduced": reduced, "formations": [dataclasses.asdict(f) for f in FORMATIONS],
                            "regimes": {}}
-    for regime in chosen:
-        wl = regime.workload()
-        cells = []
-        for f in FORMATIONS:
-            cells.append(run_cell(regime, f, wl))
-            if progress:
-                c = cells[-1]
-                progress(f"{regime.name:>16} {f.name:>13}: bubble {100 * c['mean_bubble']:5.1f}% "
-                         f"({c['sim_wall_s']:.1f} s)")
-        out["regimes"][regime.name] = {
-            "description": regime.description, "settings": regime.settings(), "num_requests": len(wl),
-            "cells": cells, "criteria": criteria(cells),
-        }
+    pool = (ProcessPoolExecutor(min(workers, len(chosen) * len(FORMATIONS)),
+                                mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None)
+    try:
+        # Submitted all at once, read back in order: the progress lines and the cells keep the suite's order.
+        pending = {(r.name, f.name): pool.submit(_cell_by_name, reduced, r.name, f.name)
+                   for r in chosen for f in FORMATIONS} if pool else {}
+        for regime in chosen:
+            wl = regime.workload()
+            cells = []
+            for f in FORMATIONS:
+                cells.append(pending[regime.name, f.name].result() if pool else run_cell(regime, f, wl))
+                if progress:
+                    c = cells[-1]
+                    progress(f"{regime.name:>16} {f.name:>13}: bubble {100 * c['mean_bubble']:5.1f}% "
+                             f"({c['sim_wall_s']:.1f} s)")
+            out["regimes"][regime.name] = {
+                "description": regime.description, "settings": regime.settings(), "num_requests": len(wl),
+                "cells": cells, "criteria": criteria(cells),
+            }
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
     out["suite_wall_s"] = time.perf_counter() - t0
     return out
+
+
+def _cell_by_name(reduced: bool, regime_name: str, formation_name: str) -> dict[str, Any]:
+    """`run_cell` in a worker process: a regime's workload is a closure, so the names cross, not the objects."""
+    regime = next(r for r in regimes(reduced) if r.name == regime_name)
+    return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name))
 
 
 # ---------------------------------------------------------------------------------------------

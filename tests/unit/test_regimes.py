@@ -39,7 +39,7 @@ def suite():
         default_trace_path()
     except FileNotFoundError:
         pytest.skip("../shared/traces is not present")
-    return rg.run_suite(reduced=True)
+    return rg.run_suite(reduced=True, workers=2)  # the parallel path; test_cells_are_deterministic compares
 
 
 def _cells(suite, name):
@@ -96,12 +96,25 @@ def test_cells_are_deterministic():
     assert a == b
 
 
+def test_parallel_cells_equal_serial_ones():
+    """Cells run in worker processes (`workers`) give the figures the serial run gives, in its order."""
+    def figures(suite):
+        return {name: [{k: v for k, v in c.items() if k != "sim_wall_s"} for c in r["cells"]]
+                for name, r in suite["regimes"].items()}
+
+    only = ["sparse", "one-long-prompt"]
+    serial, parallel = (rg.run_suite(reduced=True, only=only, workers=w) for w in (1, 2))
+    assert list(parallel["regimes"]) == only and figures(parallel) == figures(serial)
+    with pytest.raises(ValueError, match="workers"):
+        rg.run_suite(reduced=True, only=only, workers=0)
+
+
 def test_cli_writes_its_files(tmp_path):
     from ppserve.bench.cli import main
 
     out = tmp_path / "regimes"
-    assert main(["--reduced", "--only", "sparse,one-long-prompt", "--out", str(out), "--no-progress"],
-                "regimes") == 0
+    assert main(["--reduced", "--only", "sparse,one-long-prompt", "--out", str(out), "--no-progress",
+                 "--workers", "2"], "regimes") == 0
     assert {p.name for p in out.iterdir()} == {"regimes.json", "regimes.md", "regimes.png"}
     data = json.loads((out / "regimes.json").read_text())
     assert list(data["regimes"]) == ["sparse", "one-long-prompt"] and data["reduced"] is True
