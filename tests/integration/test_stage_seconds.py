@@ -4,6 +4,8 @@ fake clock, so the figures are exact."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from ppserve import LLM, SamplingParams
@@ -28,9 +30,14 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
         monkeypatch.setattr(stage_worker, "time", clock)
         monkeypatch.setattr(step_timer, "time", clock)  # the stage's step timer reads the host clock on CPU
 
+        test_thread = threading.get_ident()
+
         def advancing(fn, ns):
+            # Only this test's calls move the clock (the in-process stages run on its thread): the patches are
+            # class- and module-wide, and an engine some earlier test left running must not move it mid-span.
             def wrapped(*args, **kwargs):
-                clock.ns += ns
+                if threading.get_ident() == test_thread:
+                    clock.ns += ns
                 return fn(*args, **kwargs)
             return wrapped
 
@@ -38,11 +45,18 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
         monkeypatch.setattr(stage_worker.StageWorker, "_forward", advancing(stage_worker.StageWorker._forward, FORWARD_NS))
         monkeypatch.setattr(stage_worker.StageWorker, "_logits", advancing(stage_worker.StageWorker._logits, LOGITS_NS))
         monkeypatch.setattr(stage_worker, "sample", advancing(stage_worker.sample, SAMPLE_NS))
-        seen = []
-        llm.engine.core.step_observers.append(lambda out, result: seen.append(result.stage_seconds))
+        seen, steps = [], set()
+
+        def observe(out, result) -> None:
+            seen.append(result.stage_seconds)
+            steps.add(out.step_id)
+
+        llm.engine.core.step_observers.append(observe)
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
-        spans = [s for s in llm.engine.collect_spans() if s.kind == "compute" and s.stage == 1]
+        # The compute spans of this generate's microbatches (none from before the clock was faked)
+        spans = [s for s in llm.engine.collect_spans() if s.kind == "compute" and s.stage == 1 and s.step_id in steps]
     expected = ((PREPARE_NS + FORWARD_NS) * 1e-9, (PREPARE_NS + FORWARD_NS + LOGITS_NS) * 1e-9)
     assert seen and all(secs == pytest.approx(expected) for secs in seen)
     # The compute span still covers the sampling (the stage is busy with it): only the figure leaves it out.
-    assert all(s.end_ns - s.start_ns == FORWARD_NS + LOGITS_NS + SAMPLE_NS for s in spans)
+    assert spans and all(s.end_ns - s.start_ns == FORWARD_NS + LOGITS_NS + SAMPLE_NS for s in spans), \
+        [(s.step_id, s.start_ns, s.end_ns) for s in spans]
