@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 from ppserve.request import Request, RequestStatus
 from ppserve.sched.block_manager import BlockManager, blocks_for
-from ppserve.sched.budget import TokenBudget
+from ppserve.sched.budget import TimeBudget, TokenBudget
 
 __all__ = ["BatchBuilder"]
 
@@ -120,7 +120,31 @@ class BatchBuilder:
         reqs = [r for r in self.schedulable_running(decodes=True)]
         limit = len(reqs) if self.decode_quota is None else min(self.decode_quota, len(reqs))
         budget = self.budget
-        if type(budget) is not TokenBudget:  # a time budget prices each decode by its context
+        blocks = self._blocks
+        block_size = blocks.block_size
+        chosen, chosen_reqs = self.chosen, self.chosen_requests
+        if type(budget) is TimeBudget:  # a time budget prices each decode by its context
+            reqs.sort(key=self.decode_rank)
+            taken = 0
+            for req in reqs:
+                done = req.num_computed_tokens
+                if taken >= limit or not budget.decode_fits(done):
+                    break
+                if req.status is not _RUNNING:  # preempted for an earlier decode's block
+                    continue
+                if done < len(req.block_ids) * block_size:  # its last block has room: `add`, without the search
+                    budget.spend_decode(done)
+                    # A prompt's last token may fill its last prompt block: keyed now, as `_take` does.
+                    filled = min(done + 1, len(req.prompt_token_ids))
+                    if blocks.enable_prefix_caching and filled // block_size > req.num_blocks_keyed:
+                        blocks.cache_full_blocks(req, filled)
+                    chosen[req.request_id] = 1
+                    chosen_reqs.append(req)
+                    taken += 1
+                elif self.add(req, 1, may_preempt):
+                    taken += 1
+            return
+        if type(budget) is not TokenBudget:  # another budget: each decode through its own `chunk`
             reqs.sort(key=self.decode_rank)
             taken = 0
             for req in reqs:
@@ -137,8 +161,6 @@ class BatchBuilder:
             limit = min(limit, budget.max_seqs - budget.num_seqs)
         if limit < len(reqs):
             reqs.sort(key=self.decode_rank)  # not all fit: the longest waiting go first
-        block_size = self._blocks.block_size
-        chosen, chosen_reqs = self.chosen, self.chosen_requests
         taken = fast = 0
         for req in reqs:
             if taken >= limit:

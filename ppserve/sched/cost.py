@@ -124,6 +124,14 @@ class WorkFeatures:
         if sampled:
             self.sampled += 1
 
+    def merge(self, other: WorkFeatures) -> None:
+        """Add another sum's chunks. The same result as adding them one by one: every feature is a
+        whole number (attention keys too: n * ctx + n (n + 1) / 2), so the float sums are exact."""
+        self.tokens += other.tokens
+        self.prefill_keys += other.prefill_keys
+        self.decode_keys += other.decode_keys
+        self.sampled += other.sampled
+
     def seconds(self, cost: StepCost) -> float:
         """What the chunks added so far cost on a stage priced by `cost` (its floor left out), as the
         sum of their `StepCost.chunk_s`."""
@@ -351,15 +359,25 @@ class StepCostFit:
         self._dirty = False
 
     def observe(self, x: Sequence[float], seconds: float) -> None:
+        z = self.scaled(x)
+        self.observe_scaled(z, [[zi * zj for zj in z] for zi in z], seconds)
+
+    @classmethod
+    def scaled(cls, x: Sequence[float]) -> list[float]:
+        """Features in the fit's units (`_SCALE`)."""
+        return [f / s for f, s in zip(x, cls._SCALE, strict=True)]
+
+    def observe_scaled(self, z: Sequence[float], zz: Sequence[Sequence[float]], seconds: float) -> None:
+        """`observe` with the features already scaled (`z`) and their outer product (`zz`): every stage
+        of a pipeline sees the same microbatch, so `OnlinePipelineCost` forms them once."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return  # a broken measurement teaches nothing
-        z = [f / s for f, s in zip(x, self._SCALE, strict=True)]
         lam = self.forgetting
         for i, zi in enumerate(z):
             self._xty[i] = lam * self._xty[i] + zi * seconds
             row = self._xtx[i]
-            for j, zj in enumerate(z):
-                row[j] = lam * row[j] + zi * zj
+            for j, zzij in enumerate(zz[i]):
+                row[j] = lam * row[j] + zzij
         self._yy = lam * self._yy + seconds * seconds
         self.num_samples += 1
         self._dirty = (self._dirty or self.num_samples % self.refit_every == 0
@@ -447,9 +465,10 @@ class OnlinePipelineCost:
         """One microbatch's compute seconds per stage; ignored when they cover another pipeline."""
         if len(stage_seconds) != len(self.fits) or not shape.chunks:
             return
-        x = features(shape.chunks, shape.num_sampled)
+        z = StepCostFit.scaled(features(shape.chunks, shape.num_sampled))
+        zz = [[zi * zj for zj in z] for zi in z]
         for fit, seconds in zip(self.fits, stage_seconds, strict=True):
-            fit.observe(x, seconds)
+            fit.observe_scaled(z, zz, seconds)
         if any(f._dirty for f in self.fits):
             self._current = None
 

@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}  # by id, in admission order
         self.in_flight: deque[SchedulerOutput] = deque()
+        self._in_flight_work: dict[int, WorkFeatures] = {}  # by step id: what `_time_share` prices (`_work_of`)
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
@@ -180,6 +181,7 @@ class Scheduler:
         is arrival order. Returns the ids requeued.
         """
         self.in_flight.clear()
+        self._in_flight_work.clear()
         self._released = []  # the old workers are gone: nothing of theirs to drop
         for rid, req in list(self.requests.items()):
             req.num_in_flight = 0
@@ -356,9 +358,7 @@ class Scheduler:
         # features), so the work's features are summed once, not once per stage.
         work = WorkFeatures()
         for mb in self._peers_in_flight():
-            sampled = set(mb.sample_request_ids)
-            for rid, n, ctx in zip(mb.order, mb.num_scheduled_tokens, mb.num_computed_tokens, strict=True):
-                work.add(n, ctx, rid in sampled)
+            work.merge(self._work_of(mb))
         for req in b.decodes:
             work.add(1, req.num_computed_tokens, True)
         for num_tokens, context in prefills:  # each prompt's rest, as one piece: its keys add up the same in chunks
@@ -384,6 +384,17 @@ class Scheduler:
             return budget
         min_rest = math.ceil((budget.token_budget or 0) * MIN_REST_OF_BUDGET)
         return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest)
+
+    def _work_of(self, mb: SchedulerOutput) -> WorkFeatures:
+        """An in-flight microbatch's features, summed once: every schedule while it is in flight prices
+        it again (p - 1 peers of dozens of requests each, the simulator's hottest loop at pp = 8)."""
+        work = self._in_flight_work.get(mb.step_id)
+        if work is None:
+            work = self._in_flight_work[mb.step_id] = WorkFeatures()
+            sampled = set(mb.sample_request_ids)
+            for rid, n, ctx in zip(mb.order, mb.num_scheduled_tokens, mb.num_computed_tokens, strict=True):
+                work.add(n, ctx, rid in sampled)
+        return work
 
     def _prefills_in_reach(self, b: BatchBuilder) -> list[Request]:
         """Prefills under way (in flight or not), then the waiting requests that could take the free
@@ -470,6 +481,7 @@ class Scheduler:
         if missing:
             raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
         self.in_flight.popleft()
+        self._in_flight_work.pop(out.step_id, None)
         requests = self.requests
         seq = self._next_step
         max_len = self.max_model_len

@@ -24,6 +24,7 @@ from ppserve.sched.cost import (
     PipelineCost,
     StepCost,
     StepCostFit,
+    WorkFeatures,
     features,
     fit_layer_costs,
     solve_linear,
@@ -210,6 +211,65 @@ def test_time_budget_grants_fewer_tokens_to_long_context_chunks_on_the_slowest_s
     assert TimeBudget(100, None, PIPE, time_s).chunk(4000, context=0) == 100
     assert TimeBudget(100, None, PIPE, 1e-9).chunk(4000, context=0) == 1
     assert not TimeBudget(100, 1, PIPE, time_s).can_fit(200)
+
+
+def test_a_decode_is_priced_by_the_fast_path_exactly_as_by_the_general_chunk():
+    """`decode_fits` / `spend_decode` (the decode path of `BatchBuilder.add_decodes`) give what
+    `chunk(1, ctx) == 1` / `spend(1, ctx, sampled=True)` give, float for float: seats, the token cap, an
+    empty microbatch's one token, every stage's time, at and around the edge, a budget below the floor too."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        stages = tuple(StepCost(rng.uniform(0, 3e-3), rng.uniform(0, 60e-6), rng.uniform(0, 4e-9),
+                                rng.choice([0.0, rng.uniform(0, 30e-9)]), rng.choice([0.0, rng.uniform(0, 2e-4)]))
+                       for _ in range(rng.randint(1, 4)))
+        pipe = PipelineCost(stages)
+        fast = TimeBudget(rng.choice([None, rng.randint(1, 40)]), rng.choice([None, rng.randint(1, 12)]), pipe,
+                          pipe.floor_s + rng.uniform(-1e-4, 3e-3), min_rest=rng.choice([0, 8]))
+        slow = TimeBudget(fast.token_budget, fast.max_seqs, pipe, fast.time_budget_s, min_rest=fast.min_rest)
+        for _ in range(rng.randint(0, 3)):  # a prefill chunk first, sometimes
+            n = rng.randint(2, 64)
+            if slow.can_fit(n):
+                slow.spend(n, 100)
+                fast.spend(n, 100)
+        for _ in range(50):
+            ctx = rng.choice([0, rng.randint(0, 8000)])
+            fits = slow.chunk(1, ctx) == 1
+            assert fast.decode_fits(ctx) == fits
+            if not fits:
+                break
+            slow.spend(1, ctx, sampled=True)
+            fast.spend_decode(ctx)
+            assert (fast.tokens_used, fast.num_seqs, fast.stage_used_s) == (slow.tokens_used, slow.num_seqs, slow.stage_used_s)
+
+
+def test_summed_work_features_merge_exactly():
+    rng = random.Random(3)
+    one, parts = WorkFeatures(), [WorkFeatures() for _ in range(5)]
+    for _ in range(400):
+        n, ctx, sampled = rng.choice([1, rng.randint(2, 2048)]), rng.randint(0, 100_000), rng.random() < 0.5
+        one.add(n, ctx, sampled)
+        rng.choice(parts).add(n, ctx, sampled)
+    merged = WorkFeatures()
+    for part in parts:
+        merged.merge(part)
+    fields = ("tokens", "prefill_keys", "decode_keys", "sampled")
+    assert [getattr(merged, f) for f in fields] == [getattr(one, f) for f in fields]
+
+
+def test_a_pipeline_fit_equals_one_fit_per_stage_fed_alone():
+    """`OnlinePipelineCost` forms the scaled features once for all stages: the same sums as each
+    stage's `StepCostFit.observe`."""
+    rng = random.Random(5)
+    pipe = OnlinePipelineCost(2, forgetting=0.99)
+    alone = [StepCostFit(forgetting=0.99), StepCostFit(forgetting=0.99)]
+    for _ in range(300):
+        shape = random_shape(rng)
+        times = PIPE.stage_times(shape)
+        pipe.observe(shape, times)
+        for fit, t in zip(alone, times, strict=True):
+            fit.observe(features(shape.chunks, shape.num_sampled), t)
+    assert [f.cost for f in pipe.fits] == [f.cost for f in alone]
+    assert [f.normal_equations() for f in pipe.fits] == [f.normal_equations() for f in alone]
 
 
 def test_time_mode_counts_tokens_until_calibrated():
