@@ -85,6 +85,7 @@ class Scheduler:
         self.running: dict[str, Request] = {}  # by id, in admission order
         self.in_flight: deque[SchedulerOutput] = deque()
         self._in_flight_work: dict[int, WorkFeatures] = {}  # by step id: what `_time_share` prices (`_work_of`)
+        self._min_chunk_memo: tuple[tuple[PipelineCost, int] | None, int] = (None, 0)
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
@@ -370,7 +371,7 @@ class Scheduler:
         # Nor may it leave a prompt a tiny rest (MIN_REST_OF_BUDGET): that would cost a microbatch of its own.
         quota = b.decode_quota if b.decode_quota is not None else len(b.decodes)
         decodes = sorted(b.decodes, key=b.decode_rank)[:quota]
-        min_chunk = 0 if filling else min_chunk_tokens(cost, budget.token_budget or 0)
+        min_chunk = 0 if filling else self._min_chunk(cost, budget.token_budget or 0)
         chunk = max(0, min_chunk - len(decodes))
         least = WorkFeatures()
         for r in decodes:
@@ -384,6 +385,14 @@ class Scheduler:
             return budget
         min_rest = math.ceil((budget.token_budget or 0) * MIN_REST_OF_BUDGET)
         return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest)
+
+    def _min_chunk(self, cost: PipelineCost, token_budget: int) -> int:
+        """`min_chunk_tokens`, solved again only when the fit or the budget changed (a refit makes a new
+        `PipelineCost`; between refits every schedule would solve the same equation on every stage)."""
+        key = (cost, token_budget)
+        if self._min_chunk_memo[0] != key:
+            self._min_chunk_memo = (key, min_chunk_tokens(cost, token_budget))
+        return self._min_chunk_memo[1]
 
     def _work_of(self, mb: SchedulerOutput) -> WorkFeatures:
         """An in-flight microbatch's features, summed once: every schedule while it is in flight prices
