@@ -123,7 +123,8 @@ class BatchBuilder:
         blocks = self._blocks
         block_size = blocks.block_size
         chosen, chosen_reqs = self.chosen, self.chosen_requests
-        if type(budget) is TimeBudget:  # a time budget prices each decode by its context
+        if type(budget) is not TokenBudget:  # a time budget prices each decode by its context
+            assert isinstance(budget, TimeBudget), f"no decode pricing for {type(budget).__name__}"
             reqs.sort(key=self.decode_rank)
             taken = 0
             for req in reqs:
@@ -142,15 +143,6 @@ class BatchBuilder:
                     chosen_reqs.append(req)
                     taken += 1
                 elif self.add(req, 1, may_preempt):
-                    taken += 1
-            return
-        if type(budget) is not TokenBudget:  # another budget: each decode through its own `chunk`
-            reqs.sort(key=self.decode_rank)
-            taken = 0
-            for req in reqs:
-                if taken >= limit or budget.chunk(1, req.num_computed_tokens) == 0:
-                    break
-                if req.status is _RUNNING and self.add(req, 1, may_preempt):
                     taken += 1
             return
         # A plain token budget: a decode costs one token and one seat whatever its context, so how many

@@ -4,8 +4,6 @@ fake clock, so the figures are exact."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from ppserve import LLM, SamplingParams
@@ -37,14 +35,9 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
         monkeypatch.setattr(stage_worker, "time", clock)
         monkeypatch.setattr(step_timer, "time", clock)  # the stage's step timer reads the host clock on CPU
 
-        test_thread = threading.get_ident()
-
         def advancing(fn, ns):
-            # Only this test's calls move the clock (the in-process stages run on its thread): the patches are
-            # class- and module-wide, and an engine some earlier test left running must not move it mid-span.
             def wrapped(*args, **kwargs):
-                if threading.get_ident() == test_thread:
-                    clock.ns += ns
+                clock.ns += ns
                 return fn(*args, **kwargs)
             return wrapped
 
