@@ -43,7 +43,10 @@ def overloaded(n: int, rate: float) -> list[WorkloadRequest]:
 
 
 def run(reqs, stop: SloStop | None, stages: int = 2):
-    cfg = SimConfig(SchedulerConfig(token_budget=64, max_num_seqs=8), check_invariants=True, stop_on_slo_fail=stop)
+    # 1,024 blocks hold 8 seats of 64 tokens many times over; the invariant check walks every block each
+    # step, so the simulator's default 100,000 cost these tests ~25 s.
+    cfg = SimConfig(SchedulerConfig(token_budget=64, max_num_seqs=8), num_blocks=1024, check_invariants=True,
+                    stop_on_slo_fail=stop)
     return simulate(reqs, ConstantCostModel(stages, 0.010), cfg)
 
 
