@@ -147,8 +147,9 @@ class SchedulerConfig:
     # balanced formation, while requests keep arriving: spread the work in reach over this many rounds of
     # the pipeline (p microbatches each): thinner chunks beside the decodes keep the microbatch time level
     # until the next prompt comes, so fewer bubbles and a shorter TBT tail, at the price of TTFT where a
-    # chunk does not ride free beside the decodes; one round once arrivals stop (ppserve/sched/balance.py)
-    balance_rounds: int = 1
+    # chunk does not ride free beside the decodes (chunks never thinner than two that cost a step's
+    # floor); one round once arrivals stop (ppserve/sched/balance.py)
+    balance_rounds: int = 4
     # pp > 1: a decode may be scheduled before its last token comes back. The last stage hands each
     # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine
     # forms the next microbatch one step ahead, so its result handling and the dispatch leave the decode

@@ -28,17 +28,25 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   budget the other work leaves: ranked with the other prefills, one prompt's chunks took the prefill
   part of consecutive microbatches, and its short last chunk (next to a sequence cap full of decodes)
   left every few microbatches short of the budget, which a saturated pipeline pays as bubbles.
-- **Rounds, while requests keep arriving** (`scheduler.balance_rounds` = k, default 1). A pipeline
+- **Rounds, while requests keep arriving** (`scheduler.balance_rounds` = k, default 4). A pipeline
   idles about (p - 1) * (T_k - T_k+1) each time the microbatch time falls (the decode ring's groups
   wait for the longer microbatch to come round): the bubble follows how far and how often the
   microbatch time drops. Shared over one round, each prompt that arrives among decode-only
   microbatches lifts p of them and drops back. With k > 1, while requests keep arriving
   (`ArrivalWatch`), the work in reach is shared among k rounds (k * p microbatches): the prefill runs
   in thinner chunks beside the decodes, the next prompt comes before they run out, and the microbatch
-  time stays level. It is a trade, measured in the simulator (conversation trace, k = 4 against 1):
-  Llama-2-70B A100 PP4xTP4 at 2 / 4 / 8 req/s, bubble 10.0 / 11.1 / 14.7 % -> 7.7 / 6.8 / 7.6 %, TBT
-  p99 -48..-67 %, TTFT p50 -13..-17 %, TTFT p99 up to +17 %; Llama-3-70B H100 PP4xTP2 at 4 req/s,
-  bubble 7.8 -> 5.6 %, TBT p99 72 -> 35 ms, but TTFT p50 69 -> 97 ms. So the default keeps one round.
+  time stays level. Thinner, but never below `ROUNDS_MIN_CHUNKS` minimum chunks (`min_chunk_tokens`,
+  the chunk that costs a step's floor) unless one round's share is thinner still: a chunk near the
+  floor's cost barely shortens its microbatch, so cutting it finer lowers no drop and only adds steps
+  to its prompt. Without that floor k = 4 was a trade (simulator, conversation trace): Llama-2-70B
+  A100 PP4xTP4 at 2 / 4 / 8 req/s, bubble 10.0 / 11.1 / 14.7 % -> 7.7 / 6.8 / 7.6 %, TTFT p50
+  -13..-17 %, but Llama-3-70B on H100s (PP4xTP2, PP8xTP1, PP2xTP4), where a chunk's tokens cost little
+  beside the floor, TTFT p50 +20..+49 %: its prompts went from ~4 chunks of ~250 tokens to ~8 of ~125,
+  each a step. With the floor at two minimum chunks, k = 4 against k = 1 is no worse in mean bubble,
+  TTFT p50, TBT p99 or throughput in any of those setups (`benchmarks/bench_balance_rounds.py`:
+  bubble 10.0 / 11.1 / 14.7 -> 9.1 / 9.1 / 10.5 % on A100, 7.8 / 12.9 / 9.3 -> 6.2 / 11.5 / 7.4 % on
+  H100; TTFT p50 0.85-1.00x; TBT p99 0.50-0.77x); the TTFT tail moves by -25..+17 %. A floor of 1.5
+  gives lower bubbles on A100 and 1.07x TTFT p50 on H100; 3 gives back most of the gain.
   When the arrivals stop (the end of a burst, a batch given all at once) no later prompt would keep
   the level, the drop comes whatever the share, and thinner chunks would only delay the last prompts:
   one round then, whatever k (Sarathi's GPT-3 case, 512 requests at t=0, with k = 4 in every state:
@@ -56,7 +64,7 @@ from dataclasses import dataclass
 
 from ppserve.sched.cost import PipelineCost
 
-__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ArrivalWatch", "decode_quota", "fair_share", "min_chunk_tokens"]
+__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ROUNDS_MIN_CHUNKS", "ArrivalWatch", "decode_quota", "fair_share", "min_chunk_tokens"]
 
 # A token share is never cut below this part of the budget. Next to a microbatch's decodes a stage's
 # time is mostly its per-step floor (weights read, launches), so a smaller chunk balances almost
@@ -73,6 +81,11 @@ MIN_SHARE_OF_BUDGET = 0.25
 # one (bubble 3.9 -> 4.2 %, reduced suite); a rest as large as the quarter-budget floor, taken whole,
 # overfilled microbatches instead (conversation trace: bubble +0.9 pp, TTFT p50 +5-10 %).
 MIN_REST_OF_BUDGET = 1 / 16
+
+# Shared over more than one round, a chunk is at least this many minimum chunks (`min_chunk_tokens`;
+# in tokens, before the cost model is calibrated, this many quarter budgets), or one round's share where
+# that is thinner (see "Rounds" in the module doc; 1.5, 2 and 3 measured there).
+ROUNDS_MIN_CHUNKS = 2.0
 
 # Requests count as still arriving while the last one came less than this many mean gaps ago: a
 # Poisson stream leaves a longer silence 5 % of the time (e^-3). The mean gap is a moving average of

@@ -177,7 +177,7 @@ def test_arrival_watch_tells_a_stream_from_a_batch():
     ((0.0, 1.0, 2.0), 2.0, 4, 375),   # arriving: 3000 tokens over 4 rounds of 2 microbatches
     ((0.0, 1.0, 2.0), 10.0, 4, 512),  # silent for 8 mean gaps: one round, saturated, the whole budget
     ((0.0, 0.0, 0.0), 0.0, 4, 512),   # a batch at one instant is no stream
-    ((0.0, 1.0, 2.0), 2.0, 1, 512),   # the default: one round
+    ((0.0, 1.0, 2.0), 2.0, 1, 512),   # balance_rounds=1: one round
 ])
 def test_rounds_share_the_work_only_while_requests_keep_arriving(arrivals, now, rounds, first):
     """`scheduler.balance_rounds`: three 1000-token prompts at pp=2, budget 512. One round of two
@@ -192,6 +192,47 @@ def test_rounds_share_the_work_only_while_requests_keep_arriving(arrivals, now, 
         s.add_request(make_request(f"r{i}", 1000, max_tokens=2))
     clock[0] = now
     assert s.schedule().total_tokens == first
+
+
+def _first_mixed_microbatch(prompt: int, rounds: int, min_chunks: float) -> tuple[int, int]:
+    """(prefill, decode) tokens of the first microbatch that takes a prompt, at pp=2, budget 512, on a
+    calibrated cost whose step floor is worth 100 tokens (the minimum chunk): four decodes under way, then
+    three prompts arriving a second apart (a stream)."""
+    from unittest import mock
+
+    import ppserve.sched.scheduler as scheduler_module
+
+    with mock.patch.object(scheduler_module, "ROUNDS_MIN_CHUNKS", min_chunks):
+        clock = [0.0]
+        s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=2000, balance_rounds=rounds)
+        stage = StepCost(1e-3, 1e-5)
+        s.cost.reset(PipelineCost((stage, stage)))
+        s.clock = lambda: clock[0]
+        for i in range(4):
+            s.add_request(make_request(f"d{i}", 4, max_tokens=500))
+        run(s, 4)
+        for i in range(3):
+            clock[0] = 10.0 + i
+            s.add_request(make_request(f"r{i}", prompt, max_tokens=2))
+        mixed = next(o for o in run(s, 2)[1] if o.num_prefill_tokens)
+        return mixed.num_prefill_tokens, mixed.num_decode_tokens
+
+
+def test_a_chunk_shared_over_rounds_is_at_least_two_minimum_chunks():
+    """Four rounds cut 3 x 300 tokens into ~100-token chunks beside the decodes, each about what a step's
+    floor costs: they barely shorten a microbatch and only add steps to their prompt. With the floor of
+    two minimum chunks (`ROUNDS_MIN_CHUNKS`) the microbatch holds ~200 tokens; where four rounds' share
+    is thicker anyway (3 x 1,200) the floor changes nothing; and it never makes a chunk thicker than
+    one round's share (3 x 100 tokens)."""
+    prefill, decodes = _first_mixed_microbatch(300, 4, 2.0)
+    thin_prefill, thin_decodes = _first_mixed_microbatch(300, 4, 1.0)
+    assert abs(prefill + decodes - 200) <= 2  # two minimum chunks, decodes included
+    assert 100 <= thin_prefill + thin_decodes <= 120  # without it: ~900 / 8 tokens of work a share
+    assert _first_mixed_microbatch(1200, 4, 2.0) == _first_mixed_microbatch(1200, 4, 1.0)
+    assert _first_mixed_microbatch(1200, 4, 2.0)[0] < _first_mixed_microbatch(1200, 1, 2.0)[0]
+    # 3 x 100 tokens: one round's share (150) is below two minimum chunks, and the chunk is that share.
+    assert _first_mixed_microbatch(100, 4, 2.0) == _first_mixed_microbatch(100, 1, 2.0)
+    assert _first_mixed_microbatch(100, 4, 2.0)[0] > _first_mixed_microbatch(100, 4, 1.0)[0]
 
 
 def test_prompts_filling_an_empty_pipeline_split_evenly():
