@@ -183,7 +183,8 @@ def test_rounds_share_the_work_only_while_requests_keep_arriving(arrivals, now, 
     """`scheduler.balance_rounds`: three 1000-token prompts at pp=2, budget 512. One round of two
     microbatches cannot hold 3000 tokens (saturated: the whole budget); four rounds share them 8 ways,
     but only while requests keep arriving (when they stop, thinner chunks would only delay the last
-    prompts)."""
+    prompts). The first microbatch fills an empty pipeline, which takes one round whatever k (the whole
+    budget here); `first` is the second one's."""
     clock = [0.0]
     s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=2000, balance_rounds=rounds)
     s.clock = lambda: clock[0]
@@ -191,6 +192,7 @@ def test_rounds_share_the_work_only_while_requests_keep_arriving(arrivals, now, 
         clock[0] = t
         s.add_request(make_request(f"r{i}", 1000, max_tokens=2))
     clock[0] = now
+    assert s.schedule().total_tokens == 512
     assert s.schedule().total_tokens == first
 
 
@@ -246,6 +248,15 @@ def test_prompts_filling_an_empty_pipeline_split_evenly():
     first, second = s.schedule(), s.schedule()
     assert first.total_tokens + second.total_tokens == 194
     assert abs(first.total_tokens - second.total_tokens) <= 2, (first.total_tokens, second.total_tokens)
+    # The same prompts arriving as a stream, four rounds: filling an empty pipeline takes one round (with
+    # no decodes to keep level, thinner chunks would only delay the prompts).
+    clock = [0.0]
+    streamed = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500, balance_rounds=4)
+    streamed.clock = lambda: clock[0]
+    for i, n in enumerate([23, 25, 24, 22, 26, 25, 24, 25]):
+        clock[0] = 0.01 * i
+        streamed.add_request(make_request(f"r{i}", n, max_tokens=2))
+    assert [streamed.schedule().total_tokens, streamed.schedule().total_tokens] == [first.total_tokens, second.total_tokens]
     lone = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
     lone.add_request(make_request("p", 200, max_tokens=2))
     assert [lone.schedule().total_tokens, lone.schedule().total_tokens] == [128, 72]
