@@ -46,10 +46,7 @@ def test_single_stage_preemption(default_model_dir, prompts, expected):
     assert_same(got, expected)
 
 
-# Depth 3 at budget 7 (a prompt's chunks pipelined through every stage) stands for depth 3: at 128 it
-# repeated what depth 2 at 128 covers, for ~30 s of the suite's 15 minutes. Pipelines of tiny models
-# go to pp 4, tp 2 and budget 1 in tests/integration/test_pipeline.py.
-@pytest.mark.parametrize("pp,budget", [(2, 7), (2, 128), (3, 7)])
+@pytest.mark.parametrize("pp,budget", [(2, 7), (2, 128), (3, 7), (3, 128)])
 def test_pipeline_depths(ray_session, default_model_dir, prompts, expected, pp, budget):
     got, _ = run(default_model_dir, prompts, token_budget=budget, pipeline_parallel_size=pp)
     assert_same(got, expected)
