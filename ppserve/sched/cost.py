@@ -124,6 +124,13 @@ class WorkFeatures:
         if sampled:
             self.sampled += 1
 
+    def plus(self, num_tokens: int, context: int, sampled: bool) -> WorkFeatures:
+        """A copy with one more chunk added (`add`), this sum unchanged."""
+        out = WorkFeatures()
+        out.merge(self)
+        out.add(num_tokens, context, sampled)
+        return out
+
     def merge(self, other: WorkFeatures) -> None:
         """Add another sum's chunks. The same result as adding them one by one: every feature is a
         whole number (attention keys too: n * ctx + n (n + 1) / 2), so the float sums are exact."""

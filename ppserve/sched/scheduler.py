@@ -383,11 +383,10 @@ class Scheduler:
         decodes = sorted(b.decodes, key=b.decode_rank)[:quota]
         min_chunk = 0 if filling else self._min_chunk(cost, budget.token_budget or 0)
         chunk = max(0, min_chunk - len(decodes))
-        least = WorkFeatures()
+        taken = WorkFeatures()  # the decodes this microbatch takes; each floor below adds its chunk to a copy
         for r in decodes:
-            least.add(1, r.num_computed_tokens, True)
-        if chunk:
-            least.add(chunk, 0, False)
+            taken.add(1, r.num_computed_tokens, True)
+        least = taken.plus(chunk, 0, False) if chunk else taken
         floor_s = max(stage.floor_s + least.seconds(stage) for stage in cost.stages)
         share_s = max(share_s, floor_s * (1 + 1e-9))  # the tolerance: summed in another order
         if shares > self.num_stages and not filling:
@@ -397,10 +396,7 @@ class Scheduler:
             one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages for stage in cost.stages)
             thick = max(0, min(budget.token_budget or 0, round(ROUNDS_MIN_CHUNKS * min_chunk)) - len(decodes))
             if thick > chunk:
-                thicker = WorkFeatures()
-                for r in decodes:
-                    thicker.add(1, r.num_computed_tokens, True)
-                thicker.add(thick, 0, False)
+                thicker = taken.plus(thick, 0, False)
                 rounds_floor_s = max(stage.floor_s + thicker.seconds(stage) for stage in cost.stages)
                 share_s = max(share_s, min(one_round_s, rounds_floor_s))
         if isinstance(budget, TimeBudget):  # budget_mode: time caps it already

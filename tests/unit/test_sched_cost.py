@@ -256,6 +256,21 @@ def test_summed_work_features_merge_exactly():
     assert [getattr(merged, f) for f in fields] == [getattr(one, f) for f in fields]
 
 
+def test_work_features_plus_copies_and_leaves_the_sum_alone():
+    base = WorkFeatures()
+    for ctx in (5, 900, 31):
+        base.add(1, ctx, True)
+    before = (base.tokens, base.prefill_keys, base.decode_keys, base.sampled)
+    added = WorkFeatures()
+    added.merge(base)
+    added.add(48, 0, False)
+    plus = base.plus(48, 0, False)
+    fields = ("tokens", "prefill_keys", "decode_keys", "sampled")
+    assert [getattr(plus, f) for f in fields] == [getattr(added, f) for f in fields]
+    assert (base.tokens, base.prefill_keys, base.decode_keys, base.sampled) == before
+    assert plus.tokens == 51 and plus.sampled == 3
+
+
 def test_a_pipeline_fit_equals_one_fit_per_stage_fed_alone():
     """`OnlinePipelineCost` forms the scaled features once for all stages: the same sums as each
     stage's `StepCostFit.observe`."""
