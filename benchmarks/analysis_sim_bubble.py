@@ -20,7 +20,11 @@ stage, turns around for `schedule_overhead_s`, schedules, and the stages hold th
 - `ring_tokens`: with the token ring (`scheduler.async_scheduling`) stage 0 held j already and waited for
   the tokens its decodes take from an earlier microbatch, still on its way round.
 
-The parts add up to stage 0's bubble (the bubble report's, active window; checked). The runs are regimes
+The parts add up to stage 0's bubble (the bubble report's, active window; checked). Across them, the
+table also gives how much of stage 0's bubble fell while fewer than p requests were in the system (arrived,
+last token not yet out): there each request's decodes ride in one microbatch at a time, so p stages
+cannot all be busy whatever the formation, unless a lone prompt's chunks fill them (`under p requests`;
+a bound on what any rule of formation can take off, not a part beside the others). The runs are regimes
 of `ppserve bench regimes` (ppserve/bench/regimes.py; default the conversation trace on Llama-2-70B at
 A100 PP4 x TP4 at 2 / 4 / 8 req/s, bench_balance_sim.py's setup), each with the regime's control plane
 and with none (the bound on what taking the control plane off the decode ring can give), under the
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.bench.regimes import Formation, Regime, regimes, sim_setup
-from ppserve.metrics.bubbles import intersect, total, union
+from ppserve.metrics.bubbles import intersect, subtract, total, union
 from ppserve.metrics.spans import ENGINE_STAGE, Span
 from ppserve.sim import SimResult, simulate
 
@@ -91,6 +95,23 @@ def first_stage_idle(res: SimResult, dispatch_s: float) -> dict[str, int]:
     return parts
 
 
+def under_p_requests(res: SimResult) -> int:
+    """Stage 0's bubble, in ns, while fewer than p requests were in the system (see the module doc)."""
+    p = res.num_stages
+    events = sorted([(round(t.arrival_s * 1e9), 1) for t in res.timings.values()]
+                    + [(round(t.token_times_s[-1] * 1e9), -1) for t in res.timings.values() if t.token_times_s])
+    few: list[tuple[int, int]] = []
+    count, since = 0, 0
+    for at, step in events:
+        if count < p and at > since:
+            few.append((since, at))
+        count += step
+        since = at
+    busy = union((sp.start_ns, sp.end_ns) for sp in res.spans if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0)
+    idle = subtract(union(res.work_intervals), busy)
+    return total(intersect(idle, union(few)))
+
+
 FORMATIONS = (Formation("balanced", "sarathi", True), Formation("balanced + ring", "sarathi", True, True),
               Formation("balance=False", "sarathi", False))
 
@@ -111,6 +132,7 @@ def run(regime: Regime, formation: Formation, control_plane: bool) -> dict[str, 
         "mean_bubble": float(rep.mean_bubble_fraction),
         "stage_bubbles": [float(s.bubble_fraction) for s in rep.stages],
         "stage0_parts": {name: ns / rep.window_ns for name, ns in parts.items()},
+        "stage0_under_p_requests": under_p_requests(res) / rep.window_ns,
         "output_tokens_per_s": res.throughput()["output_tokens_per_s"],
         "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],
     }
@@ -129,8 +151,9 @@ def main() -> None:
         raise SystemExit(f"unknown regime(s) {unknown}; known: {sorted(known)}")
     rows = []
     print("| regime | formation | control plane | mean bubble | stage 0 | ring: awaited prefill | ring: awaited decodes "
-          "| ring tokens | few microbatches | turnaround | dispatch | out tok/s | TBT p50 ms | TTFT p50 ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ring tokens | few microbatches | turnaround | dispatch | stage 0, under p requests | out tok/s | TBT p50 ms "
+          "| TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for formation in FORMATIONS:
             for plane in (True, False):
@@ -140,7 +163,7 @@ def main() -> None:
                 print(f"| {name} | {formation.name} | {'measured' if plane else 'none'} | "
                       f"{100 * r['mean_bubble']:.1f}% | {100 * r['stage_bubbles'][0]:.1f}% | {pct['ring_prefill']} | "
                       f"{pct['ring_decode']} | {pct['ring_tokens']} | {pct['few']} | {pct['turnaround']} | "
-                      f"{pct['dispatch']} | {r['output_tokens_per_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
+                      f"{pct['dispatch']} | {100 * r['stage0_under_p_requests']:.1f}% | {r['output_tokens_per_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
                       f"{1e3 * r['ttft_p50_s']:.0f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
