@@ -107,6 +107,8 @@ def under_p_requests(res: SimResult) -> int:
             few.append((since, at))
         count += step
         since = at
+    if count < p:  # after the last token: the engine may still be handing the last microbatch back
+        few.append((since, max(end for _, end in res.work_intervals) if res.work_intervals else since))
     busy = union((sp.start_ns, sp.end_ns) for sp in res.spans if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0)
     idle = subtract(union(res.work_intervals), busy)
     return total(intersect(idle, union(few)))

@@ -68,3 +68,24 @@ def test_parts_add_up_to_the_bubble_on_a_mixed_run(balance: bool):
     parts, bubble = _run(PrefillHeavyCost(3, 0.004, 0.009), wl, 0.0004, 0.0003, balance=balance)
     assert bubble > 0
     assert sum(parts.values()) == pytest.approx(bubble, abs=1)
+
+
+def _under_p(workload, num_stages: int):
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8)
+    res = simulate(workload, ConstantCostModel(num_stages, 0.010), SimConfig(cfg, 256, 16, 512, 0.001, 0.002))
+    mod = load_benchmark("analysis_sim_bubble")
+    return mod.under_p_requests(res), res.bubble_report("active").stages[0].bubble_ns
+
+
+def test_a_lone_request_leaves_all_of_stage_zeros_bubble_under_p_requests():
+    under, bubble = _under_p([WorkloadRequest(0.0, 4, 6)], 2)
+    assert bubble > 0
+    assert under == bubble
+
+
+def test_with_more_requests_than_stages_only_the_tail_is_under_p_requests():
+    # Four requests on two stages finish two by two: until the last token at least two are in the system.
+    # After it none is, and the engine's 1 ms turnaround on the last microbatch is all that is left.
+    under, bubble = _under_p([WorkloadRequest(0.0, 4, 12)] * 4, 2)
+    assert under == 1 * MS
+    assert bubble > 40 * MS  # the turnarounds and dispatches of the decode ring, with four requests in
