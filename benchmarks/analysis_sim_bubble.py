@@ -22,9 +22,10 @@ stage, turns around for `schedule_overhead_s`, schedules, and the stages hold th
 
 The parts add up to stage 0's bubble (the bubble report's, active window; checked). Across them, the
 table also gives how much of stage 0's bubble fell while fewer than p requests were in the system (arrived,
-last token not yet out): there each request's decodes ride in one microbatch at a time, so p stages
-cannot all be busy whatever the formation, unless a lone prompt's chunks fill them (`under p requests`;
-a bound on what any rule of formation can take off, not a part beside the others). The runs are regimes
+last token not yet out): there each request's decodes ride in one microbatch at a time, so once only
+decodes are left p stages cannot all be busy whatever the formation (a prompt's chunks can still follow
+each other down the pipeline). It is a cut across the parts, not one beside them: the share of the bubble
+that a rule of formation can hardly take off. The runs are regimes
 of `ppserve bench regimes` (ppserve/bench/regimes.py; default the conversation trace on Llama-2-70B at
 A100 PP4 x TP4 at 2 / 4 / 8 req/s, bench_balance_sim.py's setup), each with the regime's control plane
 and with none (the bound on what taking the control plane off the decode ring can give), under the
