@@ -30,6 +30,16 @@ class TPContext:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
         return x
 
+    def max_over_group(self, value: float, device: torch.device | str) -> float:
+        """The largest of every rank's `value`: a collective, so that a choice each rank makes from its own
+        measurement (how many runs to time) is the same on all of them; a choice that differed would leave
+        one rank in a collective its peers never call."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        return float(t.item())
+
     def all_gather_last_dim(self, x: Tensor) -> Tensor:
         """Concatenate every rank's shard of `x` along the last dimension (rank order)."""
         if self.size == 1:

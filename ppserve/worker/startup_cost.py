@@ -35,7 +35,9 @@ REPEATS = 3  # runs per shape; the fastest counts (a shared host's noise only ad
 # A shape whose first run took this long runs LONG_REPEATS times: a host's jitter (a descheduled slice,
 # a page fault) is a smaller part of it, and the third run of the long shapes was most of a CPU stage's
 # start-up (the default model in float32 at 256 decodes: ~0.75 s a run; `LLM()` spent 11 of its 16 s
-# here, 8 with this).
+# here, 8 with this). Under tensor parallelism every run is a forward with collectives, so the ranks
+# decide on the slowest rank's first run (`TPContext.max_over_group`): each deciding on its own, one
+# rank over 0.1 s and its peer under it, the peer waited in an all-reduce for a third run that never came.
 LONG_SHAPE_S = 0.1
 LONG_REPEATS = 2
 # The long context of the shapes that price attention (cache room allowing): far enough from the short
@@ -90,13 +92,14 @@ def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> S
     # Under Triton's interpreter (a GPU kernel's CPU check) a step takes seconds, a long context minutes:
     # the short shapes once each give a prior in the right units, and the online fit corrects it.
     interpreted = memory.model.interpreted
+    tp = memory.model.tp
     long = (0, 0) if interpreted else long_shapes(memory, kv_cache, chunk, seqs)
     samples: list[tuple[Sequence[tuple[int, int]], int, float]] = []
     for query_lens, seq_lens in startup_shapes(cached, chunk, seqs, *long):
         if _blocks_needed(seq_lens, memory.block_size) > kv_cache[0].shape[1]:
             continue  # the mix in a cache sized for the decodes alone
-        best, runs = float("inf"), 0
-        while runs < (1 if interpreted else REPEATS if best < LONG_SHAPE_S else LONG_REPEATS):
+        best, runs, repeats = float("inf"), 0, 1
+        while runs < repeats:
             if cuda:
                 torch.cuda.synchronize(memory.device)
             t0 = time.perf_counter()
@@ -104,6 +107,9 @@ def measure_startup_cost(memory: StageMemory, kv_cache: list[torch.Tensor]) -> S
             if cuda:
                 torch.cuda.synchronize(memory.device)
             best, runs = min(best, time.perf_counter() - t0), runs + 1
+            if runs == 1 and not interpreted:
+                first = tp.max_over_group(best, memory.device)  # every TP rank runs the same number of times
+                repeats = REPEATS if first < LONG_SHAPE_S else LONG_REPEATS
         chunks = [(q, n - q) for q, n in zip(query_lens, seq_lens, strict=True)]
         samples.append((chunks, len(query_lens), best))
     return fit_startup_cost(samples)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ppserve.sched.cost import StepCost, features
-from ppserve.worker.startup_cost import fit_startup_cost, startup_shapes
+from ppserve.worker.startup_cost import (
+    LONG_REPEATS,
+    REPEATS,
+    fit_startup_cost,
+    measure_startup_cost,
+    startup_shapes,
+)
 
 
 def test_startup_shapes_are_decodes_two_chunks_and_a_mix():
@@ -73,3 +81,45 @@ def test_timing_noise_leaves_a_fit_that_prices_a_serving_chunk_within_a_quarter(
         fit = fit_startup_cost(_timed(cost, 33, 64, 256, 1024, 96, noise=0.1, seed=seed))
         assert min(fit.coefficients) >= 0
         assert fit.of_features(features(unseen, 33)) == pytest.approx(want, rel=0.25), seed
+
+
+class _SlowestPeer:
+    """A TP group whose slowest rank took `peer_s` on every first run (TPContext.max_over_group)."""
+
+    def __init__(self, peer_s: float) -> None:
+        self.peer_s, self.calls = peer_s, 0
+
+    def max_over_group(self, value: float, device: object) -> float:
+        self.calls += 1
+        return max(value, self.peer_s)
+
+
+class _Memory:
+    """What measure_startup_cost reads of a StageMemory, with a forward that only counts its runs."""
+
+    block_size = 16
+    device = torch.device("cpu")
+
+    def __init__(self, tp: _SlowestPeer) -> None:
+        self.model = SimpleNamespace(interpreted=False, tp=tp)
+        self.arch = SimpleNamespace(max_position_embeddings=4096)
+        self.runs: dict[tuple[int, ...], int] = {}
+
+    def warm_shapes(self, kv_cache):
+        return 9, 16, 3
+
+    def scratch_forward(self, query_lens, seq_lens, params, kv_cache):
+        key = tuple(query_lens + seq_lens)
+        self.runs[key] = self.runs.get(key, 0) + 1
+
+
+@pytest.mark.parametrize("peer_s, runs", [(0.0, REPEATS), (1.0, LONG_REPEATS)])
+def test_every_tp_rank_times_each_shape_as_often_as_its_peers(peer_s, runs):
+    """Each run is a forward with collectives, so the number of runs must not follow one rank's own clock:
+    a fast rank whose peer's first run was long runs the long count too (it used to run one more and wait
+    in an all-reduce for ever: test_qwen3_moe_on_a_ray_pipeline_with_tp hung in CI)."""
+    group = _SlowestPeer(peer_s)
+    memory = _Memory(group)
+    measure_startup_cost(memory, [torch.zeros(2, 256)])
+    assert memory.runs and set(memory.runs.values()) == {runs}
+    assert group.calls == len(memory.runs)  # one agreement per shape, after its first run
