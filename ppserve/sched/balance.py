@@ -49,11 +49,11 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   gives lower bubbles on A100 and 1.07x TTFT p50 on H100; 3 gives back most of the gain.
   When the arrivals stop (the end of a burst, a batch given all at once) no later prompt would keep
   the level, the drop comes whatever the share, and thinner chunks would only delay the last prompts:
-  one round then, whatever k; and one round while several prompts fill an empty pipeline (nothing in
-  flight, no decode: nothing to keep level; `ppserve demo`'s eight prompts, arriving over gRPC a few
-  at a time, had TTFT p50 140-145 ms at k = 4 against 89-103 at k = 1) (Sarathi's GPT-3 case, 512 requests at t=0, with k = 4 in every state:
+  one round then, whatever k (Sarathi's GPT-3 case, 512 requests at t=0, with k = 4 in every state:
   its last prompts' decodes ran on alone, makespan +3.4 %, bubble 4.3 -> 5.6 %; with the watch,
-  identical to k = 1).
+  identical to k = 1). One round too while several prompts fill an empty pipeline (nothing in flight,
+  no decode: nothing to keep level; `ppserve demo`'s eight prompts, arriving over gRPC a few at a time,
+  had TTFT p50 140-145 ms at k = 4 against 89-103 at k = 1).
 
 Functions over numbers, and one small tracker (`ArrivalWatch`) the scheduler feeds arrival times from
 its injected clock; the scheduler gathers the numbers. No torch, no clock reads of its own.

@@ -354,7 +354,7 @@ class Scheduler:
             b.budget = self._time_share(b, work, shares, budget, filling)
             return
         floor = 0.0 if filling else cap * MIN_SHARE_OF_BUDGET
-        if shares > stages and not filling:  # over k rounds: ROUNDS_MIN_CHUNKS floors, at most one round's share
+        if shares > stages:  # over k rounds (never while filling): ROUNDS_MIN_CHUNKS floors, at most one round's share
             floor = max(floor, min(tokens / stages, ROUNDS_MIN_CHUNKS * floor))
         budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=floor)))
 
@@ -389,13 +389,13 @@ class Scheduler:
         least = taken.plus(chunk, 0, False) if chunk else taken
         floor_s = max(stage.floor_s + least.seconds(stage) for stage in cost.stages)
         share_s = max(share_s, floor_s * (1 + 1e-9))  # the tolerance: summed in another order
-        if shares > self.num_stages and not filling:
+        if shares > self.num_stages:  # over k rounds (`_balance` shares one round while filling)
             # Over k rounds a chunk is never thinner than ROUNDS_MIN_CHUNKS minimum chunks, unless one
             # round's share is thinner still (sched/balance.py, "Rounds"): thinner, it barely shortens
             # the microbatch beside the floor and only adds steps to its prompt's TTFT.
-            one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages for stage in cost.stages)
             thick = max(0, min(budget.token_budget or 0, round(ROUNDS_MIN_CHUNKS * min_chunk)) - len(decodes))
             if thick > chunk:
+                one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages for stage in cost.stages)
                 thicker = taken.plus(thick, 0, False)
                 rounds_floor_s = max(stage.floor_s + thicker.seconds(stage) for stage in cost.stages)
                 share_s = max(share_s, min(one_round_s, rounds_floor_s))
