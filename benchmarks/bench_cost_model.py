@@ -30,9 +30,11 @@ from ppserve.metrics.latency import percentile
 from ppserve.sched.cost import BatchShape
 
 
-def _errors(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float]:
+def _errors(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float] | None:
     signed = [(p - m) / m for p, m in zip(pred, meas, strict=True) if m > 0]
     errs = [abs(e) for e in signed]
+    if not errs:
+        return None  # nothing scored: at pp = 1 the scheduler fits no online model (it has no stages to level)
     # `bias`: the median signed error, below 0 where the model prices steps faster than they run
     return {"median": percentile(errs, 50), "p90": percentile(errs, 90), "bias": percentile(signed, 50),
             "n": len(errs)}
@@ -103,6 +105,9 @@ def main() -> None:
     for title, f in [("online model", fig), (f"start-up step costs alone, all {prior['num_microbatches']}", prior)]:
         print(title)
         for name, e in [*((f"stage {s}", e) for s, e in enumerate(f["per_stage"])), ("pace", f["pace"])]:
+            if e is None:
+                print(f"{name:>8}: nothing scored")
+                continue
             print(f"{name:>8}: |predicted - measured| / measured  median {100 * e['median']:.1f} %  "
                   f"p90 {100 * e['p90']:.1f} %  (goal <= 10 % / <= 25 %)  bias {100 * e['bias']:+.1f} %")
     write_json(args.out, {"args": vars(args), **fig})

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ppserve.plan.search import MIN_PROBE_REQUESTS
+
 REPO = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's 30 decoder layers, split evenly where the profile is measured: the planner re-splits a
 # profile by telling one layer's cost from the last stage's head, which takes two stages or more.
@@ -92,11 +94,15 @@ def plan(cli: list[str], args: argparse.Namespace, profile: Path, out: Path) -> 
 
 
 def workload_args(args: argparse.Namespace, bench: bool) -> list[str]:
-    """The same lengths, arrivals and probe size for the planner and the real run."""
+    """The same requests, arrivals and probe size for the planner and the real run. Both replay the trace
+    from its first row, as many rows as a probe's duration needs, Poisson arrivals from one seed; a probe
+    replays at least the planner's own minimum, whatever --num-requests says (for the planner, the rows its
+    memory and SLO-budget estimates read)."""
     trace = f"trace:{args.trace}.csv" if bench else args.trace
     out = ["--dtype", args.dtype] if bench else []
+    fewest = max(args.num_requests, MIN_PROBE_REQUESTS) if bench else args.num_requests
     out += ["--workload", trace, "--prefill-scale", str(args.scale), "--decode-scale", str(args.scale),
-           "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
+           "--num-requests", str(fewest), "--seed", str(args.seed)]
     return out + (["--probe-duration", str(args.probe_duration)] if bench else ["--duration-s", str(args.probe_duration)])
 
 

@@ -41,7 +41,9 @@ def add_parser(sub: Any) -> None:
     w.add_argument("--workload", default="splitwise_conv",
                    help="sharegpt4-like | arxiv-summarization-like | a trace CSV or a name in ../shared/traces")
     w.add_argument("--num-requests", type=int, default=2000,
-                   help="requests in the fixed trace of lengths (a probe replays rate x duration of them, cycled)")
+                   help="requests the memory and SLO-budget estimates read: a distribution's draws (a probe replays "
+                        "rate x duration of them, cycled) or a trace's first rows (a probe replays the trace "
+                        "from its first row, as ppserve bench capacity does)")
     w.add_argument("--duration-s", type=float, default=60.0,
                    help="seconds of arrivals per refined probe (coarse probes: a third of it)")
     w.add_argument("--prefill-scale", type=float, default=1.0)
@@ -104,13 +106,13 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, hf_dir = inputs.model_spec(args.model)
     clu = inputs.cluster(args.hardware, args.gpus, args.nodes, args.inter_node_gbps, args.nvlink_gbps)
-    reqs, desc = inputs.workload(args.workload, args.num_requests, model.max_model_len, args.seed,
-                                 args.prefill_scale, args.decode_scale)
+    reqs, pool, desc = inputs.workload(args.workload, args.num_requests, model.max_model_len, args.seed,
+                                       args.prefill_scale, args.decode_scale)
     slo = SLO(args.tbt_p99_ms * 1e-3, args.sched_delay_s, None if args.ttft_p90_ms is None else args.ttft_p90_ms * 1e-3)
     space = SearchSpace(tuple(x.strip() for x in args.policies.split(",") if x.strip()), args.token_budgets,
                         args.max_num_seqs, args.vllm_max_num_seqs, args.max_pp)
     feasible, rejected = enumerate_deployments(model, clu, space, WorkloadShape.of([(r.prompt_len, r.output_len) for r in reqs]))
-    ctx = PlanContext(model, clu, tuple(reqs), slo, args.duration_s, seed=args.seed,
+    ctx = PlanContext(model, clu, tuple(pool), slo, args.duration_s, seed=args.seed,
                       overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3,
                       stop_early=not args.full_probes)
     if args.profile:

@@ -1,5 +1,5 @@
 """`ppserve plan`'s inputs turned into the simulator's terms: a model table from a name, a YAML or an HF
-config.json; the cluster; the workload's fixed trace of request lengths."""
+config.json; the cluster; the workload's request lengths."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ppserve.metrics.capacity import ProbeSize
 from ppserve.plan.space import Cluster
 from ppserve.sim.cost_model import ModelSpec, load_hardware, load_model_spec
 from ppserve.sim.lengths import LENGTH_DISTRIBUTIONS
@@ -69,25 +70,40 @@ def cluster(hardware: str, gpus_per_node: int, nodes: int, inter_node_gbps: floa
     return Cluster(hw, gpus_per_node, nodes)
 
 
+# Rows of a trace the probes may read: a probe replays the trace from its first row as far as its duration
+# needs (`ProbeSize.max_requests` at most), as `ppserve bench capacity` does on the real pipeline, so a plan
+# and a real capacity search of the same trace replay the same requests. A pool of the first --num-requests
+# rows cycled instead (the planner's old reading) made `plan_then_run.py` plan a 48-row pool of 5.7 output
+# tokens a request against real probes of the first 195 rows, 11.6 a request.
+TRACE_PROBE_ROWS = ProbeSize().max_requests
+
+
 def workload(name: str, num_requests: int, max_model_len: int, seed: int = 0, prefill_scale: float = 1.0,
-             decode_scale: float = 1.0) -> tuple[list[WorkloadRequest], str]:
-    """The fixed trace of lengths: a dataset-like distribution by name, or the first rows of a trace CSV
-    (a path or a name in the shared traces); and its description."""
+             decode_scale: float = 1.0) -> tuple[list[WorkloadRequest], list[WorkloadRequest], str]:
+    """(the estimates' requests, the probes' pool, a description).
+
+    A dataset-like distribution by name: `num_requests` draws, both the estimates' and the pool (cycled by
+    a probe that needs more: independent draws have no order to follow). A trace CSV (a path or a name in
+    the shared traces): its first `num_requests` rows for the estimates (memory feasibility and the SLO's
+    token budget), and its rows in order for the probes (`TRACE_PROBE_ROWS`, cycled
+    only past the trace's end)."""
     if num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
     if name in LENGTH_DISTRIBUTIONS:
         dist = LENGTH_DISTRIBUTIONS[name]
-        reqs = dist.sample(num_requests, max_model_len, seed)
+        pool = dist.sample(num_requests, max_model_len, seed)
         desc = f"{name} lengths ({dist.source}, log-normal stand-in), {num_requests} requests"
+        if prefill_scale != 1.0 or decode_scale != 1.0:
+            pool = [replace(r, prompt_len=max(1, round(r.prompt_len * prefill_scale)),
+                            output_len=max(1, round(r.output_len * decode_scale))) for r in pool]
     else:
         path = Path(name)
         if not path.exists():
             path = default_trace_path(name if name.endswith(".csv") else f"{name}.csv")
-        reqs = read_trace(path, num_requests, prefill_scale, decode_scale, need_arrivals=False)
-        desc = f"{path.name}, first {len(reqs)} rows"
+        pool = read_trace(path, max(num_requests, TRACE_PROBE_ROWS), prefill_scale, decode_scale,
+                          need_arrivals=False)
+        desc = f"{path.name}, first {min(num_requests, len(pool))} rows (probes: its rows in order)"
     if prefill_scale != 1.0 or decode_scale != 1.0:
         desc += f", lengths scaled x{prefill_scale:g} (prompt) x{decode_scale:g} (output)"
-        if name in LENGTH_DISTRIBUTIONS:
-            reqs = [replace(r, prompt_len=max(1, round(r.prompt_len * prefill_scale)),
-                            output_len=max(1, round(r.output_len * decode_scale))) for r in reqs]
-    return clip_to_context(reqs, max_model_len), desc + ", Poisson arrivals"
+    pool = clip_to_context(pool, max_model_len)
+    return pool[:num_requests], pool, desc + ", Poisson arrivals"

@@ -2,9 +2,9 @@
 
 A probe simulates one replica at its share of the request rate (a Poisson stream split at random over
 the replicas is a Poisson stream of rate / replicas each) for `duration_s` seconds of arrivals: the
-first rate x duration requests of one fixed trace of lengths (cycled if it is shorter), arrivals drawn
-from one seed. A probe's result depends on the deployment and the rate only: the same in any process,
-on any run. The duration, not a request count, is what makes an overloaded rate fail
+first rate x duration requests of one fixed pool of lengths (a trace's rows in order, as `ppserve bench
+capacity` replays them; cycled if it is shorter), arrivals drawn from one seed. A probe's result depends
+on the deployment and the rate only: the same in any process, on any run. The duration, not a request count, is what makes an overloaded rate fail
 (`metrics.capacity.ProbeSize` says why; `ppserve bench capacity` sizes its probes the same way).
 
 The search is `metrics.capacity.find_capacity`, pruned in rounds (see `search`): one deployment per
@@ -31,11 +31,13 @@ from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.slo_watch import SloStop
 from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
 
-__all__ = ["PlanContext", "Candidate", "probe", "estimate_rate", "search", "capacities", "CostModelFactory"]
+__all__ = ["PlanContext", "Candidate", "probe", "probe_requests", "estimate_rate", "search", "capacities", "CostModelFactory"]
 
 # How a context prices a deployment's replica: the roofline of the model on the cluster's hardware by
 # default; a fitted profile re-split over the deployment's shape where one was given.
 CostModelFactory = Callable[["PlanContext", Deployment], CostModel]
+
+MIN_PROBE_REQUESTS = 50  # the fewest requests a probe replays, however low its rate
 
 
 def roofline(ctx: PlanContext, d: Deployment) -> CostModel:
@@ -49,10 +51,10 @@ class PlanContext:
 
     model: ModelSpec
     cluster: Cluster
-    requests: tuple[WorkloadRequest, ...]  # the fixed trace of lengths, its arrivals redrawn per rate
+    requests: tuple[WorkloadRequest, ...]  # the fixed pool of lengths (plan/inputs.py), its arrivals redrawn per rate
     slo: SLO
     duration_s: float = 60.0  # seconds of arrivals per probe
-    min_requests: int = 50  # a probe replays at least this many requests
+    min_requests: int = MIN_PROBE_REQUESTS  # a probe replays at least this many requests
     max_requests: int = 20_000  # and at most this many (a probe cut short says so: `truncated`)
     seed: int = 0
     overhead_s: float = 0.5e-3  # engine turnaround per returned microbatch
@@ -89,14 +91,20 @@ class Candidate:
         return passing[0] if passing else None
 
 
+def probe_requests(ctx: PlanContext, per_replica: float) -> list[WorkloadRequest]:
+    """What a probe of one replica at `per_replica` requests/s replays: the pool's lengths in order (cycled
+    when the duration needs more requests than it holds), Poisson arrivals from the context's seed."""
+    n = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests).requests_at(per_replica)
+    return with_poisson_arrivals([ctx.requests[i % len(ctx.requests)] for i in range(n)], per_replica, ctx.seed)
+
+
 def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     """Simulate one replica of `d` at rate / replicas and judge it against the SLO (`rate`: the whole
     deployment's requests/s)."""
     per_replica = rate / d.replicas
-    size = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests)
-    want, n = size.wanted(per_replica), size.requests_at(per_replica)
-    # The trace's lengths in order, cycled when the duration needs more requests than it holds.
-    reqs = [ctx.requests[i % len(ctx.requests)] for i in range(n)]
+    want = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests).wanted(per_replica)
+    reqs = probe_requests(ctx, per_replica)
+    n = len(reqs)
     sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,
                             max_waiting=max(4096, n))
     # A probe over the capacity stops once its fail is certain (sim/slo_watch.py): the same verdict, and
@@ -104,7 +112,7 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     stop = SloStop(ctx.slo.tbt_p99_s, ctx.slo.sched_delay_p50_s) if ctx.stop_early else None
     cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s, ctx.dispatch_s,
                     stop_on_slo_fail=stop)
-    res = simulate(with_poisson_arrivals(reqs, per_replica, ctx.seed), ctx.cost_model(ctx, d), cfg)
+    res = simulate(reqs, ctx.cost_model(ctx, d), cfg)
     lat = res.latency()
     p = probe_from_summary(rate, {"latency": lat, "throughput": res.throughput()}, ctx.slo)
     extra = {**p.extra, "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],

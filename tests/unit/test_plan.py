@@ -4,6 +4,7 @@ stub system of known capacity, the report and the winner's config; the planner n
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,7 +16,7 @@ from ppserve.metrics.capacity import SLO, Probe
 from ppserve.plan.cli import add_parser  # noqa: F401  (the command's module imports without torch)
 from ppserve.plan.inputs import model_spec_from_hf
 from ppserve.plan.report import pareto_front, table_rows, write_report
-from ppserve.plan.search import Candidate, PlanContext, probe, search
+from ppserve.plan.search import Candidate, PlanContext, probe, probe_requests, search
 from ppserve.plan.space import Cluster, Deployment, SearchSpace, WorkloadShape, enumerate_deployments
 from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import HardwareSpec, ModelSpec, load_hardware, load_model_spec
@@ -157,6 +158,34 @@ def test_search_is_deterministic_and_probes_are_seeded():
     first, again = probe(ctx, d, 4.0), probe(ctx, d, 4.0)
     assert first == again and first.ok and first.extra["num_requests"] == 10  # 4 req/s x 2 s < min_requests
     assert probe(replace(ctx, duration_s=10.0), d, 4.0).extra["num_requests"] == 40  # cycled past the trace's 10
+
+
+def test_a_plan_probe_replays_the_requests_a_real_capacity_probe_of_the_trace_replays(tmp_path):
+    """`plan_then_run.py` sets the planner's capacity against `bench capacity --on real`'s: both must replay
+    the same requests. A planner pool of the trace's first --num-requests rows, cycled, planned 5.7 output
+    tokens a request against real probes of 11.6 (the first 195 rows of splitwise_conv at 0.05)."""
+    from ppserve.bench.suites import probe_workload
+    from ppserve.bench.workloads import WorkloadSpec
+    from ppserve.metrics.capacity import ProbeSize
+    from ppserve.plan.inputs import workload
+
+    trace = tmp_path / "t.csv"
+    # Rows whose lengths grow with the row: a pool that cycled its first rows would replay short requests only.
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + 10 * i},{5 + i}\n" for i in range(300)))
+    estimates, pool, desc = workload(str(trace), 20, MODEL.max_model_len, seed=3, prefill_scale=0.5, decode_scale=0.5)
+    assert [(r.prompt_len, r.output_len) for r in estimates] == [(50 + 5 * i, round((5 + i) / 2) or 1) for i in range(20)]
+    assert len(pool) == 300 and pool[:20] == estimates and "first 20 rows" in desc
+    ctx = PlanContext(MODEL, Cluster(gpu(80), 1, 1), tuple(pool), SLO(0.1, 2.0), duration_s=10.0, min_requests=20, seed=3)
+    spec = WorkloadSpec(source=f"trace:{trace}", num_requests=20, prefill_scale=0.5, decode_scale=0.5, seed=3,
+                        max_model_len=MODEL.max_model_len)
+    for rate in (1.0, 7.5, 25.0):  # below the minimum, between, past the 20 rows the estimates read
+        real = probe_workload(spec, rate, ProbeSize(10.0, 20, 20_000))
+        planned = probe_requests(ctx, rate)
+        assert len(planned) == max(20, math.ceil(10 * rate))
+        assert [(r.prompt_len, r.output_len) for r in planned] == [(r.prompt_len, r.output_len) for r in real]
+        assert [r.arrival_s for r in planned] == pytest.approx([r.arrival_s for r in real], abs=1e-12)
+    # Past the trace's end the pool cycles.
+    assert len(probe_requests(ctx, 40.0)) == 400 and probe_requests(ctx, 40.0)[300].prompt_len == 50
 
 
 def test_the_report_ranks_draws_and_writes_a_config_serve_loads(tmp_path):
