@@ -85,8 +85,8 @@ def workload(name: str, num_requests: int, max_model_len: int, seed: int = 0, pr
     A dataset-like distribution by name: `num_requests` draws, both the estimates' and the pool (cycled by
     a probe that needs more: independent draws have no order to follow). A trace CSV (a path or a name in
     the shared traces): its first `num_requests` rows for the estimates (memory feasibility and the SLO's
-    token budget), and its rows in order for the probes (`TRACE_PROBE_ROWS`, cycled
-    only past the trace's end)."""
+    token budget), and its rows in order for the probes (`TRACE_PROBE_ROWS`, cycled only past the
+    trace's end)."""
     if num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
     if name in LENGTH_DISTRIBUTIONS:

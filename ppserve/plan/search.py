@@ -4,8 +4,9 @@ A probe simulates one replica at its share of the request rate (a Poisson stream
 the replicas is a Poisson stream of rate / replicas each) for `duration_s` seconds of arrivals: the
 first rate x duration requests of one fixed pool of lengths (a trace's rows in order, as `ppserve bench
 capacity` replays them; cycled if it is shorter), arrivals drawn from one seed. A probe's result depends
-on the deployment and the rate only: the same in any process, on any run. The duration, not a request count, is what makes an overloaded rate fail
-(`metrics.capacity.ProbeSize` says why; `ppserve bench capacity` sizes its probes the same way).
+on the deployment and the rate only: the same in any process, on any run. The duration, not a request
+count, is what makes an overloaded rate fail (`metrics.capacity.ProbeSize` says why; `ppserve bench
+capacity` sizes its probes the same way).
 
 The search is `metrics.capacity.find_capacity`, pruned in rounds (see `search`): one deployment per
 pipeline shape coarsely (bracketed to `coarse_tol` over a shorter duration), the other settings of the
@@ -31,7 +32,8 @@ from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.slo_watch import SloStop
 from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
 
-__all__ = ["PlanContext", "Candidate", "probe", "probe_requests", "estimate_rate", "search", "capacities", "CostModelFactory"]
+__all__ = ["PlanContext", "Candidate", "probe", "probe_requests", "estimate_rate", "search", "capacities",
+           "CostModelFactory", "MIN_PROBE_REQUESTS"]
 
 # How a context prices a deployment's replica: the roofline of the model on the cluster's hardware by
 # default; a fitted profile re-split over the deployment's shape where one was given.
@@ -51,7 +53,7 @@ class PlanContext:
 
     model: ModelSpec
     cluster: Cluster
-    requests: tuple[WorkloadRequest, ...]  # the fixed pool of lengths (plan/inputs.py), its arrivals redrawn per rate
+    requests: tuple[WorkloadRequest, ...]  # the pool of lengths (plan/inputs.py), arrivals redrawn per rate
     slo: SLO
     duration_s: float = 60.0  # seconds of arrivals per probe
     min_requests: int = MIN_PROBE_REQUESTS  # a probe replays at least this many requests
