@@ -90,6 +90,12 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--tolerance", type=float, default=0.15)
     v.add_argument("--held-out-start", type=int, help="first trace row of B (default: right after A)")
     v.add_argument("--held-out-rate", type=float, help="Poisson rate of B (default: A's)")
+    v.add_argument("--capacity", action="store_true",
+                   help="also B's capacity under bench capacity's SLO, simulated (profile fitted on A) and real")
+    v.add_argument("--tbt-factor", type=float, default=5.0, help="with --capacity: the p99 TBT SLO in decode steps")
+    v.add_argument("--probe-duration", type=float, default=30.0, help="with --capacity: seconds of arrivals a probe")
+    v.add_argument("--max-evals", type=int, default=6, help="with --capacity: real probes")
+    v.add_argument("--rel-tol", type=float, default=0.05, help="with --capacity: the real bracket's width")
     for sp in (c, k, s, v):
         _common(sp)
         sp.set_defaults(func=run)
@@ -157,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
         held = replace(workload, start=args.held_out_start if args.held_out_start is not None
                        else workload.start + workload.num_requests, seed=workload.seed + 1,
                        rate=args.held_out_rate or workload.rate)
-        suites.validate(ctx, held, policy=args.policy, tolerance=args.tolerance, command=command)
+        check = (suites.CapacityCheck(args.probe_duration, args.max_evals, args.rel_tol, args.tbt_factor)
+                 if args.capacity else None)
+        suites.validate(ctx, held, policy=args.policy, tolerance=args.tolerance, command=command, capacity=check)
     return 0
 
 

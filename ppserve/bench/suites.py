@@ -36,7 +36,8 @@ from ppserve.metrics.capacity import SLO, Probe, ProbeSize, find_capacity, probe
 from ppserve.metrics.spans import Span
 from ppserve.sim.workload import WorkloadRequest
 
-__all__ = ["BenchContext", "compare", "capacity", "sweep", "validate", "estimate_overhead_s", "load_prompt_builder"]
+__all__ = ["BenchContext", "CapacityCheck", "compare", "capacity", "sweep", "validate", "estimate_overhead_s",
+           "load_prompt_builder"]
 
 logger = logging.getLogger(__name__)
 
@@ -446,10 +447,27 @@ def _rel(pred: float | None, real: float | None) -> float | None:
     return None if pred is None or not real else (pred - real) / real
 
 
+@dataclass(frozen=True)
+class CapacityCheck:
+    """`validate`'s capacity comparison: the held-out workload's capacity under `bench capacity`'s SLO (p99
+    TBT <= `tbt_factor` decode steps, measured on the pipeline; median scheduling delay <= 2 s), searched in
+    the simulator over the profile fitted on A (and over the stages' start-up step costs, the profile
+    `plan_then_run.py` plans with), then on the real pipeline from the first simulated capacity, bracketed
+    to `rel_tol`. Both replay B's rows from its first, `probe_duration_s` seconds of arrivals a
+    probe (`probe_workload`), every real probe from an empty prefix cache."""
+
+    probe_duration_s: float = 30.0
+    max_evals: int = 6  # real probes
+    rel_tol: float = 0.05
+    tbt_factor: float = 5.0
+    sched_delay_slo_s: float = 2.0
+
+
 def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: str = "sarathi",
-             tolerance: float = 0.15, command: str = "") -> dict[str, Any]:
-    """Real run on A -> fit profile -> simulate B; real run on B; compare per-stage busy time and p50 TBT."""
-    from ppserve.sim.cost_model import fit_profile
+             tolerance: float = 0.15, command: str = "", capacity: CapacityCheck | None = None) -> dict[str, Any]:
+    """Real run on A -> fit profile -> simulate B; real run on B; compare per-stage busy time, TBT and TTFT
+    percentiles, bubble and throughput (and with `capacity`, B's capacity: `CapacityCheck`)."""
+    from ppserve.sim.cost_model import Profile, fit_profile
 
     wa = ctx.workload
     wb = held_out or replace(wa, start=wa.start + wa.num_requests, seed=wa.seed + 1)
@@ -464,6 +482,9 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
                                          ctx.progress):
             runs[label] = replay(llm.engine, reqs, prompts, name=f"real-{label}", progress=ctx.progress)
             _save_trace(ctx, runs[label], f"real-{label}")
+        # The capacity check's SLO, measured after A and B so that their runs are those of a plain validate.
+        decode_step = measure_decode_step(llm.engine) if capacity is not None else None
+        startup = llm.engine.executor.startup_cost  # the stages' start-up step costs (worker/startup_cost.py)
     finally:
         llm.shutdown()
     profile = fit_profile(runs["A"].spans, note=f"fitted from workload A ({wa.label()})")
@@ -497,6 +518,20 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
     errs.append(abs(held["tbt_p50_err"]) if held["tbt_p50_err"] is not None else float("inf"))
     out["max_abs_error_held_out"] = max(errs)
     out["within_tolerance"] = max(errs) <= tolerance
+    cap_line = ""
+    if capacity is not None:
+        assert decode_step is not None
+        profiles = {"fitted on A": profile}
+        if startup is not None:
+            profiles["start-up"] = Profile(startup, profile.transfer_s, "the stages' start-up step costs")
+        out["capacity"] = _validate_capacity(ctx, wb, builder, policy, profiles, overhead, num_blocks, decode_step,
+                                             capacity)
+        c = out["capacity"]
+        sims = "; ".join(f"simulated over the {name} profile {v['capacity']} req/s, error "
+                         + ("-" if v["error"] is None else f"{100 * v['error']:+.1f}%") for name, v in c["sim"].items())
+        cap_line = (f"\n\ncapacity of B (p99 TBT <= {1e3 * c['slo']['tbt_p99_s']:.0f} ms, median scheduling delay <= "
+                    f"{c['slo']['sched_delay_p50_s']:g} s): real {c['real']['capacity']} req/s (bracket "
+                    f"{c['real']['bracket']}); {sims}")
     lines = ["| workload | " + " | ".join(k for k in rows[0] if k != "workload") + " |",
              "|---|" + "---|" * (len(rows[0]) - 1)]
     for r in rows:
@@ -509,12 +544,34 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
     (ctx.outdir / "validate.md").write_text(
         f"# Simulator validation\n\n{note}\n\n" + (f"`{command}`\n\n" if command else "") + table
         + f"\n\nmax |error| on held-out B (per-stage busy, p50 TBT): {100 * out['max_abs_error_held_out']:.1f}% "
-        f"(tolerance {100 * tolerance:.0f}%)\n")
+        f"(tolerance {100 * tolerance:.0f}%)" + cap_line + "\n")
     report.write_json(ctx.outdir / "results.json", out)
-    print(table)
+    print(table + cap_line)
     print(f"held-out max |error| {100 * out['max_abs_error_held_out']:.1f}% "
           f"({'within' if out['within_tolerance'] else 'outside'} {100 * tolerance:.0f}%); results in {ctx.outdir}")
     return out
+
+
+def _validate_capacity(ctx: BenchContext, wb: WorkloadSpec, builder: PromptBuilder, policy: str,
+                       profiles: dict[str, Any], overhead: float, num_blocks: int | None, decode_step: float,
+                       check: CapacityCheck) -> dict[str, Any]:
+    """B's capacity in the simulator over each profile (the first: fitted on A) and on the real pipeline,
+    the same SLO and probes; each error is simulated over real."""
+    ctx_b = replace(ctx, workload=wb)
+    size = ProbeSize(check.probe_duration_s, wb.num_requests, max(wb.num_requests, 20_000))
+    slo = SLO(check.tbt_factor * decode_step, check.sched_delay_slo_s)
+    sims = {name: find_capacity(
+                lambda rate, p=p: simulated_probe(ctx_b, policy, rate, p, overhead, num_blocks, size, slo),
+                max(wb.rate, 0.1), max_evals=14, rel_tol=check.rel_tol)
+            for name, p in profiles.items()}
+    first = next(iter(sims.values()))
+    real_search = _RealCapacity(ctx_b, builder, slo.tbt_p99_s, check.tbt_factor, check.sched_delay_slo_s, 60.0, size)
+    real = real_search.search(policy, first.capacity or max(wb.rate, 0.1), check.max_evals, check.rel_tol)
+    return {"slo": {"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
+                    "decode_step_s": decode_step, "tbt_factor": check.tbt_factor},
+            "probe": dataclasses.asdict(size), "real": real.to_dict(),
+            "sim": {name: {**sim.to_dict(), "error": (sim.capacity / real.capacity - 1.0)
+                           if sim.capacity and real.capacity else None} for name, sim in sims.items()}}
 
 
 SUITES: dict[str, Callable[..., dict[str, Any]]] = {

@@ -119,12 +119,26 @@ def test_sweep(ctx):
 def test_validate(ctx):
     from dataclasses import replace
 
-    data = suites.validate(ctx, replace(ctx.workload, seed=9))
+    check = suites.CapacityCheck(probe_duration_s=0.3, max_evals=2, rel_tol=0.25)
+    data = suites.validate(ctx, replace(ctx.workload, seed=9), capacity=check)
     assert len(data["rows"]) == 2
     assert data["rows"][1]["stage0_busy_real_s"] > 0 and data["rows"][1]["stage0_busy_sim_s"] > 0
     assert all(data["rows"][1][f"{k}_real"] > 0 for k in ("tbt_p90", "ttft_p90", "ttft_p99", "throughput"))
     assert isinstance(data["within_tolerance"], bool)
-    assert (ctx.outdir / "validate.md").exists()
+    # B's capacity, simulated over A's fitted profile and over the start-up one, and real, under one SLO of
+    # five measured decode steps; the real search starts where the first simulated one ended and stops after
+    # its two probes.
+    cap = data["capacity"]
+    assert cap["slo"]["tbt_p99_s"] == pytest.approx(5 * cap["slo"]["decode_step_s"]) and cap["slo"]["decode_step_s"] > 0
+    assert list(cap["sim"]) == ["fitted on A", "start-up"] and 1 <= len(cap["real"]["probes"]) <= 2
+    fitted = cap["sim"]["fitted on A"]
+    if fitted["capacity"]:
+        assert cap["real"]["probes"][0]["rate"] == pytest.approx(fitted["capacity"])
+    for sim in cap["sim"].values():
+        assert sim["probes"]
+        if sim["capacity"] and cap["real"]["capacity"]:
+            assert sim["error"] == pytest.approx(sim["capacity"] / cap["real"]["capacity"] - 1)
+    assert "capacity of B" in (ctx.outdir / "validate.md").read_text()
 
 
 def test_compare_through_grpc(ctx):
