@@ -8,6 +8,7 @@ from ppserve.config import load_config
 from ppserve.engine.executor import InProcExecutor
 from ppserve.model.loader import read_hf_config
 from ppserve.model.registry import describe_model
+from ppserve.sched.cost import features
 
 
 def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
@@ -48,7 +49,9 @@ def test_the_scheduler_starts_from_the_stages_timed_step_costs(tiny_llama_dir):
              overrides=["parallel.executor=inproc"]) as llm:
         prior = llm.engine.executor.startup_cost
         assert prior is not None and prior.num_stages == 2
-        assert all(s.floor_s > 0 and s.token_s + s.sample_s > 0 for s in prior.stages), prior
+        # Each stage's prior prices a one-decode step above zero (how its few timings split between floor,
+        # tokens and samples follows the host's noise: see the next test).
+        assert all(s.of_features(features(((1, 8),), 1)) > 0 for s in prior.stages), prior
         cost = llm.engine.scheduler.cost
         assert cost.calibrated and cost.current == prior  # before any microbatch: the prior itself
         for worker in llm.engine.executor.workers:
@@ -80,7 +83,11 @@ def test_a_stage_under_the_triton_interpreter_times_its_short_shapes_once(tiny_l
             shapes.clear()
             monkeypatch.setattr(worker.model.attn_backend, "interpreted", lambda device, i=interpreted: i)
             assert worker.model.interpreted == interpreted
-            assert startup_cost.measure_startup_cost(memory, worker.kv_caches).floor_s > 0
+            cost = startup_cost.measure_startup_cost(memory, worker.kv_caches)
+            # A prior in seconds: a one-decode step priced above zero. Not the floor alone: how a tiny model's
+            # few timings split between floor, tokens and samples follows the host's noise (a CI run fitted
+            # floor 0 and put the step on sample_s), and timings are for benchmarks, not tests.
+            assert cost.of_features(features(((1, cached),), 1)) > 0
             longest = max(max(n) for _, n in shapes)
             distinct = {(tuple(q), tuple(n)) for q, n in shapes}
             if interpreted:
