@@ -75,7 +75,7 @@ def cluster(hardware: str, gpus_per_node: int, nodes: int, inter_node_gbps: floa
 # and a real capacity search of the same trace replay the same requests. A pool of the first --num-requests
 # rows cycled instead (the planner's old reading) made `plan_then_run.py` plan a 48-row pool of 5.7 output
 # tokens a request against real probes of the first 195 rows, 11.6 a request.
-TRACE_PROBE_ROWS = ProbeSize().max_requests
+TRACE_PROBE_ROWS = ProbeSize.max_requests
 
 
 def workload(name: str, num_requests: int, max_model_len: int, seed: int = 0, prefill_scale: float = 1.0,

@@ -57,7 +57,7 @@ class PlanContext:
     slo: SLO
     duration_s: float = 60.0  # seconds of arrivals per probe
     min_requests: int = MIN_PROBE_REQUESTS  # a probe replays at least this many requests
-    max_requests: int = 20_000  # and at most this many (a probe cut short says so: `truncated`)
+    max_requests: int = ProbeSize.max_requests  # and at most this many (a probe cut short says so: `truncated`)
     seed: int = 0
     overhead_s: float = 0.5e-3  # engine turnaround per returned microbatch
     dispatch_s: float = 0.5e-3  # control-plane latency to the stages
@@ -66,6 +66,10 @@ class PlanContext:
     # What one probe runs: `probe` (the simulator) unless a test stands in a system of known capacity.
     # A module-level function, so the context pickles into the worker processes.
     prober: Callable[[PlanContext, Deployment, float], Probe] | None = None
+
+    @property
+    def probe_size(self) -> ProbeSize:
+        return ProbeSize(self.duration_s, self.min_requests, self.max_requests)
 
 
 @dataclass
@@ -96,7 +100,7 @@ class Candidate:
 def probe_requests(ctx: PlanContext, per_replica: float) -> list[WorkloadRequest]:
     """What a probe of one replica at `per_replica` requests/s replays: the pool's lengths in order (cycled
     when the duration needs more requests than it holds), Poisson arrivals from the context's seed."""
-    n = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests).requests_at(per_replica)
+    n = ctx.probe_size.requests_at(per_replica)
     return with_poisson_arrivals([ctx.requests[i % len(ctx.requests)] for i in range(n)], per_replica, ctx.seed)
 
 
@@ -104,7 +108,7 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     """Simulate one replica of `d` at rate / replicas and judge it against the SLO (`rate`: the whole
     deployment's requests/s)."""
     per_replica = rate / d.replicas
-    want = ProbeSize(ctx.duration_s, ctx.min_requests, ctx.max_requests).wanted(per_replica)
+    want = ctx.probe_size.wanted(per_replica)
     reqs = probe_requests(ctx, per_replica)
     n = len(reqs)
     sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,
