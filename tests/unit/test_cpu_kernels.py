@@ -62,7 +62,7 @@ def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
 def test_mixed_batch_matches_sdpa(dtype: torch.dtype, tol: float, hq: int, hkv: int, d: int,
                                   block_size: int) -> None:
     """Decodes of lengths 1, block-aligned and ragged, beside two prefill chunks (bf16 with head_dim 64:
-    the AMX prefill kernel where the CPU has AMX; otherwise SDPA)."""
+    the AMX prefill kernel where the CPU has AMX, else the AVX512-BF16 one where it has that; otherwise SDPA)."""
     torch.manual_seed(hq * d + block_size)
     query_lens = [1, 1, 7, 1, 1, 20]
     context_lens = [1, 4 * block_size, 7, 3 * block_size + 5, 57, 20 + 33]
@@ -266,6 +266,14 @@ def test_amx_gemm_layout_and_refusals() -> None:
         amx(torch.randn(48, 64), packed, None)  # float32 input
 
 
+def _prefill_or_skip(kind: str) -> native.PrefillAttention:
+    kernel = native.prefill_attention(kind)
+    if kernel is None:
+        pytest.skip(f"the {kind} prefill kernel cannot run on this machine (CPU, compiler or kernel)")
+    assert kernel.kernel == kind
+    return kernel
+
+
 def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: list[int], ctx: int,
                                scale: float) -> torch.Tensor:
     """float32 attention of a chunk's queries (the last ql positions of ctx) over the cached context."""
@@ -282,13 +290,14 @@ def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: lis
 @needs_compiler
 # ql and ctx off the kernel's 16-query and 32-key grids, a first chunk (ql == ctx), one query, block sizes
 # 16 and 48, grouped (9/3) and plain (4/4) heads.
+# Both kernels: AMX tiles, and AVX512-BF16 (lanes = a tile's queries) for CPUs without AMX.
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
 @pytest.mark.parametrize(("ql", "ctx", "hq", "hkv", "block_size"),
                          [(486, 786, 9, 3, 16), (512, 512, 9, 3, 16), (37, 37, 4, 4, 48), (1, 100, 9, 3, 16),
-                          (50, 333, 4, 4, 48), (16, 33, 9, 3, 16)])
-def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv: int, block_size: int) -> None:
-    kernel = native.prefill_attention()
-    if kernel is None:
-        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
+                          (50, 333, 4, 4, 48), (16, 33, 9, 3, 16), (130, 200, 2, 1, 16)])
+def test_prefill_attention_matches_reference(kind: str, ql: int, ctx: int, hq: int, hkv: int,
+                                             block_size: int) -> None:
+    kernel = _prefill_or_skip(kind)
     torch.manual_seed(ql + ctx)
     num_blocks = -(-ctx // block_size) + 7
     cache = torch.randn(2, num_blocks, block_size, hkv, 64).bfloat16()
@@ -303,10 +312,9 @@ def test_amx_prefill_attention_matches_reference(ql: int, ctx: int, hq: int, hkv
 
 
 @needs_compiler
-def test_amx_prefill_attention_refuses_what_it_cannot_do() -> None:
-    kernel = native.prefill_attention()
-    if kernel is None:
-        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+def test_prefill_attention_refuses_what_it_cannot_do(kind: str) -> None:
+    kernel = _prefill_or_skip(kind)
     cache = torch.randn(2, 4, 16, 2, 64).bfloat16()
     assert not kernel.accepts(torch.randn(8, 4, 32).bfloat16(), cache)  # head_dim 32: SDPA serves it
     assert not kernel.accepts(torch.randn(8, 4, 64), cache)  # float32
@@ -314,3 +322,5 @@ def test_amx_prefill_attention_refuses_what_it_cannot_do() -> None:
         kernel(torch.randn(8, 4, 64).bfloat16(), cache, torch.tensor([0, 1]), 40, 0.125)
     with pytest.raises(RuntimeError, match="unsupported shape"):
         kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)  # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="unknown prefill attention kernel"):
+        native.prefill_attention("avx2")

@@ -121,15 +121,19 @@ class Elementwise:
 
 
 class PrefillAttention:
-    """Causal attention of one bf16 prefill chunk on AMX tiles, K/V read through the block table (see
-    csrc/prefill_attention_amx.c). Head dim 64 only."""
+    """Causal attention of one bf16 prefill chunk, K/V read through the block table, head dim 64 only: on
+    AMX tiles (csrc/prefill_attention_amx.c) or with AVX512-BF16 dot products where there is no AMX
+    (csrc/prefill_attention_avx512.c). Both take the same arguments and round the same way."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.prefill_attention_bf16_amx
+    KERNELS = {"amx": "prefill_attention_bf16_amx", "avx512": "prefill_attention_bf16_avx512"}
+
+    def __init__(self, lib: ctypes.CDLL, kernel: str = "amx") -> None:
+        fn = getattr(lib, self.KERNELS[kernel])
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.argtypes += [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self.kernel = kernel
 
     @staticmethod
     def accepts(q: Tensor, kv_cache: Tensor) -> bool:
@@ -148,8 +152,8 @@ class PrefillAttention:
         status = self._fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), table.data_ptr(),
                           ql, context_len, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"prefill attention kernel failed (status {status}: 1 = unsupported shape, "
-                               "2 = out of memory, 3 = built without AMX)")
+            raise RuntimeError(f"prefill attention kernel ({self.kernel}) failed (status {status}: 1 = unsupported "
+                               f"shape, 2 = out of memory, 3 = built without {self.kernel.upper()})")
         return out
 
 
@@ -273,6 +277,19 @@ def amx_gemm() -> AmxGemm | None:
     return _bound("amx_gemm", AmxGemm, needs_amx=True)
 
 
-def prefill_attention() -> PrefillAttention | None:
-    """The AMX prefill attention, where the AMX GEMM works (same build and tile permission)."""
-    return _bound("prefill_attention", PrefillAttention, needs_amx=True)
+def prefill_attention(kernel: str | None = None) -> PrefillAttention | None:
+    """The prefill attention kernel: AMX where the AMX GEMM works (same build and tile permission), else
+    the AVX512-BF16 one where the library was built with it, else None (SDPA serves prefill chunks).
+    `kernel` ('amx' or 'avx512') asks for that one only (None where it cannot run here)."""
+    if kernel not in (None, *PrefillAttention.KERNELS):
+        raise ValueError(f"unknown prefill attention kernel {kernel!r} ({', '.join(PrefillAttention.KERNELS)})")
+    amx = _bound("prefill_attention", PrefillAttention, needs_amx=True) if kernel != "avx512" else None
+    if amx is not None or kernel == "amx":
+        return amx
+    return _bound("prefill_attention_avx512", _avx512_prefill)
+
+
+def _avx512_prefill(lib: ctypes.CDLL) -> PrefillAttention | None:
+    built = lib.prefill_attention_bf16_avx512_built
+    built.restype = ctypes.c_int
+    return PrefillAttention(lib, "avx512") if built() else None
