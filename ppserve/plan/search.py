@@ -199,7 +199,7 @@ def _run_all(ctx: PlanContext, tasks: Sequence[_Task], jobs: int,
             i, res = fut.result()
             out[i] = res
             on_done()
-    return out
+    return dict(sorted(out.items()))  # in task order, whatever order the pool finished them in
 
 
 def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: float = 0.05, max_evals: int = 10,
@@ -265,7 +265,7 @@ def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | N
     rest = [i for i, d in enumerate(deployments) if (d.pp, d.tp) in kept and i not in cands]
     cands.update(coarse_round("settings", rest))
     for _ in range(3):
-        ranked = sorted(cands, key=lambda i: -cands[i].capacity_per_gpu)[:refine]
+        ranked = sorted(cands, key=lambda i: _rank_key(cands, i))[:refine]
         todo = [i for i in ranked if not cands[i].refined and cands[i].capacity > 0]
         if not todo:
             break
@@ -274,4 +274,10 @@ def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | N
         tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + coarse_tol) for i in todo]
         for i, res in _run_all(ctx, tasks, jobs, tick("refine", len(tasks))).items():
             cands[i] = Candidate(deployments[i], res, refined=True)
-    return sorted(cands.values(), key=lambda c: -c.capacity_per_gpu)
+    return [cands[i] for i in sorted(cands, key=lambda i: _rank_key(cands, i))]
+
+
+def _rank_key(cands: dict[int, Candidate], i: int) -> tuple[float, int]:
+    """Best capacity per GPU first; equal capacities (settings that serve alike) in the deployments'
+    order, so which of them is refined and how they are listed never depends on which probe finished first."""
+    return -cands[i].capacity_per_gpu, i

@@ -13,6 +13,7 @@ import pytest
 
 from ppserve.config import load_config
 from ppserve.metrics.capacity import SLO, Probe
+from ppserve.plan import search as search_module
 from ppserve.plan.cli import add_parser  # noqa: F401  (the command's module imports without torch)
 from ppserve.plan.inputs import model_spec_from_hf
 from ppserve.plan.report import pareto_front, table_rows, write_report
@@ -145,6 +146,27 @@ def test_search_finds_the_known_capacities_pruned_and_ranked(jobs: int):
     assert [c.refined for c in ranked[:2]] == [True, True]
     best = ranked[0].deployment
     assert (best.pp, best.tp, best.token_budget) == (2, 1, 1024)
+
+
+def test_equal_capacities_rank_in_the_deployments_order_whatever_order_the_probes_finish(monkeypatch):
+    """Settings that serve alike tie: which of them is refined, and the table's order, must not follow
+    the process pool's completion order (it did, and two runs of one plan listed them differently)."""
+    cluster, feasible = small_space()
+    ctx = replace(stub_context(cluster),
+                  prober=lambda c, d, rate: Probe(rate, rate <= 4.0, tbt_p99_s=0.01, sched_delay_p50_s=0.1))
+    monkeypatch.setattr(search_module, "estimate_rate", lambda c, d: 8.0)  # every search takes the same steps
+    in_order = search(ctx, feasible, jobs=1, refine=2)
+    finish_reversed = search_module._run_all
+
+    def reversed_completion(*args, **kwargs):
+        return dict(reversed(list(finish_reversed(*args, **kwargs).items())))
+
+    monkeypatch.setattr(search_module, "_run_all", reversed_completion)
+    again = search(ctx, feasible, jobs=1, refine=2)
+    assert [(c.deployment, c.refined) for c in again] == [(c.deployment, c.refined) for c in in_order]
+    per_gpu = [c.capacity_per_gpu for c in in_order]
+    tied = [feasible.index(c.deployment) for c in in_order if c.capacity_per_gpu == per_gpu[0]]
+    assert len(tied) > 1 and tied == sorted(tied)
 
 
 def test_search_is_deterministic_and_probes_are_seeded():
