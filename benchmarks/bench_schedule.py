@@ -25,42 +25,53 @@ from ppserve.request import Request, SamplingParams
 from ppserve.sched import Scheduler, StepResult
 
 
-def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1, prefix_caching: bool = True) -> dict[str, float]:
-    """Median schedule() and update_from_output() per microbatch with `num_requests` decoding requests on a
-    pipeline of `pp` slots (pp microbatches in flight, each about num_requests / pp decodes)."""
+def settled_scheduler(num_requests: int, pp: int, prefix_caching: bool) -> Scheduler:
+    """A scheduler holding `num_requests` decoding requests on a pipeline of `pp` slots, every slot full
+    (pp microbatches in flight, each about num_requests / pp decodes)."""
     cfg = SchedulerConfig(policy="sarathi", token_budget=num_requests, max_num_seqs=num_requests)
     s = Scheduler(cfg, num_blocks=num_requests * 64, block_size=16, max_model_len=8192, num_stages=pp,
                   enable_prefix_caching=prefix_caching)
     for i in range(num_requests):  # distinct prompts: caching on computes what caching off does
         prompt = list(range(1 + 32 * i, 33 + 32 * i))
         s.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=10_000, ignore_eos=True)))
-
-    def complete_oldest() -> None:
-        out = s.in_flight[0]
-        s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
-
     # Prefill everything, then let the decodes settle into pp groups.
     warm = 0
     while warm < 4 * pp:
         while s.schedule() is not None:
             pass
-        complete_oldest()
+        complete_oldest(s)
         settled = not s.waiting and not any(r.is_prefill for r in s.running.values())
         warm = warm + 1 if settled else 0
     while s.schedule() is not None:
         pass
-    sched_ns, update_ns = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter_ns()
-        complete_oldest()
-        t1 = time.perf_counter_ns()
-        out = s.schedule()
-        t2 = time.perf_counter_ns()
-        assert out is not None and len(s.in_flight) == pp and s.schedule() is None
-        sched_ns.append(t2 - t1)
-        update_ns.append(t1 - t0)
-    return {"schedule_us_median": statistics.median(sched_ns) / 1e3,
-            "update_us_median": statistics.median(update_ns) / 1e3}
+    return s
+
+
+def complete_oldest(s: Scheduler) -> None:
+    out = s.in_flight[0]
+    s.update_from_output(out, StepResult(out.step_id, {rid: 7 for rid in out.sample_request_ids}))
+
+
+def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[str, dict[str, float]]:
+    """Median schedule() and update_from_output() per microbatch, prefix caching on and off: two
+    schedulers stepped in turn (the order alternating every step), so that a burst of noise on this shared
+    machine slows both sides alike instead of whichever ran in it."""
+    scheds = {"on": settled_scheduler(num_requests, pp, True), "off": settled_scheduler(num_requests, pp, False)}
+    times: dict[str, tuple[list[int], list[int]]] = {mode: ([], []) for mode in scheds}
+    for step in range(steps):
+        for mode in (("on", "off") if step % 2 == 0 else ("off", "on")):
+            s = scheds[mode]
+            t0 = time.perf_counter_ns()
+            complete_oldest(s)
+            t1 = time.perf_counter_ns()
+            out = s.schedule()
+            t2 = time.perf_counter_ns()
+            assert out is not None and len(s.in_flight) == pp and s.schedule() is None
+            times[mode][0].append(t2 - t1)
+            times[mode][1].append(t1 - t0)
+    return {mode: {"schedule_us_median": statistics.median(sched_ns) / 1e3,
+                   "update_us_median": statistics.median(update_ns) / 1e3}
+            for mode, (sched_ns, update_ns) in times.items()}
 
 
 def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
@@ -98,8 +109,8 @@ def main() -> None:
     result: dict[str, Any] = {"requests": args.requests, "pure": {}}
     for pp in args.pp:
         for n in sorted({args.requests // 4, args.requests // 2, args.requests, 2 * args.requests}):
-            off = pure_schedule_us(n, pp=pp, prefix_caching=False)
-            r = pure_schedule_us(n, pp=pp)
+            both = pure_schedule_us(n, pp=pp)
+            r, off = both["on"], both["off"]
             total = r["schedule_us_median"] + r["update_us_median"]
             total_off = off["schedule_us_median"] + off["update_us_median"]
             result["pure"][f"pp{pp}-{n}"] = {**r, "caching_off": off, "on_over_off": total / total_off}
