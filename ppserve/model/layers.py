@@ -343,3 +343,20 @@ class ParallelLMHead(_VocabShard):
         """The same logits on TP rank 0 only (None elsewhere): the one rank that samples."""
         full = self.tp.gather_last_dim_to_first(self.fast.linear(hidden, self.weight, None))
         return None if full is None else full[:, :self.vocab_size].float()
+
+
+def prime_linear_paths(model: nn.Module, max_tokens: int, max_logit_rows: int) -> int:
+    """Choose every linear layer's GEMM path at every row bucket a microbatch of this stage can reach
+    (`PackedWeight.prime`): up to `max_tokens` rows for the decoder layers, `max_logit_rows` for the LM
+    head (only rows that get logits reach it). Run at warm-up, so that no serving step times paths; returns
+    the (weight, bucket) pairs timed. Each layer passes what its forward passes (a row-parallel bias is
+    added after the reduction, outside the GEMM)."""
+    timed = 0
+    for module in model.modules():
+        fast = getattr(module, "fast", None)
+        if not isinstance(fast, PackedWeight):
+            continue
+        rows = max_logit_rows if isinstance(module, ParallelLMHead) else max_tokens
+        bias = None if isinstance(module, (RowParallelLinear, ParallelLMHead)) else module.bias
+        timed += fast.prime(module.weight, bias, rows)
+    return timed

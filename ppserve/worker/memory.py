@@ -30,6 +30,7 @@ import torch
 
 from ppserve.model.arch import ModelArch
 from ppserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from ppserve.model.layers import prime_linear_paths
 from ppserve.model.stage_model import StageModel
 from ppserve.request import SamplingParams
 from ppserve.worker.sampler import sample
@@ -204,14 +205,19 @@ class StageMemory:
         takes another attention path (prefill from an empty cache, a chunk that reads the cache, the
         paged decode kernel), and a path's first call pays for kernel builds or JIT
         compiles, primitive creation and allocator growth: on CPU the default model's first prefill
-        costs ~0.3 s a stage and its first decode step twice a warm one. Paid at start-up, none of it
-        stalls the pipeline behind a cold stage once requests come."""
+        costs ~0.3 s a stage and its first decode step twice a warm one. The CPU linears' path choice is
+        per row bucket (ops/gemm.py), so every bucket up to the budget is timed here too. Paid at start-up,
+        none of it stalls the pipeline behind a cold stage once requests come."""
         if self.decode_warm:
             return 0.0
         t0 = time.perf_counter()
         # Greedy: sampling has no first-call cost worth paying here (its torch ops need no tuning), so
         # warming it buys nothing; the worst case matters only to the GPU profile's memory peak.
         greedy = SamplingParams(temperature=0.0)
+        # Every row bucket's GEMM path, chosen now: otherwise each new bucket's first microbatch times
+        # them (tens of ms on CPU, more with the LM head's) while the other stages wait for it.
+        prime_linear_paths(self.model, max(1, self.profile_tokens),
+                           max(1, min(self.profile_seqs, self.profile_tokens)))
         if not self.warm:
             self.profile_peak_bytes(worst_case_sampling=False)
         cached, chunk, seqs = self.warm_shapes(kv_cache)

@@ -120,3 +120,51 @@ def test_gate_up_with_silu_in_the_amx_epilogue(rows: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
     torch.testing.assert_close(gate_up(x).float(), torch.cat([gate, up], -1).float())  # a plain forward still works
     assert gate_up.silu_mul(x.float()) is None  # float32: the caller's eager path
+
+
+def test_row_buckets_cover_every_row_count_up_to_the_limit() -> None:
+    assert gemm.row_buckets(1) == [32]
+    assert gemm.row_buckets(100) == [32, 64, 96, 128]
+    assert gemm.row_buckets(1000)[-4:] == [480, 512, 768, 1024]
+    for rows in range(1, 1100, 7):
+        assert gemm.row_bucket(rows) in gemm.row_buckets(1100)
+
+
+def test_warm_up_primes_every_bucket_so_that_no_serving_step_times_a_path(monkeypatch) -> None:
+    """A new row bucket's first GEMM times its paths (the demo's first prefill microbatches took 168 / 165 ms
+    on its stages where warm ones take ~101 / ~70). `prime_linear_paths`, run at warm-up, times every bucket
+    a stage can reach: decoder layers up to the token budget, the LM head up to the rows that get logits."""
+    from torch import nn
+
+    from ppserve.model.layers import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        RowParallelLinear,
+        prime_linear_paths,
+    )
+    from ppserve.model.parallel import TPContext
+
+    stage = nn.ModuleDict({
+        "up": ColumnParallelLinear(64, 96, dtype=torch.bfloat16),
+        "down": RowParallelLinear(96, 64, bias=True, dtype=torch.bfloat16),
+        "head": ParallelLMHead(256, 64, TPContext(), torch.bfloat16, "cpu"),
+    })
+    if not can_prepack(stage["up"].weight):
+        pytest.skip("this CPU has no native bf16: there is no packed path")
+    with torch.no_grad():
+        for p in stage.parameters():
+            p.normal_()
+    for m in stage.values():
+        m.fast.pack(m.weight, use_amx=False)  # the timed oneDNN path, also on a CPU with AMX
+    assert prime_linear_paths(stage, max_tokens=100, max_logit_rows=40) == 4 + 4 + 2
+    assert set(gemm._FASTEST) == ({(96, 64, b) for b in (32, 64, 96, 128)} | {(64, 96, b) for b in (32, 64, 96, 128)}
+                                  | {(256, 64, 32), (256, 64, 64)})
+    assert prime_linear_paths(stage, max_tokens=100, max_logit_rows=40) == 0  # nothing left to time
+
+    def no_timing() -> float:
+        raise AssertionError("a primed bucket must not be timed while serving")
+
+    monkeypatch.setattr(gemm, "time", SimpleNamespace(perf_counter=no_timing))
+    x = torch.randn(70, 64).bfloat16()
+    hidden = stage["down"](stage["up"](x))
+    assert stage["head"](hidden[:33]).shape == (33, 256)

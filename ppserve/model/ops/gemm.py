@@ -7,6 +7,9 @@ SmolLM2's 576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x s
 `F.linear`, and below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the first GEMM
 of every (out, in, rows) shape times the candidates and the fastest serves that shape from then on
 (`model.linear_path: packed | plain` forces one; `model.amx_kernels: false` turns the AMX kernels off).
+A stage's warm-up times every row bucket its microbatches can reach (`PackedWeight.prime`), so no
+serving step pays for it: the demo's first 100-token prefill took 168 / 165 ms on its two stages where a
+warm one takes ~101 / ~70, most of it timing the new bucket's paths (the LM head's among them).
 float32 always stays on plain `F.linear`, bit-exact with transformers.
 """
 
@@ -76,6 +79,19 @@ class PackedWeight:
         path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
         return self.run(x, weight, bias, path)[:rows]
 
+    def prime(self, weight: Tensor, bias: Tensor | None, max_rows: int) -> int:
+        """Choose the path of every row bucket up to `max_rows` now (`fastest_path`'s timing), on zero
+        rows; return how many buckets were timed. A no-op where nothing is timed (AMX, plain, forced)."""
+        if self.packed is None or current().linear_path in ("packed", "plain"):
+            return 0
+        timed = 0
+        for bucket in row_buckets(max_rows):
+            key = (int(weight.shape[0]), int(weight.shape[1]), bucket)
+            if key not in _FASTEST:
+                self.linear(weight.new_zeros(bucket, weight.shape[1]), weight, bias)
+                timed += 1
+        return timed
+
     def run(self, x: Tensor, weight: Tensor, bias: Tensor | None, path: LinearPath) -> Tensor:
         """One GEMM on `path`: x's rows zero-padded to the path's row count (the output keeps them)."""
         kind, padded = path
@@ -125,6 +141,12 @@ def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[Linear
                 runs[path].append(time.perf_counter() - start)
         choice = _FASTEST[key] = min(runs, key=lambda path: statistics.median(runs[path]))
     return choice
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every bucket a GEMM of 1 .. `max_rows` rows falls in, smallest first."""
+    out = [32 * i for i in range(1, min(row_bucket(max_rows), 512) // 32 + 1)]
+    return out + list(range(768, row_bucket(max_rows) + 1, 256))
 
 
 def row_bucket(rows: int) -> int:
