@@ -558,7 +558,7 @@ def _validate_capacity(ctx: BenchContext, wb: WorkloadSpec, builder: PromptBuild
     """B's capacity in the simulator over each profile (the first: fitted on A) and on the real pipeline,
     the same SLO and probes; each error is simulated over real."""
     ctx_b = replace(ctx, workload=wb)
-    size = ProbeSize(check.probe_duration_s, wb.num_requests, max(wb.num_requests, 20_000))
+    size = ProbeSize(check.probe_duration_s, wb.num_requests, max(wb.num_requests, ProbeSize.max_requests))
     slo = SLO(check.tbt_factor * decode_step, check.sched_delay_slo_s)
     sims = {name: find_capacity(
                 lambda rate, p=p: simulated_probe(ctx_b, policy, rate, p, overhead, num_blocks, size, slo),

@@ -199,7 +199,7 @@ def _run_all(ctx: PlanContext, tasks: Sequence[_Task], jobs: int,
             i, res = fut.result()
             out[i] = res
             on_done()
-    return dict(sorted(out.items()))  # in task order, whatever order the pool finished them in
+    return out
 
 
 def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: float = 0.05, max_evals: int = 10,

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "paged_cache.h"
 #include "vec_bf16.h"
 
 #if defined(HAVE_AMX) && defined(VEC_BF16)
@@ -27,12 +28,6 @@
 #define KEYS_PER_GROUP 32 /* keys per rearranged group (one B tile of V) */
 #define CHUNK 64          /* keys per softmax step */
 #define TILE_ELEMS 512 /* bf16 per 16 x 64-byte tile */
-
-/* Gather token t's row of head h from the paged cache [blocks, bs, hkv, 64]. */
-static inline const uint16_t *cache_row(const uint16_t *cache, const int64_t *table, int64_t t, int64_t bs,
-                                        int64_t hkv, int64_t h) {
-    return cache + ((table[t / bs] * bs + t % bs) * hkv + h) * HEAD_DIM;
-}
 
 static void rearrange_kv(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t ctx,
                          int64_t padded, int64_t bs, int64_t hkv, uint16_t *kt, uint16_t *vt, int num_threads) {
@@ -47,8 +42,8 @@ static void rearrange_kv(const uint16_t *k_cache, const uint16_t *v_cache, const
                 uint32_t krow[HEAD_DIM / 2];
                 uint16_t vrow[HEAD_DIM];
                 if (t < ctx) {
-                    memcpy(krow, cache_row(k_cache, table, t, bs, hkv, h), sizeof krow);
-                    memcpy(vrow, cache_row(v_cache, table, t, bs, hkv, h), sizeof vrow);
+                    memcpy(krow, cache_row(k_cache, table, t, bs, hkv, h, HEAD_DIM), sizeof krow);
+                    memcpy(vrow, cache_row(v_cache, table, t, bs, hkv, h, HEAD_DIM), sizeof vrow);
                 } else {
                     memset(krow, 0, sizeof krow);
                     memset(vrow, 0, sizeof vrow);

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "paged_cache.h"
 #include "vec_bf16.h"
 
 #if defined(VEC_BF16)
@@ -32,12 +33,6 @@
 /* Stands in for -inf (masked scores, the running max before the first key): -ffast-math lets the compiler
  * assume no infinities, and e^(x - max) of it is 0 all the same. */
 #define MASKED (-1e30f)
-
-/* Token t's row of head h in the paged cache [blocks, bs, hkv, 64]. */
-static inline const uint16_t *cache_row(const uint16_t *cache, const int64_t *table, int64_t t, int64_t bs,
-                                        int64_t hkv, int64_t h) {
-    return cache + ((table[t / bs] * bs + t % bs) * hkv + h) * HEAD_DIM;
-}
 
 /* s[u][lane] = scale * (q_lane . k_u) for 16 keys whose rows (as dim pairs) are kb[u][0 .. PAIRS). */
 static inline void score_block(const uint32_t qt[PAIRS][LANES], const uint32_t kb[16][PAIRS], __m512 vscale,
@@ -66,29 +61,29 @@ static inline void value_block(const uint32_t pp[CHUNK / 2][LANES], const uint32
     for (int i = 0; i < 16; i++) _mm512_store_ps(o[dim0 + i], acc[i]);
 }
 
+/* Of two 32-dim halves a (even key) and b (odd key), word 2i of the interleave is a[i] (index i) and word
+ * 2i + 1 is b[i] (index 32 + i): INTERLEAVE_LO for dims i = 0..15 of the half, INTERLEAVE_HI for 16..31. */
+static const uint16_t INTERLEAVE_LO[32] __attribute__((aligned(64))) = {
+    0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+static const uint16_t INTERLEAVE_HI[32] __attribute__((aligned(64))) = {
+    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
 /* Keys c0 .. c0 + n - 1 of head h into the chunk buffers (n <= CHUNK; the rest of the first `padded` keys
  * zero): kb[t] = K row as dim pairs; vp[kk][dim] = (V[2kk][dim], V[2kk+1][dim]). */
 static void load_chunk(const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table, int64_t bs,
                        int64_t hkv, int64_t h, int64_t c0, int64_t n, int64_t padded, uint32_t kb[CHUNK][PAIRS],
                        uint32_t vp[CHUNK / 2][HEAD_DIM]) {
-    /* Of two 32-dim halves a (even key) and b (odd key), word 2i of the interleave is a[i] (index i), word
-     * 2i + 1 is b[i] (index 32 + i): lo_idx for dims i = 0..15 of the half, hi_idx for 16..31. */
-    __m512i lo_idx, hi_idx;
-    {
-        uint16_t lo[32], hi[32];
-        for (int i = 0; i < 16; i++) {
-            lo[2 * i] = (uint16_t)i, lo[2 * i + 1] = (uint16_t)(32 + i);
-            hi[2 * i] = (uint16_t)(16 + i), hi[2 * i + 1] = (uint16_t)(48 + i);
-        }
-        lo_idx = _mm512_loadu_si512((const void *)lo), hi_idx = _mm512_loadu_si512((const void *)hi);
-    }
+    const __m512i lo_idx = _mm512_load_si512((const void *)INTERLEAVE_LO);
+    const __m512i hi_idx = _mm512_load_si512((const void *)INTERLEAVE_HI);
     for (int64_t kk = 0; kk < padded / 2; kk++) {
         __m512i v[2][2]; /* [key of the pair][dims 0..31, 32..63] */
         for (int j = 0; j < 2; j++) {
             const int64_t t = 2 * kk + j;
             if (t < n) {
-                const uint16_t *vr = cache_row(v_cache, table, c0 + t, bs, hkv, h);
-                memcpy(kb[t], cache_row(k_cache, table, c0 + t, bs, hkv, h), HEAD_DIM * 2);
+                const uint16_t *vr = cache_row(v_cache, table, c0 + t, bs, hkv, h, HEAD_DIM);
+                memcpy(kb[t], cache_row(k_cache, table, c0 + t, bs, hkv, h, HEAD_DIM), HEAD_DIM * 2);
                 v[j][0] = _mm512_loadu_si512((const void *)vr);
                 v[j][1] = _mm512_loadu_si512((const void *)(vr + 32));
             } else {
