@@ -7,8 +7,8 @@
    runs interleaved, medians. ppserve runs twice: as it is, and with its experts' matmuls one expert at a
    time (the path before F.grouped_mm). float32 tokens are checked equal on all three.
 2. `grouped`: one MoE layer's experts over 64 tokens in --dtype, the grouped path (ppserve/model/ops/moe.py,
-   every way of running its matmuls: F.grouped_mm, the per-expert torch loop and, in bf16 on an AMX CPU,
-   the AMX GEMM) against a loop over tokens, median of repeated runs.
+   every way of running its matmuls: F.grouped_mm, the per-expert torch loop and, in bf16 on a CPU with
+   AMX or AVX512-BF16, ppserve's panel GEMM) against a loop over tokens, median of repeated runs.
 3. `breakdown`: where one float32 decode step's milliseconds go, per phase, ppserve against transformers
    (moe_step_breakdown.py).
 4. `sim`: `ppserve simulate` on H100s for Qwen3-235B-A22B and Mixtral-8x22B at PP4xTP8 and PP2xTP8,
@@ -54,7 +54,7 @@ def tiny_qwen3_moe(hidden: int, expert_intermediate: int) -> Path:
 @contextlib.contextmanager
 def per_expert_matmuls_only():
     """ppserve's grouped path with its matmuls forced onto the per-expert torch loop: neither F.grouped_mm nor
-    the AMX GEMM (the fast paths the dispatch picks by dtype and CPU)."""
+    the panel GEMM (the fast paths the dispatch picks by dtype and CPU)."""
     from ppserve.model.ops import moe as moe_ops
 
     real = moe_ops.grouped_experts
@@ -186,9 +186,9 @@ def per_token_loop(x, ids, weights, w13, w2):
 def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: int, repeats: int,
                     dtype: str = "float32") -> dict[str, object]:
     """One layer's experts: the grouped path (its grouped_mm matmuls, its per-expert torch loop and, where the
-    AMX GEMM takes the experts, that) against a loop over tokens, interleaved, medians and fastest runs. The
+    panel GEMM takes the experts, that) against a loop over tokens, interleaved, medians and fastest runs. The
     speedup is the loop's time over the path serving picks (`auto`)."""
-    from ppserve.model.ops.moe import grouped_experts, pack_for_amx
+    from ppserve.model.ops.moe import grouped_experts, pack_experts
 
     g = torch.Generator().manual_seed(0)
     torch_dtype = getattr(torch, dtype)
@@ -197,18 +197,18 @@ def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: i
     w2 = (torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5).to(torch_dtype)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(torch_dtype)
-    packed = pack_for_amx(w13, w2)
+    packed = pack_experts(w13, w2)
     fns = {"grouped_mm": lambda: grouped_experts(x, ids, weights, w13, w2, expert_matmuls="grouped_mm"),
            "per_expert": lambda: grouped_experts(x, ids, weights, w13, w2, expert_matmuls="per_expert"),
            "per_token_loop": lambda: per_token_loop(x, ids, weights, w13, w2)}
     if packed is not None:
-        fns["amx"] = lambda: grouped_experts(x, ids, weights, w13, w2, packed=packed)
-    served = "amx" if packed is not None else "grouped_mm"  # what `auto` runs at 64 tokens on 8 experts
+        fns["panels"] = lambda: grouped_experts(x, ids, weights, w13, w2, packed=packed)
+    served = "panels" if packed is not None else "grouped_mm"  # what `auto` runs at 64 tokens on 8 experts
     runs: dict[str, list[float]] = {name: [] for name in fns}
     with torch.inference_mode():
         assert torch.equal(fns["grouped_mm"](), fns["per_expert"]())
         tol = 1e-4 if dtype == "float32" else 3e-2
-        for name in ("grouped_mm", "amx") if packed is not None else ("grouped_mm",):
+        for name in ("grouped_mm", "panels") if packed is not None else ("grouped_mm",):
             torch.testing.assert_close(fns[name]().float(), fns["per_token_loop"]().float(), atol=tol, rtol=tol)
         for _ in range(repeats):  # interleaved, so all see the same load
             for name, fn in fns.items():
@@ -277,9 +277,9 @@ def main() -> None:
     if "grouped" in parts:
         r = grouped_vs_loop(64, 512, 256, 8, 2, repeats=30, dtype=args.dtype)
         results["grouped"] = r
-        amx = f", grouped (AMX GEMM) {r['amx_ms']:.2f} ms" if "amx_ms" in r else ""
+        panels = f", grouped (panel GEMM) {r['panels_ms']:.2f} ms" if "panels_ms" in r else ""
         print(f"one MoE layer, 64 tokens, {args.dtype}: grouped (grouped_mm) {r['grouped_mm_ms']:.2f} ms, grouped "
-              f"(per-expert loop) {r['per_expert_ms']:.2f} ms{amx}, per-token loop {r['per_token_loop_ms']:.2f} ms: "
+              f"(per-expert loop) {r['per_expert_ms']:.2f} ms{panels}, per-token loop {r['per_token_loop_ms']:.2f} ms: "
               f"{r['speedup']:.1f}x for the served path ({r['served_path']}; per-expert {r['speedup_per_expert']:.1f}x; "
               f"medians); fastest runs {r['speedup_best']:.1f}x")
     if "decode" in parts:

@@ -39,7 +39,9 @@ class ModelConfig:
     # CPU kernels (ppserve/model/ops; each has an environment override that wins, for experiments):
     native_kernels: bool = True  # ppserve's C kernels, built on first use (PPSERVE_DISABLE_NATIVE_KERNELS=1)
     amx_kernels: bool = True  # the AMX GEMM and prefill attention where the CPU has AMX (PPSERVE_DISABLE_AMX=1)
-    linear_path: str = "auto"  # bf16 oneDNN linears: auto (timed per shape) | packed | plain (PPSERVE_LINEAR_PATH)
+    # bf16 CPU linears: auto (ppserve's panel GEMM on AMX / AVX512-BF16, else oneDNN timed per shape) | packed |
+    # plain (that oneDNN path for every weight) (PPSERVE_LINEAR_PATH)
+    linear_path: str = "auto"
     kernel_cache_dir: str | None = None  # built kernels; None = ~/.cache/ppserve/kernels (PPSERVE_KERNEL_CACHE)
     moe_kernel: str = "auto"  # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
 

@@ -156,36 +156,39 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one GEMM (gate and up).
 
     Each rank's weight is [shard of proj 0; shard of proj 1; ...] so the output splits locally.
-    `silu_mul` runs the gate/up pair with the activation in the GEMM's epilogue where the AMX kernel
-    takes the weight (a layout whose panels alternate gate and up), and returns None elsewhere.
+    `silu_mul` runs the gate/up pair with the activation in the GEMM's epilogue where a panel kernel (AMX
+    or AVX512-BF16, `native.panel_gemm`) takes the weight (a layout whose panels alternate gate and up),
+    and returns None elsewhere.
     """
 
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
                  tp: TPContext = TPContext(), dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__(in_features, sum(out_sizes), bias, tp, dtype, device)
-        self.gate_up_amx: Tensor | None = None  # set by prepack() where the fused AMX path applies
+        self.gate_up_panels: Tensor | None = None  # set by prepack() where the fused panel path applies
+        self.gate_up_kernel: str | None = None  # the panel kernel that packed it
         self.out_sizes = list(out_sizes)
         self.local_sizes = [s // tp.size for s in out_sizes]
         for s in out_sizes:
             tp.shard_range(s)  # validates divisibility of each part
 
     def prepack(self) -> None:
-        amx = native.amx_gemm() if can_prepack(self.weight) else None
-        if (amx is not None and amx.accepts(self.weight) and self.bias is None and len(self.local_sizes) == 2
+        kernel = native.panel_gemm() if can_prepack(self.weight) else None
+        if (kernel is not None and kernel.accepts(self.weight) and self.bias is None and len(self.local_sizes) == 2
                 and self.local_sizes[0] == self.local_sizes[1] and self.local_sizes[0] % 16 == 0):
-            self.gate_up_amx = amx.pack_gate_up(self.weight)
+            self.gate_up_panels, self.gate_up_kernel = kernel.pack_gate_up(self.weight), kernel.kernel
             self.fast = PackedWeight()  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
         else:
-            self.gate_up_amx = None
+            self.gate_up_panels = self.gate_up_kernel = None
             super().prepack()
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """silu(gate) * up [T, I_local] in one pass over the GEMM's output, or None where not available."""
-        amx = native.amx_gemm()
-        if self.gate_up_amx is None or amx is None or x.dtype != torch.bfloat16 or x.dim() != 2:
+        if self.gate_up_panels is None or x.dtype != torch.bfloat16 or x.dim() != 2:
             return None
-        return amx(x, self.gate_up_amx, None, silu_mul=True)
+        kernel = native.panel_gemm(self.gate_up_kernel)
+        assert kernel is not None  # it packed the weight
+        return kernel(x, self.gate_up_panels, None, silu_mul=True)
 
     def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
         if not isinstance(shard_id, int):

@@ -169,12 +169,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up = ExpertWeights("gate_up", spec, hidden_size, tp, dtype, device)
         self.experts.down = ExpertWeights("down", spec, hidden_size, tp, dtype, device)
-        self.amx: moe_ops.AmxExperts | None = None  # set by prepack() where the AMX GEMM takes the experts
+        self.panels: moe_ops.PanelExperts | None = None  # set by prepack() where the panel GEMM takes the experts
 
     def prepack(self) -> None:
-        """After every load: the experts' AMX layout (bf16 on an AMX CPU), derived from the loaded weights
-        and held outside the state dict, as the linear layers' `PackedWeight` is."""
-        self.amx = moe_ops.pack_for_amx(self.experts.gate_up.weight, self.experts.down.weight)
+        """After every load: the experts' panel layout (bf16 on a CPU with AMX or AVX512-BF16), derived from
+        the loaded weights and held outside the state dict, as the linear layers' `PackedWeight` is."""
+        self.panels = moe_ops.pack_experts(self.experts.gate_up.weight, self.experts.down.weight)
 
     @property
     def capturable(self) -> bool:
@@ -191,7 +191,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
         out = moe_ops.experts(x, ids, weights, self.experts.gate_up.weight, self.experts.down.weight,
-                              self.kernel, self.amx)
+                              self.kernel, self.panels)
         return self.tp.all_reduce(out)  # each rank summed its slice of every expert
 
 

@@ -1,5 +1,5 @@
-"""bf16 linears: on CPUs with AMX, ppserve's tile kernel for every weight it can take; otherwise a
-per-shape timed choice between the prepacked oneDNN primitive and plain F.linear (and for small row
+"""bf16 linears: on CPUs with AMX or AVX512-BF16, ppserve's panel kernel for every weight it can take;
+otherwise a per-shape timed choice between the prepacked oneDNN primitive and plain F.linear (and for small row
 counts the prepacked primitive run padded to 64 rows)."""
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def test_every_path_agrees(monkeypatch, rows: int) -> None:
     x = torch.randn(rows, 1536).bfloat16()
     want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     onednn = PackedWeight()
-    onednn.pack(weight, use_amx=False)
-    assert onednn.amx is None and onednn.packed is not None
+    onednn.pack(weight, use_panels=False)
+    assert onednn.panels is None and onednn.packed is not None
     for path in ("packed", "plain"):
         monkeypatch.setenv("PPSERVE_LINEAR_PATH", path)
         got = onednn.linear(x, weight, bias)
@@ -79,38 +79,38 @@ def test_every_path_agrees(monkeypatch, rows: int) -> None:
 
     default = PackedWeight()
     default.pack(weight)
-    if native.amx_gemm() is None:
-        assert default.amx is None and default.packed is not None  # no AMX here: oneDNN as above
+    if native.panel_gemm() is None:
+        assert default.panels is None and default.packed is not None  # no panel kernel here: oneDNN as above
         return
-    # With AMX the tile kernel serves every row count, untimed, and no oneDNN copy is kept.
-    assert default.amx is not None and default.packed is None
+    # With AMX or AVX512-BF16 the panel kernel serves every row count, untimed, and no oneDNN copy is kept.
+    assert default.panels is not None and default.packed is None
     gemm._FASTEST.clear()
     torch.testing.assert_close(default.linear(x, weight, bias).float(), want, rtol=2e-2, atol=2e-2)
     assert gemm._FASTEST == {}
 
 
-def test_weights_the_amx_kernel_cannot_take_stay_with_onednn() -> None:
+def test_weights_the_panel_kernel_cannot_take_stay_with_onednn() -> None:
     weight = torch.randn(100, 64).bfloat16()  # 100 outputs: not a multiple of 32
     if not can_prepack(weight):
         pytest.skip("this CPU has no native bf16: there is no packed path")
     fast = PackedWeight()
     fast.pack(weight)
-    assert fast.amx is None and fast.packed is not None
+    assert fast.panels is None and fast.packed is not None
     x = torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(fast.linear(x, weight, None).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 37, 512])
-def test_gate_up_with_silu_in_the_amx_epilogue(rows: int) -> None:
+def test_gate_up_with_silu_in_the_panel_kernels_epilogue(rows: int) -> None:
     from ppserve.model.layers import MergedColumnParallelLinear
 
-    if native.amx_gemm() is None:
-        pytest.skip("no AMX on this machine: the MLP runs gate/up and SiLU-and-mul separately")
+    if native.panel_gemm() is None:
+        pytest.skip("no AMX or AVX512-BF16 here: the MLP runs gate/up and SiLU-and-mul separately")
     torch.manual_seed(rows)
     gate_up = MergedColumnParallelLinear(576, [1536, 1536], dtype=torch.bfloat16)
     gate_up.weight.data.normal_(0, 0.05)
     gate_up.prepack()
-    assert gate_up.gate_up_amx is not None
+    assert gate_up.gate_up_panels is not None
     x = torch.randn(rows, 576).bfloat16()
     gate, up = torch.nn.functional.linear(x, gate_up.weight).chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up  # the eager chain, each op rounding to bf16
@@ -155,7 +155,7 @@ def test_warm_up_primes_every_bucket_so_that_no_serving_step_times_a_path(monkey
         for p in stage.parameters():
             p.normal_()
     for m in stage.values():
-        m.fast.pack(m.weight, use_amx=False)  # the timed oneDNN path, also on a CPU with AMX
+        m.fast.pack(m.weight, use_panels=False)  # the timed oneDNN path, also on a CPU with a panel kernel
     assert prime_linear_paths(stage, max_tokens=100, max_logit_rows=40) == 4 + 4 + 2
     assert set(gemm._FASTEST) == ({(96, 64, b) for b in (32, 64, 96, 128)} | {(64, 96, b) for b in (32, 64, 96, 128)}
                                   | {(256, 64, 32), (256, 64, 64)})

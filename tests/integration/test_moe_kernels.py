@@ -12,7 +12,7 @@ from ppserve.model.arch import MoeSpec
 from ppserve.model.moe import ExpertShard, SparseMoeBlock
 from ppserve.model.ops import moe as moe_ops
 from ppserve.model.ops import native
-from ppserve.model.ops.moe import experts, grouped_experts, grouped_mm_runs, pack_for_amx, uses_grouped_mm
+from ppserve.model.ops.moe import experts, grouped_experts, grouped_mm_runs, pack_experts, uses_grouped_mm
 from ppserve.model.ops.moe_align import align_to_blocks
 from ppserve.model.ops.settings import KernelSettings, configure
 from ppserve.model.parallel import TPContext
@@ -92,11 +92,12 @@ def test_the_expert_matmuls_dispatch_rule():
 
 
 @pytest.mark.parametrize("routing", ["random", "one expert", "idle experts", "top-1", "no tokens"])
-def test_the_amx_expert_path_agrees_with_the_torch_paths(routing, monkeypatch):
-    """bf16 on the AMX GEMM: float32 accumulation in another order than oneDNN's, so agreement within bf16
-    steps with the torch path and with the float32 definition, never a silent fallback."""
-    if native.amx_gemm() is None:
-        pytest.skip("no AMX on this machine: bf16 experts run on torch's matmuls")
+def test_the_panel_expert_path_agrees_with_the_torch_paths(routing, monkeypatch):
+    """bf16 on the panel GEMM (AMX or AVX512-BF16): float32 accumulation in another order than oneDNN's, so
+    agreement within bf16 steps with the torch path and with the float32 definition, never a silent
+    fallback."""
+    if native.panel_gemm() is None:
+        pytest.skip("no AMX or AVX512-BF16 here: bf16 experts run on torch's matmuls")
     k = 1 if routing == "top-1" else 2
     x, ids, weights, w13, w2 = random_experts(24, 64, 64, 8, k, torch.bfloat16, seed=4)
     if routing == "one expert":
@@ -105,40 +106,43 @@ def test_the_amx_expert_path_agrees_with_the_torch_paths(routing, monkeypatch):
         ids = torch.tensor([[1, 2], [6, 5], [2, 6], [5, 1]]).repeat(6, 1)
     elif routing == "no tokens":
         x, ids, weights = x[:0], ids[:0], weights[:0]
-    packed = pack_for_amx(w13, w2)
+    packed = pack_experts(w13, w2)
     assert packed is not None and packed.gate_up.shape == (8, 8, 2, 16, 16, 2) and packed.down.shape == (8, 4, 2, 16, 16, 2)
-    amx_runs = []
-    real = moe_ops._amx_expert_matmuls
-    monkeypatch.setattr(moe_ops, "_amx_expert_matmuls", lambda *args: amx_runs.append(1) or real(*args))
+    panel_runs = []
+    real = moe_ops._panel_expert_matmuls
+    monkeypatch.setattr(moe_ops, "_panel_expert_matmuls", lambda *args: panel_runs.append(1) or real(*args))
     got = grouped_experts(x, ids, weights, w13, w2, packed=packed)
-    assert amx_runs == [1]
+    assert panel_runs == [1]
     torch_path = grouped_experts(x, ids, weights, w13, w2, expert_matmuls="per_expert")
     assert got.dtype == torch.bfloat16 and got.shape == torch_path.shape
     torch.testing.assert_close(got.float(), torch_path.float(), rtol=2 ** -6, atol=2e-2)
     definition = per_token_loop(x.float(), ids, weights, w13.float(), w2.float())
     torch.testing.assert_close(got.float(), definition, rtol=2 ** -6, atol=3e-2)
-    # asking for a torch path by name bypasses the AMX one
+    # asking for a torch path by name bypasses the panel one
     assert torch.equal(grouped_experts(x, ids, weights, w13, w2, expert_matmuls="per_expert", packed=packed),
                        torch_path)
-    assert amx_runs == [1]
+    assert panel_runs == [1]
 
 
-def test_only_what_the_amx_gemm_takes_is_packed():
+def test_only_what_the_panel_gemm_takes_is_packed():
     x, ids, weights, w13, w2 = random_experts(4, 64, 64, 8, 2, torch.bfloat16)
-    assert pack_for_amx(w13.float(), w2.float()) is None  # float32 stays on torch, bit-exact
+    assert pack_experts(w13.float(), w2.float()) is None  # float32 stays on torch, bit-exact
     _, _, _, w13_narrow, w2_narrow = random_experts(4, 64, 48, 8, 2, torch.bfloat16)
-    assert pack_for_amx(w13_narrow, w2_narrow) is None  # a TP slice of 48 columns: not a 32-multiple
+    assert pack_experts(w13_narrow, w2_narrow) is None  # a TP slice of 48 columns: not a 32-multiple
     try:
-        configure(KernelSettings(amx=False))  # model.amx_kernels: false
-        assert pack_for_amx(w13, w2) is None
+        configure(KernelSettings(linear_path="plain"))  # model.linear_path: plain, torch's GEMMs for everything
+        assert pack_experts(w13, w2) is None
+        configure(KernelSettings(amx=False))  # model.amx_kernels: false leaves the AVX512-BF16 kernel, if any
+        packed = pack_experts(w13, w2)
+        assert (packed.kernel if packed else None) == (None if native.panel_gemm("avx512") is None else "avx512")
     finally:
         configure(KernelSettings())
     block = SparseMoeBlock(64, MoeSpec(8, 2, 64, True, True, (0,)), TPContext(), torch.bfloat16, "cpu")
     block.prepack()
-    assert (block.amx is not None) == (native.amx_gemm() is not None)
+    assert (block.panels is not None) == (native.panel_gemm() is not None)
     block32 = SparseMoeBlock(64, MoeSpec(8, 2, 64, True, True, (0,)), TPContext(), torch.float32, "cpu")
     block32.prepack()
-    assert block32.amx is None
+    assert block32.panels is None
 
 
 def test_block_layout_is_sorted_padded_and_needs_no_host_sync():

@@ -6,6 +6,8 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
@@ -114,7 +116,7 @@ def test_build_failure_falls_back_to_sdpa(tmp_path, monkeypatch) -> None:
             select_backend("cpu", "cpu_paged")
         assert native.elementwise() is None
         assert native.greedy_argmax() is None
-        assert native.amx_gemm() is None
+        assert native.panel_gemm() is None
         assert native.prefill_attention() is None
         from ppserve.worker.sampler import greedy
 
@@ -228,50 +230,84 @@ def test_greedy_argmax_matches_torch() -> None:
     assert not kernel.accepts(torch.randn(2, 4).bfloat16())  # other dtypes stay with torch
 
 
-def _amx_or_skip() -> native.AmxGemm:
-    amx = native.amx_gemm()
-    if amx is None:
-        pytest.skip("no AMX on this machine (CPU, compiler or kernel)")
-    return amx
+_Twin = TypeVar("_Twin", native.PanelGemm, native.PrefillAttention)
+
+
+def _kernel_or_skip(load: Callable[[str], _Twin | None], kind: str) -> _Twin:
+    """The `kind` ('amx' | 'avx512') version of a kernel written for both, or skip where it cannot run here."""
+    kernel = load(kind)
+    if kernel is None:
+        pytest.skip(f"the {kind} {load.__name__} kernel cannot run on this machine (CPU, compiler or kernel)")
+    assert kernel.kernel == kind
+    return kernel
+
+
+def _gemm_or_skip(kind: str) -> native.PanelGemm:
+    return _kernel_or_skip(native.panel_gemm, kind)
 
 
 @needs_compiler
-# row counts on and off the 32-row blocks (1, 37 and 500 run their last block from a padded copy)
+# Both panel kernels: AMX tiles, and AVX512-BF16 dot products for CPUs without AMX.
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+# row counts on and off the kernels' blocks (AMX: 32 rows, 1, 37 and 500 run their last block from a padded
+# copy; AVX512: 6 rows and 64 columns, and 960 / 576 columns end in a part block)
 @pytest.mark.parametrize(("m", "n", "k"), [(32, 576, 576), (64, 960, 576), (512, 576, 1536), (96, 3072, 576),
-                                           (1, 576, 576), (37, 960, 576), (500, 576, 1536)])
+                                           (1, 576, 576), (37, 960, 576), (500, 576, 1536), (5, 32, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_amx_gemm_matches_linear(m: int, n: int, k: int, with_bias: bool) -> None:
-    amx = _amx_or_skip()
+def test_panel_gemm_matches_linear(kind: str, m: int, n: int, k: int, with_bias: bool) -> None:
+    gemm = _gemm_or_skip(kind)
     torch.manual_seed(m + n + k)
     weight = torch.randn(n, k, dtype=torch.bfloat16)
     bias = torch.randn(n, dtype=torch.bfloat16) if with_bias else None
     x = torch.randn(m, k + 64, dtype=torch.bfloat16)[:, :k]  # strided rows, as a slice of a wider output
-    got = amx(x, amx.pack(weight), bias)
+    got = gemm(x, gemm.pack(weight), bias)
     want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
     # float32 accumulation rounded once to bf16: within one bf16 step of the float32 result
     torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-2)
 
 
 @needs_compiler
-def test_amx_gemm_layout_and_refusals() -> None:
-    amx = _amx_or_skip()
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+@pytest.mark.parametrize("m", [1, 7, 40])
+def test_panel_gemm_silu_mul_epilogue(kind: str, m: int) -> None:
+    gemm = _gemm_or_skip(kind)
+    torch.manual_seed(m)
+    weight = torch.randn(2 * 96, 128, dtype=torch.bfloat16) * 0.1  # gate rows, then up rows: I = 96
+    x = torch.randn(m, 128, dtype=torch.bfloat16)
+    gate, up = torch.nn.functional.linear(x.float(), weight.float()).bfloat16().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up  # the eager chain, each op rounding to bf16
+    got = gemm(x, gemm.pack_gate_up(weight), None, silu_mul=True)
+    assert got.shape == (m, 96)
+    # the GEMMs accumulate in other orders than float32, then three roundings follow: within two bf16 steps
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+def test_panel_gemm_layout_and_refusals(kind: str) -> None:
+    gemm = _gemm_or_skip(kind)
     weight = torch.arange(32 * 64, dtype=torch.float32).reshape(32, 64).bfloat16()
-    packed = amx.pack(weight)
+    packed = gemm.pack(weight)
     # panel 1, k-block 1, pair row 3, column 5 holds W[16 + 5, 32 + 2 * 3 + {0, 1}]
     assert torch.equal(packed[1, 1, 3, 5], weight[21, 38:40])
-    assert amx.accepts(weight) and not amx.accepts(weight[:, :48]) and not amx.accepts(weight.float())
+    assert gemm.accepts(weight) and not gemm.accepts(weight[:, :48]) and not gemm.accepts(weight.float())
     with pytest.raises(ValueError, match="does not match"):
-        amx(torch.randn(48, 96, dtype=torch.bfloat16), packed, None)  # K of 96 against a weight of K 64
+        gemm(torch.randn(48, 96, dtype=torch.bfloat16), packed, None)  # K of 96 against a weight of K 64
     with pytest.raises(ValueError, match="does not match"):
-        amx(torch.randn(48, 64), packed, None)  # float32 input
+        gemm(torch.randn(48, 64), packed, None)  # float32 input
+    with pytest.raises(ValueError, match="unknown PanelGemm kernel"):
+        native.panel_gemm("avx2")
+
+
+def test_a_forced_onednn_path_turns_the_panel_gemm_off(monkeypatch) -> None:
+    monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
+    assert native.panel_gemm() is None  # model.linear_path: packed | plain means oneDNN for every weight
+    monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
+    assert native.panel_gemm() is native.panel_gemm("amx") or native.panel_gemm() is native.panel_gemm("avx512")
 
 
 def _prefill_or_skip(kind: str) -> native.PrefillAttention:
-    kernel = native.prefill_attention(kind)
-    if kernel is None:
-        pytest.skip(f"the {kind} prefill kernel cannot run on this machine (CPU, compiler or kernel)")
-    assert kernel.kernel == kind
-    return kernel
+    return _kernel_or_skip(native.prefill_attention, kind)
 
 
 def _reference_chunk_attention(q: torch.Tensor, cache: torch.Tensor, blocks: list[int], ctx: int,
@@ -322,5 +358,5 @@ def test_prefill_attention_refuses_what_it_cannot_do(kind: str) -> None:
         kernel(torch.randn(8, 4, 64).bfloat16(), cache, torch.tensor([0, 1]), 40, 0.125)
     with pytest.raises(RuntimeError, match="unsupported shape"):
         kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)  # 3 heads over 2 KV heads
-    with pytest.raises(ValueError, match="unknown prefill attention kernel"):
+    with pytest.raises(ValueError, match="unknown PrefillAttention kernel"):
         native.prefill_attention("avx2")

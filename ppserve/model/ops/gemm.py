@@ -1,16 +1,17 @@
-"""How a linear layer's GEMM runs on CPU: ppserve's AMX kernel, oneDNN's prepacked layout, or plain F.linear.
+"""How a linear layer's GEMM runs on CPU: ppserve's panel kernel, oneDNN's prepacked layout, or plain F.linear.
 
 A linear layer owns a `PackedWeight`: `prepack()` (called once after loading) lays a bf16 CPU weight out
-for ppserve's AMX GEMM kernel where the CPU has AMX, else in oneDNN's blocked layout (1.1-1.4x faster
-than plain `F.linear` at decode sizes). oneDNN's prepacked primitive is not faster everywhere: for
-SmolLM2's 576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x slower than plain
-`F.linear`, and below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the first GEMM
-of every (out, in, rows) shape times the candidates and the fastest serves that shape from then on
-(`model.linear_path: packed | plain` forces one; `model.amx_kernels: false` turns the AMX kernels off).
-A stage's warm-up times every row bucket its microbatches can reach (`PackedWeight.prime`), so no
-serving step pays for it: the demo's first 100-token prefill took 168 / 165 ms on its two stages where a
-warm one takes ~101 / ~70, most of it timing the new bucket's paths (the LM head's among them).
-float32 always stays on plain `F.linear`, bit-exact with transformers.
+in 16-column panels for ppserve's own GEMM where the CPU has one (AMX tiles, csrc/gemm_amx.c, or
+AVX512-BF16 dot products, csrc/gemm_avx512.c), else in oneDNN's blocked layout (1.1-1.4x faster than
+plain `F.linear` at decode sizes). oneDNN's prepacked primitive is not faster everywhere: for SmolLM2's
+576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x slower than plain `F.linear`, and
+below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the first GEMM of every
+(out, in, rows) shape times the candidates and the fastest serves that shape from then on
+(`model.linear_path: packed | plain` forces one, and turns the panel kernels off; `model.amx_kernels:
+false` turns the AMX kernels off). A stage's warm-up times every row bucket its microbatches can reach
+(`PackedWeight.prime`), so no serving step pays for it: the demo's first 100-token prefill took
+168 / 165 ms on its two stages where a warm one takes ~101 / ~70, most of it timing the new bucket's
+paths (the LM head's among them). float32 always stays on plain `F.linear`, bit-exact with transformers.
 """
 
 from __future__ import annotations
@@ -36,26 +37,31 @@ def can_prepack(weight: Tensor) -> bool:
 class PackedWeight:
     """A bf16 weight [out, in] laid out for a fast CPU GEMM, or nothing: then `linear` is plain `F.linear`.
 
-    On CPUs with AMX, weights whose sides are multiples of 32 go to ppserve's AMX kernel
-    (csrc/gemm_amx.c) in its tile layout, always: in the model its median beat oneDNN's best path at
-    every shape and row count timed (e.g. 3072 x 576 at 512 rows: 1.2 ms against 2.2 ms), and a fixed
-    choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep oneDNN's
-    prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
+    Weights whose sides are multiples of 32 go to ppserve's panel kernel where the CPU has one
+    (`native.panel_gemm`), always, at every row count, with no oneDNN copy kept:
+    - AMX: in the model its median beat oneDNN's best path at every shape and row count timed (e.g.
+      3072 x 576 at 512 rows: 1.2 ms against 2.2 ms);
+    - AVX512-BF16 without AMX (a Zen 4, two threads): 1.2-2.9x oneDNN's fastest path at 1-16 rows, where
+      a decode step lives, and 0.98-1.11x at 128-512 rows (benchmarks/bench_gemm.py). oneDNN also ran
+      each row count padded up to its bucket of 32, so an 8-row decode GEMM paid for 32 rows.
+    A fixed choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep
+    oneDNN's prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
     `fastest_path`). Held outside the module's parameters and state dict: derived from `weight` and
     rebuilt by `prepack()` after every load.
     """
 
     def __init__(self) -> None:
-        self.packed: Tensor | None = None
-        self.amx: Tensor | None = None
+        self.packed: Tensor | None = None  # oneDNN's layout
+        self.panels: Tensor | None = None  # the panel kernel's (PanelGemm.pack)
+        self.kernel: str | None = None  # which panel kernel packed it: 'amx' | 'avx512'
 
-    def pack(self, weight: Tensor, use_amx: bool = True) -> None:
-        self.packed = self.amx = None
+    def pack(self, weight: Tensor, use_panels: bool = True) -> None:
+        self.packed = self.panels = self.kernel = None
         if not can_prepack(weight):
             return
-        amx = native.amx_gemm() if use_amx else None
-        if amx is not None and amx.accepts(weight):
-            self.amx = amx.pack(weight)
+        kernel = native.panel_gemm() if use_panels else None
+        if kernel is not None and kernel.accepts(weight):
+            self.panels, self.kernel = kernel.pack(weight), kernel.kernel
         else:
             # No batch-size hint: one layout for every token count (a hint speeds up only that size).
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -63,8 +69,8 @@ class PackedWeight:
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if x.dtype != weight.dtype or x.dim() != 2:
             return F.linear(x, weight, bias)
-        if self.amx is not None:
-            return self.run(x, weight, bias, ("amx", x.shape[0]))
+        if self.panels is not None:
+            return self.run(x, weight, bias, ("panels", x.shape[0]))
         if self.packed is None:
             return F.linear(x, weight, bias)
         rows = x.shape[0]
@@ -81,7 +87,7 @@ class PackedWeight:
 
     def prime(self, weight: Tensor, bias: Tensor | None, max_rows: int) -> int:
         """Choose the path of every row bucket up to `max_rows` now (`fastest_path`'s timing), on zero
-        rows; return how many buckets were timed. A no-op where nothing is timed (AMX, plain, forced)."""
+        rows; return how many buckets were timed. A no-op where nothing is timed (panels, plain, forced)."""
         if self.packed is None or current().linear_path in ("packed", "plain"):
             return 0
         timed = 0
@@ -95,10 +101,10 @@ class PackedWeight:
     def run(self, x: Tensor, weight: Tensor, bias: Tensor | None, path: LinearPath) -> Tensor:
         """One GEMM on `path`: x's rows zero-padded to the path's row count (the output keeps them)."""
         kind, padded = path
-        if kind == "amx":  # any row count: the kernel pads only its last 32-row block, internally
-            amx = native.amx_gemm()
-            assert amx is not None and self.amx is not None  # only taken where both exist
-            return amx(x, self.amx, bias)
+        if kind == "panels":  # any row count, unpadded
+            kernel = native.panel_gemm(self.kernel)
+            assert kernel is not None and self.panels is not None  # only taken where both exist
+            return kernel(x, self.panels, bias)
         if padded != x.shape[0]:
             x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
         if kind == "packed":
@@ -106,8 +112,8 @@ class PackedWeight:
         return F.linear(x, weight, bias)
 
 
-# How a bf16 GEMM runs: ("packed" | "plain" | "amx", the row count it runs with, rows zero-padded up to it
-# for the oneDNN paths).
+# How a bf16 GEMM runs: ("packed" | "plain" | "panels", the row count it runs with, rows zero-padded up to
+# it for the oneDNN paths).
 LinearPath = tuple[str, int]
 # Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
 # (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.

@@ -17,9 +17,9 @@ group the pairs by expert and run each expert once over all its tokens, never a 
     fallback where `F.grouped_mm` is missing or refuses the device, dtype or layout (`uses_grouped_mm`).
   Either way the grouped path is not captured in CUDA graphs (the loop's host read; on CUDA the Triton
   kernel is the fast path).
-  In bf16 on CPUs with AMX a third way comes first: the per-expert loop on ppserve's AMX GEMM
-  (csrc/gemm_amx.c), each expert's weights prepacked once at load (`AmxExperts`), SiLU-and-mul in the
-  gate/up GEMM's epilogue as the dense MLP does. oneDNN's bf16 GEMM repacks a weight on every call, which
+  In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: the per-expert loop on ppserve's
+  panel GEMM (csrc/gemm_amx.c, csrc/gemm_avx512.c; `native.panel_gemm`), each expert's weights prepacked
+  once at load (`PanelExperts`), SiLU-and-mul in the gate/up GEMM's epilogue as the dense MLP does. oneDNN's bf16 GEMM repacks a weight on every call, which
   at an expert's few rows is a large part of the product (one layer, 64 tokens, H 512, I 256, 8 experts
   top-2, one thread on a Xeon with AMX: the AMX loop 1.4x faster than grouped_mm, 20x the loop over
   tokens; `benchmarks/bench_moe.py --parts grouped --dtype bfloat16`). Its sums may run in another order
@@ -102,31 +102,34 @@ def uses_grouped_mm(num_pairs: int, num_experts: int, x: Tensor, w13: Tensor, w2
 
 
 @dataclass(frozen=True)
-class AmxExperts:
-    """Every expert's weights in the AMX GEMM's layout: gate_up [E, 2I/16, H/32, 16, 16, 2] (panels
-    alternating gate and up, for the SiLU-and-mul epilogue), down [E, H/16, I/32, 16, 16, 2]."""
+class PanelExperts:
+    """Every expert's weights in the panel GEMM's layout: gate_up [E, 2I/16, H/32, 16, 16, 2] (panels
+    alternating gate and up, for the SiLU-and-mul epilogue), down [E, H/16, I/32, 16, 16, 2]; `kernel`
+    is the panel kernel that packed them ('amx' | 'avx512')."""
 
     gate_up: Tensor
     down: Tensor
+    kernel: str
 
 
-def pack_for_amx(w13: Tensor, w2: Tensor) -> AmxExperts | None:
-    """The experts prepacked for the AMX GEMM, or None where it does not apply: not bf16 on CPU, no AMX
-    here (or `model.amx_kernels: false`), or sides the kernel cannot tile (H and this rank's I multiples
-    of 32)."""
-    amx = native.amx_gemm()
-    if amx is None or w13.dtype != torch.bfloat16 or w13.device.type != "cpu":
+def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
+    """The experts prepacked for the panel GEMM, or None where it does not apply: not bf16 on CPU, no panel
+    kernel here (no AMX or AVX512-BF16, or switched off by the settings), or sides the kernel cannot tile
+    (H and this rank's I multiples of 32)."""
+    kernel = native.panel_gemm()
+    if kernel is None or w13.dtype != torch.bfloat16 or w13.device.type != "cpu":
         return None
     hidden, inter = w2.shape[1], w2.shape[2]
     if hidden % 32 or inter % 32:
         return None
-    return AmxExperts(torch.stack([amx.pack_gate_up(w) for w in w13]), torch.stack([amx.pack(w) for w in w2]))
+    return PanelExperts(torch.stack([kernel.pack_gate_up(w) for w in w13]), torch.stack([kernel.pack(w) for w in w2]),
+                        kernel.kernel)
 
 
 def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                    expert_matmuls: str = "auto", packed: AmxExperts | None = None) -> Tensor:
+                    expert_matmuls: str = "auto", packed: PanelExperts | None = None) -> Tensor:
     """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H], the weighted sum of each token's experts.
-    `packed` (from `pack_for_amx`): with expert_matmuls "auto" and bf16 input, the matmuls run on the AMX
+    `packed` (from `pack_experts`): with expert_matmuls "auto" and bf16 input, the matmuls run on the panel
     GEMM."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
@@ -135,10 +138,8 @@ def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tens
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
     ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True, out_int32=True)
     rows = x.index_select(0, order // k)  # [P, H] each pair's token, in expert order
-    amx = native.amx_gemm() if packed is not None and expert_matmuls == "auto" and x.dtype == torch.bfloat16 \
-        else None
-    if amx is not None and packed is not None:
-        down = _amx_expert_matmuls(amx, rows, ends, packed)
+    if packed is not None and expert_matmuls == "auto" and x.dtype == torch.bfloat16:
+        down = _panel_expert_matmuls(rows, ends, packed)
     elif uses_grouped_mm(t * k, num_experts, x, w13, w2, expert_matmuls):
         act = silu_mul(F.grouped_mm(rows, w13.transpose(1, 2), offs=ends))  # [P, 2I] -> [P, I]
         down = F.grouped_mm(act, w2.transpose(1, 2), offs=ends)  # [P, H]
@@ -164,15 +165,17 @@ def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> 
     return down
 
 
-def _amx_expert_matmuls(amx: native.AmxGemm, rows: Tensor, ends: Tensor, packed: AmxExperts) -> Tensor:
-    """`_per_expert_matmuls` on the AMX GEMM: bf16 rows [P, H] sorted by expert -> [P, H]."""
+def _panel_expert_matmuls(rows: Tensor, ends: Tensor, packed: PanelExperts) -> Tensor:
+    """`_per_expert_matmuls` on the panel GEMM: bf16 rows [P, H] sorted by expert -> [P, H]."""
+    gemm = native.panel_gemm(packed.kernel)
+    assert gemm is not None  # it packed the experts
     down = torch.empty(rows.shape[0], packed.down.shape[1] * 16, dtype=rows.dtype)
     start = 0
     for expert, end in enumerate(ends.tolist()):
         if end == start:
             continue
-        act = amx(rows[start:end], packed.gate_up[expert], None, silu_mul=True)  # [n, I]
-        down[start:end] = amx(act, packed.down[expert], None)
+        act = gemm(rows[start:end], packed.gate_up[expert], None, silu_mul=True)  # [n, I]
+        down[start:end] = gemm(act, packed.down[expert], None)
         start = end
     return down
 
@@ -187,9 +190,9 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 
 def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-            kernel: str = "auto", packed: AmxExperts | None = None) -> Tensor:
+            kernel: str = "auto", packed: PanelExperts | None = None) -> Tensor:
     """The experts' weighted output [T, H] by the path `kernel` names ('auto': Triton on CUDA, else grouped;
-    the grouped path on the AMX GEMM where `packed` is given)."""
+    the grouped path on the panel GEMM where `packed` is given)."""
     kernel = resolve_kernel(kernel, x.device)
     if kernel == "grouped":
         return grouped_experts(x, topk_ids, topk_weights, w13, w2, packed=packed)

@@ -179,25 +179,31 @@ class GreedyArgmax:
         return out.tolist()
 
 
-class AmxGemm:
-    """bf16 GEMM on Intel AMX tiles against a weight prepacked by `pack` (see csrc/gemm_amx.c)."""
+class PanelGemm:
+    """bf16 GEMM against a weight prepacked by `pack` into 16-column pair-interleaved panels: on Intel AMX
+    tiles (csrc/gemm_amx.c) or with AVX512-BF16 dot products where there is no AMX (csrc/gemm_avx512.c).
+    Both take the same layout and arguments and round the same way."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.gemm_bf16_amx
+    KERNELS = {"amx": "gemm_bf16_amx", "avx512": "gemm_bf16_avx512"}
+
+    def __init__(self, lib: ctypes.CDLL, kernel: str = "amx") -> None:
+        fn = getattr(lib, self.KERNELS[kernel])
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self.kernel = kernel
 
     @staticmethod
     def accepts(weight: Tensor) -> bool:
-        """Weights [N, K] the kernel takes: bf16 on CPU, N and K multiples of 32."""
+        """Weights [N, K] the kernels take: bf16 on CPU, N and K multiples of 32."""
         return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
                 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
 
     @staticmethod
     def pack(weight: Tensor) -> Tensor:
-        """[N, K] -> [N/16, K/32, 16, 16, 2]: 16-column panels in AMX's pair-interleaved B-tile layout."""
+        """[N, K] -> [N/16, K/32, 16, 16, 2]: 16-column panels in the pair-interleaved ("VNNI") layout of an
+        AMX B tile; each 64-byte row of a tile is also one AVX512-BF16 dot-product operand."""
         n, k = weight.shape
         return weight.detach().reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
@@ -207,7 +213,7 @@ class AmxGemm:
         gate, up: the layout `silu_mul` needs (I a multiple of 16)."""
         two_i, k = weight.shape
         halves = weight.detach().reshape(2, two_i // 32, 16, k)  # [gate | up][panel][row in panel]
-        return AmxGemm.pack(halves.transpose(0, 1).reshape(two_i, k))
+        return PanelGemm.pack(halves.transpose(0, 1).reshape(two_i, k))
 
     def __call__(self, x: Tensor, packed: Tensor, bias: Tensor | None, silu_mul: bool = False) -> Tensor:
         """x [M, K] bf16 (any M; rows may be strided) -> x @ W^T + bias, [M, N] bf16; with `silu_mul`
@@ -217,13 +223,13 @@ class AmxGemm:
         m, k = x.shape
         n = packed.shape[0] * 16
         if x.dtype != torch.bfloat16 or k != packed.shape[1] * 32:
-            raise ValueError(f"AMX GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight [{n}, "
-                             f"{packed.shape[1] * 32}]")
+            raise ValueError(f"{self.kernel} GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight "
+                             f"[{n}, {packed.shape[1] * 32}]")
         out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16)
         status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                           out.data_ptr(), out.shape[1], m, n, k, int(silu_mul), torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"AMX GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
+            raise RuntimeError(f"{self.kernel} GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
         return out
 
 
@@ -249,7 +255,7 @@ def _amx_granted(lib: ctypes.CDLL) -> bool:
         return False
     lib.amx_init.restype = ctypes.c_int
     if lib.amx_init() != 0:
-        logger.info("no AMX here (CPU, compiler or kernel): bf16 GEMMs use oneDNN")
+        logger.info("no AMX here (CPU, compiler or kernel): bf16 GEMMs use AVX512-BF16 or oneDNN")
         return False
     return True
 
@@ -273,23 +279,38 @@ def greedy_argmax() -> GreedyArgmax | None:
     return _bound("greedy_argmax", GreedyArgmax)
 
 
-def amx_gemm() -> AmxGemm | None:
-    return _bound("amx_gemm", AmxGemm, needs_amx=True)
+def panel_gemm(kernel: str | None = None) -> PanelGemm | None:
+    """The bf16 GEMM on prepacked panels: AMX where AMX is granted, else the AVX512-BF16 one where the
+    library was built with it, else None (torch's oneDNN paths serve bf16 GEMMs). `model.linear_path:
+    packed | plain` asks for oneDNN, so then None too. `kernel` ('amx' or 'avx512') asks for that one only
+    (None where it cannot run here), whatever the linear path."""
+    if kernel is None and current().linear_path != "auto":
+        return None
+    return _amx_else_avx512(kernel, PanelGemm, "gemm_bf16_avx512_built")
 
 
 def prefill_attention(kernel: str | None = None) -> PrefillAttention | None:
     """The prefill attention kernel: AMX where the AMX GEMM works (same build and tile permission), else
     the AVX512-BF16 one where the library was built with it, else None (SDPA serves prefill chunks).
     `kernel` ('amx' or 'avx512') asks for that one only (None where it cannot run here)."""
-    if kernel not in (None, *PrefillAttention.KERNELS):
-        raise ValueError(f"unknown prefill attention kernel {kernel!r} ({', '.join(PrefillAttention.KERNELS)})")
-    amx = _bound("prefill_attention", PrefillAttention, needs_amx=True) if kernel != "avx512" else None
+    return _amx_else_avx512(kernel, PrefillAttention, "prefill_attention_bf16_avx512_built")
+
+
+_Twin = TypeVar("_Twin", PanelGemm, PrefillAttention)
+
+
+def _amx_else_avx512(kernel: str | None, binding: type[_Twin], avx512_built: str) -> _Twin | None:
+    """A kernel written twice, for AMX and for AVX512-BF16 (`binding(lib, 'amx' | 'avx512')`): the AMX one
+    where AMX is granted, else the other where the library was built with it (`avx512_built()` says)."""
+    if kernel not in (None, *binding.KERNELS):
+        raise ValueError(f"unknown {binding.__name__} kernel {kernel!r} ({', '.join(binding.KERNELS)})")
+    amx = _bound(f"{binding.__name__}:amx", binding, needs_amx=True) if kernel != "avx512" else None
     if amx is not None or kernel == "amx":
         return amx
-    return _bound("prefill_attention_avx512", _avx512_prefill)
 
+    def make(lib: ctypes.CDLL) -> _Twin | None:
+        built = getattr(lib, avx512_built)
+        built.restype = ctypes.c_int
+        return binding(lib, "avx512") if built() else None
 
-def _avx512_prefill(lib: ctypes.CDLL) -> PrefillAttention | None:
-    built = lib.prefill_attention_bf16_avx512_built
-    built.restype = ctypes.c_int
-    return PrefillAttention(lib, "avx512") if built() else None
+    return _bound(f"{binding.__name__}:avx512", make)

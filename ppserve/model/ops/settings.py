@@ -22,7 +22,7 @@ MOE_KERNELS = ("auto", "grouped", "triton")
 class KernelSettings:
     native: bool = True  # model.native_kernels: ppserve's C kernels on CPU (built on first use)
     amx: bool = True  # model.amx_kernels: the AMX GEMM and prefill attention where the CPU has AMX
-    linear_path: str = "auto"  # model.linear_path: bf16 oneDNN GEMMs timed per shape, or forced packed | plain
+    linear_path: str = "auto"  # model.linear_path: panel GEMM, else oneDNN timed per shape; or oneDNN packed | plain
     cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (<cache root>/kernels, ppserve/cache.py)
     moe_kernel: str = "auto"  # model.moe_kernel: the MoE experts' path (ops/moe.py): auto | grouped | triton
 
