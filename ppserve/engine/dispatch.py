@@ -6,7 +6,11 @@ only the last stage answers: it carries every stage's compute seconds, chained a
   HMAC challenge on connect, then length-prefixed messages over TCP). The engine pickles a
   SchedulerOutput once and writes the bytes to every actor; a thread in each actor blocks on its
   connection (no polling), runs the microbatch, and the last stage's TP rank 0 writes the result
-  back. A dead actor closes its socket, so the engine sees the failure at once.
+  back. A dead actor closes its socket, so the engine sees the failure at once. Both ends turn Nagle's
+  algorithm off (`no_delay`): with it, a result written while the previous one was still unacknowledged
+  waited for the engine's delayed ACK, which comes only with the next submit or after up to 40 ms. Two
+  results back to back with no submit between them (a request's last microbatch, then the other one's,
+  before the engine forms the next pair) cost the demo a 27-44 ms hole on both stages, once or twice a run.
 - `CompiledGraphDispatch`: one Ray Compiled Graph over the actors (`ray.dag`, compiled once): every
   actor reads the SchedulerOutput from the graph's input channel, stage s+1 takes stage s's token,
   the engine reads the last stage's TP ranks. Its shared-memory channels' readers *poll*: every idle
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 from collections import deque
@@ -64,6 +69,17 @@ class ControlPlane(Protocol):
         """Stop: in-flight results are lost, the actors stop listening on this control plane."""
 
 
+def no_delay(conn: Connection) -> None:
+    """Send every message of this TCP connection at once (TCP_NODELAY): a control-plane message is small
+    and someone waits for it."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # a second handle on the same socket
+    try:
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.close()  # closes the duplicate only
+
+
 def _check(result: Any, step_id: int) -> StepResult:
     if not isinstance(result, StepResult) or result.step_id != step_id:
         raise RuntimeError(f"stage pipeline returned {result!r} for step {step_id}")
@@ -82,6 +98,7 @@ class ConnectionDispatch:
             def accept_all() -> None:
                 for _ in actors:
                     conn = listener.accept()
+                    no_delay(conn)
                     conns[pickle.loads(conn.recv_bytes())] = conn
 
             acceptor = threading.Thread(target=accept_all, name="ppserve-accept", daemon=True)

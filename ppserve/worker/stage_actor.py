@@ -329,7 +329,10 @@ class StageActor:
         on a thread of this actor; Ray calls (spans, shutdown) stay served meanwhile."""
         from multiprocessing.connection import Client
 
+        from ppserve.engine.dispatch import no_delay
+
         conn = Client(address, authkey=authkey)
+        no_delay(conn)  # results go back at once, not after the engine's delayed ACK
         conn.send_bytes(pickle.dumps(index))
         self._conn = conn
         # Ray ran the set-up calls (loading, warm-up, start-up costs) on this thread; the loop thread computes
