@@ -75,18 +75,31 @@ CALIBRATION_PROMPT = 128  # tokens, at most the token budget
 CALIBRATION_OUTPUT = 32  # tokens per request: a decode phase as long as the prefill phase, roughly
 
 
+def kernels_id(native_kernels: bool) -> str:
+    """The kernels stage timings were taken with: torch's version and ppserve's native library (its
+    sources, flags and compiler: `library_key`), or 'off' where the config turns them off."""
+    import torch
+
+    from ppserve.model.ops.build import library_key
+
+    return f"torch {torch.__version__}|native {library_key() if native_kernels else 'off'}"
+
+
 def machine_id() -> str:
     """This machine as far as stage timings go: host, architecture, processor and core count."""
     return f"{platform.node()}|{platform.machine()}|{platform.processor()}|{os.cpu_count()}"
 
 
 def profile_cache_path(engine: CalibratedEngine) -> Path:
-    """The cached profile for `engine`'s model, dtype, pp, tp, token budget, max_num_seqs and machine."""
+    """The cached profile for `engine`'s model, dtype, pp, tp, token budget, max_num_seqs, machine and
+    kernels: torch's version and ppserve's native kernels (a new GEMM kernel moved the default model's
+    LM head on a Zen 4 from ~8 to ~5 layers' worth, and a profile measured before it split 19 / 11 where
+    17 / 13 balances)."""
     cfg = engine.config
     key = {"model": str(engine.model_dir), "dtype": cfg.model.dtype,
            "pp": cfg.parallel.pipeline_parallel_size, "tp": cfg.parallel.tensor_parallel_size,
            "token_budget": cfg.scheduler.token_budget, "max_num_seqs": cfg.scheduler.max_num_seqs,
-           "machine": machine_id()}
+           "machine": machine_id(), "kernels": kernels_id(cfg.model.native_kernels)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "partition" / f"{Path(engine.model_dir).name}-{digest}.json"
 

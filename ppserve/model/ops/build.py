@@ -55,12 +55,24 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def _sources() -> list[Path]:
+    return sorted(f for f in _CSRC.iterdir() if f.suffix in (".c", ".h"))
+
+
+@cache
+def library_key(compiler: str | None = None) -> str:
+    """What the built library depends on, hashed: its sources, flags, compiler and this CPU's features.
+    Also keys what was measured with these kernels (a calibrated partition's stage costs)."""
+    compiler = compiler or _compiler()
+    version = "" if compiler is None else subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                                         check=True).stdout
+    return hashlib.sha256("\0".join([*(f.read_text() for f in _sources()), *_COMPILE_FLAGS, *_LINK_FLAGS,
+                                     *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+
+
 def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    sources = sorted(f for f in _CSRC.iterdir() if f.suffix in (".c", ".h"))
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in sources), *_COMPILE_FLAGS, *_LINK_FLAGS,
-                                    *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
-    target = kernel_cache_dir() / f"ppserve_kernels-{key}.so"
+    sources = _sources()
+    target = kernel_cache_dir() / f"ppserve_kernels-{library_key(compiler)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
