@@ -7,7 +7,7 @@ only the last stage answers: it carries every stage's compute seconds, chained a
   SchedulerOutput once and writes the bytes to every actor; a thread in each actor blocks on its
   connection (no polling), runs the microbatch, and the last stage's TP rank 0 writes the result
   back. A dead actor closes its socket, so the engine sees the failure at once. Both ends turn Nagle's
-  algorithm off (`no_delay`): with it, a result written while the previous one was still unacknowledged
+  algorithm off (`comm/tcp.py`): with it, a result written while the previous one was still unacknowledged
   waited for the engine's delayed ACK, which comes only with the next submit or after up to 40 ms. Two
   results back to back with no submit between them (a request's last microbatch, then the other one's,
   before the engine forms the next pair) cost the demo a 27-44 ms hole on both stages, once or twice a run.
@@ -28,13 +28,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Protocol, cast
 
+from ppserve.comm.tcp import no_delay
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger(__name__)
@@ -67,17 +67,6 @@ class ControlPlane(Protocol):
 
     def teardown(self) -> None:
         """Stop: in-flight results are lost, the actors stop listening on this control plane."""
-
-
-def no_delay(conn: Connection) -> None:
-    """Send every message of this TCP connection at once (TCP_NODELAY): a control-plane message is small
-    and someone waits for it."""
-    sock = socket.socket(fileno=os.dup(conn.fileno()))  # a second handle on the same socket
-    try:
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    finally:
-        sock.close()  # closes the duplicate only
 
 
 def _check(result: Any, step_id: int) -> StepResult:

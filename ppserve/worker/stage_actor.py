@@ -329,7 +329,7 @@ class StageActor:
         on a thread of this actor; Ray calls (spans, shutdown) stay served meanwhile."""
         from multiprocessing.connection import Client
 
-        from ppserve.engine.dispatch import no_delay
+        from ppserve.comm.tcp import no_delay
 
         conn = Client(address, authkey=authkey)
         no_delay(conn)  # results go back at once, not after the engine's delayed ACK

@@ -1,4 +1,4 @@
-"""The control plane's connections send at once: TCP_NODELAY on both ends (engine/dispatch.py `no_delay`).
+"""The control plane's connections send at once: TCP_NODELAY on both ends (comm/tcp.py `no_delay`).
 
 With Nagle's algorithm on, a stage's result written while its previous one was still unacknowledged waited
 for the engine's delayed ACK (up to 40 ms): a hole of 27-44 ms on both stages of the demo, once or twice a
@@ -12,7 +12,7 @@ import tempfile
 import threading
 from multiprocessing.connection import Client, Connection, Listener
 
-from ppserve.engine.dispatch import no_delay
+from ppserve.comm.tcp import no_delay
 
 
 def _nodelay(conn: Connection) -> int:
