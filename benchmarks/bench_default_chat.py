@@ -11,6 +11,7 @@ chat prompts), greedy: the defaults, then each `--variant` (a `section.key=value
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 from ppserve import LLM, SamplingParams
@@ -40,11 +41,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--variant", action="append", default=[],
-                    help="comma-separated section.key=value overrides run beside the defaults (repeatable)")
+                    help="comma-separated section.key=value overrides run beside the defaults (repeatable; a list "
+                    "value in brackets: parallel.layer_partition=[18,12])")
     ap.add_argument("--out", default="results/bench_default_chat.json")
     args = ap.parse_args()
     rows = [run([], args.requests, args.max_tokens)]
-    rows += [run(v.split(","), args.requests, args.max_tokens) for v in args.variant]
+    # commas inside [...] belong to a list value (parallel.layer_partition=[18,12])
+    rows += [run(re.split(r",(?![^\[]*\])", v), args.requests, args.max_tokens) for v in args.variant]
     print("| setting | layers | mean bubble | per stage | output tok/s |")
     print("|---|---|---|---|---|")
     for r in rows:
