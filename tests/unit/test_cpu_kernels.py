@@ -297,6 +297,7 @@ def test_panel_gemm_layout_and_refusals(kind: str) -> None:
         gemm(torch.randn(48, 64), packed, None)  # float32 input
     with pytest.raises(ValueError, match="unknown PanelGemm kernel"):
         native.panel_gemm("avx2")
+    assert gemm(torch.randn(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)  # an empty batch
 
 
 def test_a_forced_onednn_path_turns_the_panel_gemm_off(monkeypatch) -> None:

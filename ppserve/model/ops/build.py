@@ -64,8 +64,11 @@ def library_key(compiler: str | None = None) -> str:
     """What the built library depends on, hashed: its sources, flags, compiler and this CPU's features.
     Also keys what was measured with these kernels (a calibrated partition's stage costs)."""
     compiler = compiler or _compiler()
-    version = "" if compiler is None else subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                                         check=True).stdout
+    try:
+        version = "" if compiler is None else subprocess.run([compiler, "--version"], capture_output=True,
+                                                             text=True, check=True).stdout
+    except (OSError, subprocess.SubprocessError):  # a broken compiler: the build will say so where it matters
+        version = f"{compiler}: no version"
     return hashlib.sha256("\0".join([*(f.read_text() for f in _sources()), *_COMPILE_FLAGS, *_LINK_FLAGS,
                                      *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
 

@@ -41,9 +41,10 @@ class PackedWeight:
     (`native.panel_gemm`), always, at every row count, with no oneDNN copy kept:
     - AMX: in the model its median beat oneDNN's best path at every shape and row count timed (e.g.
       3072 x 576 at 512 rows: 1.2 ms against 2.2 ms);
-    - AVX512-BF16 without AMX (a Zen 4, two threads): 1.2-2.9x oneDNN's fastest path at 1-16 rows, where
-      a decode step lives, and 0.98-1.11x at 128-512 rows (benchmarks/bench_gemm.py). oneDNN also ran
-      each row count padded up to its bucket of 32, so an 8-row decode GEMM paid for 32 rows.
+    - AVX512-BF16 without AMX (a Zen 4, two threads, one pass over the default model's linears,
+      benchmarks/bench_gemm.py): at 1-16 rows, where a decode step lives, 1.3-1.7x faster than oneDNN's
+      prepacked primitive at the exact row count and 2.2-4.5x faster than oneDNN as it was served here
+      (each row count padded up to its bucket of 32 rows); 1.02-1.10x at 128-512 rows.
     A fixed choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep
     oneDNN's prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
     `fastest_path`). Held outside the module's parameters and state dict: derived from `weight` and

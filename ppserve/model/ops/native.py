@@ -226,6 +226,8 @@ class PanelGemm:
             raise ValueError(f"{self.kernel} GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight "
                              f"[{n}, {packed.shape[1] * 32}]")
         out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16)
+        if m == 0:  # an empty microbatch part: nothing to compute (the kernels refuse M = 0)
+            return out
         status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                           out.data_ptr(), out.shape[1], m, n, k, int(silu_mul), torch.get_num_threads())
         if status != 0:
