@@ -38,7 +38,7 @@ static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *
 }
 
 /* The SiLU-and-mul epilogue for a gate/up weight whose 16-column panels alternate gate, up (see
- * AmxGemm.pack_gate_up): out = bf16(bf16(silu(bf16(gate))) * bf16(up)), the eager chain's roundings,
+ * PanelGemm.pack_gate_up): out = bf16(bf16(silu(bf16(gate))) * bf16(up)), the eager chain's roundings,
  * written to the first `rows` rows of a 16-column slice of the [M, N/2] output. */
 static inline void store_silu_mul(const float *gate, const float *up, uint16_t *out, int64_t ldc, int64_t rows) {
     for (int r = 0; r < rows && r < 16; r++) {

@@ -8,14 +8,14 @@
  * decode step was those GEMMs. Here each thread streams its share of the weights exactly once whatever M
  * is small, and every 64-byte weight load feeds MR rows of dot products.
  *
- * W is prepacked in the AMX kernel's layout (ops/native.py AmxGemm.pack): 16-column panels,
+ * W is prepacked in the AMX kernel's layout (ops/native.py PanelGemm.pack): 16-column panels,
  *   packed[n / 16][k / 32][kk = 0..15][nn = 0..15][2] = W[n16 + nn][k32 + 2 kk + {0, 1}],
  * so k pair j = 16 (k / 32) + kk of a panel is one contiguous 64-byte vector: lane nn holds
  * (W[n16 + nn][2j], W[n16 + nn][2j + 1]), exactly vdpbf16ps's second operand against a broadcast pair
  * (a[r][2j], a[r][2j + 1]). One micro-kernel call computes MR rows x NP panels (MR x 16 NP outputs) in
  * MR x NP accumulator registers: NP weight loads and MR broadcasts per k pair, MR x NP dot products.
  * Shapes: N and K multiples of 32 (the packing's), any M. The gate/up epilogue (silu_mul) takes the
- * panels of AmxGemm.pack_gate_up, alternating gate and up, and rounds as the eager chain does. */
+ * panels of PanelGemm.pack_gate_up, alternating gate and up, and rounds as the eager chain does. */
 #include <stdint.h>
 #include <string.h>
 
