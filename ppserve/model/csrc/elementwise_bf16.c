@@ -92,7 +92,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, in
 #ifdef VEC_BF16
         for (int64_t i = 0; i < inter; i += 16) {
             const __mmask16 m = tail_mask(inter - i);
-            vstore(o + i, m, _mm512_mul_ps(vround_f32(vsilu(vload(g + i, m))), vload(u + i, m)));
+            vstore(o + i, m, vsilu_mul(vload(g + i, m), vload(u + i, m)));
         }
 #else
         for (int64_t i = 0; i < inter; i++) o[i] = f32_to_bf16(round_bf16(silu_scalar(bf16_to_f32(g[i]))) * bf16_to_f32(u[i]));

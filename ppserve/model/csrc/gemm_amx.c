@@ -43,7 +43,7 @@ static inline void store_tile(const float *acc, const uint16_t *bias, uint16_t *
 static inline void store_silu_mul(const float *gate, const float *up, uint16_t *out, int64_t ldc, int64_t rows) {
     for (int r = 0; r < rows && r < 16; r++) {
         const __m512 g = vround_f32(_mm512_loadu_ps(gate + 16 * r)), u = vround_f32(_mm512_loadu_ps(up + 16 * r));
-        _mm256_storeu_si256((__m256i *)(out + r * ldc), vround(_mm512_mul_ps(vround_f32(vsilu(g)), u)));
+        _mm256_storeu_si256((__m256i *)(out + r * ldc), vround(vsilu_mul(g, u)));
     }
 }
 

@@ -110,7 +110,7 @@ int gemm_bf16_avx512(const uint16_t *a, int64_t lda, const uint16_t *w_packed, c
                             for (int p = 0; p < np; p += 2) {
                                 const __m512 gate = vround_f32(acc[r][p]), up = vround_f32(acc[r][p + 1]);
                                 _mm256_storeu_si256((__m256i *)(o + (p0 + p) * 8),
-                                                    vround(_mm512_mul_ps(vround_f32(vsilu(gate)), up)));
+                                                    vround(vsilu_mul(gate, up)));
                             }
                             continue;
                         }

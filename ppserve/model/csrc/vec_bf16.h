@@ -57,5 +57,9 @@ static inline __m512 vsilu(__m512 g) {
     const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, s);
     return _mm512_mul_ps(num, inv);
 }
+/* silu(gate) * up as torch's eager chain computes it on bf16 tensors: silu rounded to bf16, then the product
+ * (which the caller rounds). gate and up hold bf16 values (rounded already where they come from a float
+ * accumulator). Shared by the SiLU-and-mul kernel and the GEMMs' gate/up epilogues. */
+static inline __m512 vsilu_mul(__m512 gate, __m512 up) { return _mm512_mul_ps(vround_f32(vsilu(gate)), up); }
 #endif /* AVX512-BF16 */
 #endif /* PPSERVE_VEC_BF16_H */
