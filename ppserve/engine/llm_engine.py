@@ -106,7 +106,7 @@ class LLMEngine:
         kind = par.executor
         if kind == "auto":
             kind = "inproc" if par.world_size == 1 else "ray"
-        ranges = initial_ranges(par, self.arch)
+        ranges = initial_ranges(par, self.arch, self.config.scheduler.token_budget)
         self.executor: Executor
         if kind == "inproc":
             from ppserve.engine.executor import InProcExecutor

@@ -1,7 +1,7 @@
 """The simulator's layer split, made the way the engine makes it (ARCHITECTURE.md §11).
 
 `parallel.partition_mode` and `parallel.layer_partition` mean what they mean to `LLM(...)`: explicit
-counts, `even`, `cost` (weights per token, the LM head priced as if every token got logits:
+counts, `even`, `cost` (weights per token, robust over a decode and a full-budget prefill microbatch:
 `ppserve.sched.partition.initial_ranges`, the engine's own function), or `calibrated`: the engine's
 calibration workload (`ppserve.engine.calibration.calibration_workload`) runs through the simulator on
 the even split, its microbatches' shapes and roofline stage times are fitted by the engine's
@@ -48,7 +48,7 @@ def simulated_ranges(par: ParallelConfig, model: ModelSpec, hw: HardwareSpec, nu
                      block_size: int) -> list[tuple[int, int]]:
     """The layer ranges the engine would run `model` with on `num_stages` stages, priced on `hw`."""
     par = replace(par, pipeline_parallel_size=num_stages)
-    ranges = initial_ranges(par, model)
+    ranges = initial_ranges(par, model, sched.token_budget)
     if par.partition_mode != "calibrated" or num_stages < 2 or par.layer_partition:
         return ranges
     n, prompt_len, out_len = calibration_workload(sched, num_stages, max_model_len)

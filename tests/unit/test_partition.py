@@ -70,6 +70,48 @@ def test_cost_partition_is_optimal_by_brute_force():
         assert got == pytest.approx(best)
 
 
+def test_robust_partition_bounds_the_worst_regime():
+    """SmolLM2's shapes on two stages: the decode split (19 / 11) runs a prefill-heavy step 1.27x slower
+    than the even split does; the robust split (17 / 13) is within 1.11x of decode's best and 1.13x of
+    prefill's."""
+    from types import SimpleNamespace
+
+    from ppserve.sched.partition import cost_partition, prefill_reference, robust_partition
+
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                            vocab_size=49152)
+    costs = weight_costs(shape)
+    refs = (DECODE_REFERENCE, prefill_reference(512))
+
+    def regret(ranges, ref):
+        return max(stage_costs(ranges, costs, ref)) / max(stage_costs(cost_partition(30, 2, costs, ref), costs, ref))
+
+    robust = robust_partition(30, 2, costs, refs)
+    assert robust == [(0, 17), (17, 30)]
+    assert [round(regret(robust, r), 3) for r in refs] == [1.105, 1.132]
+    decode_split = cost_partition(30, 2, costs, DECODE_REFERENCE)
+    assert decode_split == [(0, 19), (19, 30)] and round(regret(decode_split, refs[1]), 3) == 1.265
+    # One reference: the plain cost split.
+    assert robust_partition(30, 2, costs, refs[:1]) == decode_split
+
+
+def test_robust_partition_is_minimax_by_brute_force():
+    import itertools
+
+    from ppserve.sched.partition import cost_partition, robust_partition
+
+    costs = LayerCosts(StepCost(floor_s=0.1, token_s=1.0), StepCost(floor_s=0.5, sample_s=2.2))
+    refs = (features(((1, 0),), 1), features(((64, 0),), 1), features(((1, 0),) * 8, 8))
+    for n, p in [(7, 3), (9, 2), (6, 4), (12, 3)]:
+        best = {r: max(stage_costs(cost_partition(n, p, costs, r), costs, r)) for r in refs}
+
+        def worst(ranges, best=best):
+            return max(max(stage_costs(ranges, costs, r)) / best[r] for r in refs)
+
+        optimum = min(worst(_ranges(_counts(cuts, n))) for cuts in itertools.combinations(range(1, n), p - 1))
+        assert worst(robust_partition(n, p, costs, refs)) == pytest.approx(optimum)
+
+
 def _counts(cuts, n):
     b = [0, *cuts, n]
     return [b[i + 1] - b[i] for i in range(len(b) - 1)]
@@ -176,7 +218,9 @@ def test_initial_ranges_follow_the_mode():
     shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
                             vocab_size=49152)
     par = SimpleNamespace(pipeline_parallel_size=2, layer_partition=None, partition_mode="cost")
-    assert initial_ranges(par, shape) == [(0, 19), (19, 30)]
+    # Robust over decode (best 19 / 11) and a full-budget prefill chunk (best 15 / 15).
+    assert initial_ranges(par, shape) == [(0, 17), (17, 30)]
+    assert initial_ranges(par, shape, token_budget=1) == [(0, 19), (19, 30)]  # a 1-token chunk is a decode
     par.partition_mode = "calibrated"  # starts even, refined by the engine from measured stage times
     assert initial_ranges(par, shape) == [(0, 15), (15, 30)]
     par.layer_partition = (10, 20)
