@@ -120,17 +120,49 @@ def _brute_force_nonnegative(a, b):
     return best[1]
 
 
+def _random_normal_equations(rng: random.Random) -> tuple[list[list[float]], list[float]]:
+    """The normal equations (XtX, Xty) of a random least-squares problem of 1-5 unknowns."""
+    n, m = rng.randint(1, 5), rng.randint(5, 9)
+    rows = [[rng.gauss(0, 1) for _ in range(n)] for _ in range(m)]
+    ys = [rng.gauss(0, 1) for _ in range(m)]
+    a = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
+    return a, b
+
+
 def test_solve_nonnegative_finds_the_constrained_least_squares_optimum():
     rng = random.Random(5)
     for _ in range(300):
-        n, m = rng.randint(1, 5), rng.randint(5, 9)
-        rows = [[rng.gauss(0, 1) for _ in range(n)] for _ in range(m)]
-        ys = [rng.gauss(0, 1) for _ in range(m)]
-        a = [[sum(r[i] * r[j] for r in rows) + (1e-9 if i == j else 0.0) for j in range(n)] for i in range(n)]
-        b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(n)]
+        a, b = _random_normal_equations(rng)
         x = solve_nonnegative(a, b)
         assert x is not None and min(x) >= 0
         assert x == pytest.approx(_brute_force_nonnegative(a, b), abs=1e-7)
+
+
+def test_solve_nonnegative_with_any_free_hint_gives_the_same_optimum():
+    """A hint (the free set of a previous solution) is a shortcut, never a different answer: the right
+    set returns the optimum after one solve, a wrong one falls back to the run from zero."""
+    from unittest import mock
+
+    import ppserve.sched.cost as cost_mod
+
+    rng = random.Random(7)
+    shortcuts = 0
+    for _ in range(200):
+        a, b = _random_normal_equations(rng)
+        n = len(b)
+        x = solve_nonnegative(a, b)
+        assert x is not None
+        right = [v > 0 for v in x]
+        wrong = [rng.random() < 0.5 for _ in range(n)]
+        for hint in (right, wrong, [True] * n, [False] * n):
+            with mock.patch.object(cost_mod, "solve_linear", wraps=cost_mod.solve_linear) as solves:
+                got = solve_nonnegative(a, b, hint)
+            assert got == pytest.approx(x, abs=1e-9)
+            if hint is right and any(right):
+                assert solves.call_count == 1  # the hinted set was the optimum: one solve
+                shortcuts += 1
+    assert shortcuts > 100
 
 
 def test_a_fit_that_would_go_negative_refits_the_others_instead_of_clamping():
