@@ -71,6 +71,25 @@ def test_grouped_mm_equals_the_per_expert_loop_bit_for_bit(dtype, routing):
         torch.testing.assert_close(got, per_token_loop(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("panels", [False, True])
+def test_one_token_takes_its_experts_directly_with_the_grouped_paths_numbers(dtype, panels):
+    """A batch-1 decode step skips the sort, gathers and scatter: each of its experts' groups is its one
+    row either way, so its output equals, bit for bit, that token's row of a sorted (two-token) run in
+    which the other token chose other experts, on the torch chain and on the panel GEMM alike."""
+    if panels and (dtype != torch.bfloat16 or native.panel_gemm() is None):
+        pytest.skip("the panel GEMM runs bf16 on CPUs with AMX or AVX512-BF16")
+    x, ids, weights, w13, w2 = random_experts(2, 64, 64, 8, 2, dtype, seed=5)
+    ids = torch.tensor([[6, 1], [3, 4]])  # disjoint: every expert's group in the two-token run is one row
+    packed = pack_experts(w13, w2) if panels else None
+    assert panels == (packed is not None)
+    pair = grouped_experts(x, ids, weights, w13, w2, packed=packed)
+    one = grouped_experts(x[:1], ids[:1], weights[:1], w13, w2, packed=packed)
+    assert one.shape == (1, 64) and torch.equal(one[0], pair[0])
+    if dtype == torch.float32:
+        torch.testing.assert_close(one, per_token_loop(x[:1], ids[:1], weights[:1], w13, w2), atol=1e-5, rtol=1e-5)
+
+
 def test_the_expert_matmuls_dispatch_rule():
     x, ids, weights, w13, w2 = random_experts(4, 64, 48, 8, 2)
     runs = grouped_mm_runs("cpu", torch.float32)

@@ -15,6 +15,9 @@ group the pairs by expert and run each expert once over all its tokens, never a 
     every expert's group, empty ones too, so with fewer pairs than ~0.3 per expert (one decode token on
     8 experts top-2) the loop is faster (grouped_mm 0.9x there, 0.6x at 64 experts top-8). It is also the
     fallback where `F.grouped_mm` is missing or refuses the device, dtype or layout (`uses_grouped_mm`).
+  A single token (a batch-1 decode step) takes its k experts straight from its ids: each expert's group
+  is its one row anyway, so the matmuls are the same and only the sort, gathers and scatter go (one layer
+  of the tiny Qwen3-MoE, float32: the experts from 0.14 to 0.09 ms; `bench_moe.py --parts breakdown`).
   Either way the grouped path is not captured in CUDA graphs (the loop's host read; on CUDA the Triton
   kernel is the fast path).
   In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: the per-expert loop on ppserve's
@@ -133,6 +136,9 @@ def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tens
     GEMM."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
+    if t == 1 and expert_matmuls != "grouped_mm":
+        down = _one_token_experts(x, topk_ids, w13, w2, packed if expert_matmuls == "auto" else None)
+        return _weighted_sum(down, topk_weights, t, k, x.dtype)
     # Pair p = token p // k, its (p % k)-th choice; sorted stably by expert, so each expert's rows are
     # one run, ending at ends[e] (int32, as grouped_mm takes its offsets).
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
@@ -146,10 +152,31 @@ def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tens
     else:
         down = _per_expert_matmuls(rows, ends, w13, w2)
     out = torch.empty_like(down).index_copy_(0, order, down)  # back to pair order
-    # Weighted in the routing weights' dtype (float32 for Mixtral, as transformers does), then each token's
-    # k results summed in top-k order.
+    return _weighted_sum(out, topk_weights, t, k, x.dtype)
+
+
+def _weighted_sum(out: Tensor, topk_weights: Tensor, t: int, k: int, dtype: torch.dtype) -> Tensor:
+    """Pair-order expert outputs [T k, H] weighted in the routing weights' dtype (float32 for Mixtral, as
+    transformers does), then each token's k results summed in top-k order -> [T, H]."""
     weighted = out * topk_weights.reshape(-1, 1)
-    return weighted.view(t, k, weighted.shape[1]).sum(dim=1).to(x.dtype)  # shape spelled out: t may be 0
+    return weighted.view(t, k, weighted.shape[1]).sum(dim=1).to(dtype)  # shape spelled out: t may be 0
+
+
+def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
+                       packed: PanelExperts | None) -> Tensor:
+    """One token (a batch-1 decode step): its k experts straight from the ids, in top-k order, which is
+    pair order. Each expert's group is that one row either way, so the matmuls are the grouped path's
+    (the panel GEMM for bf16 where `packed`, else the torch chain); only the sort, the gathers and the
+    scatter back, ~half the layer's time at this size, are left out."""
+    gemm = native.panel_gemm(packed.kernel) if packed is not None and x.dtype == torch.bfloat16 else None
+    outs = []
+    for expert in topk_ids[0].tolist():  # the host read the per-expert loop makes too
+        if gemm is not None:
+            assert packed is not None
+            outs.append(gemm(gemm(x, packed.gate_up[expert], None, silu_mul=True), packed.down[expert], None))
+        else:
+            outs.append(F.linear(silu_mul(F.linear(x, w13[expert])), w2[expert]))
+    return torch.cat(outs)
 
 
 def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
