@@ -197,7 +197,6 @@ def initial_ranges(par: PartitionSettings, model: ModelShape, token_budget: int 
     (`robust_partition`); `calibrated` starts even and is refined from measured stage times."""
     mode = par.partition_mode
     if mode == "cost" and par.layer_partition is None:
-        _validate(model.num_layers, par.pipeline_parallel_size)
         return robust_partition(model.num_layers, par.pipeline_parallel_size, weight_costs(model),
                                 (DECODE_REFERENCE, prefill_reference(token_budget)))
     if mode == "calibrated":

@@ -168,15 +168,16 @@ def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
     pair order. Each expert's group is that one row either way, so the matmuls are the grouped path's
     (the panel GEMM for bf16 where `packed`, else the torch chain); only the sort, the gathers and the
     scatter back, ~half the layer's time at this size, are left out."""
-    gemm = native.panel_gemm(packed.kernel) if packed is not None and x.dtype == torch.bfloat16 else None
-    outs = []
-    for expert in topk_ids[0].tolist():  # the host read the per-expert loop makes too
-        if gemm is not None:
-            assert packed is not None
-            outs.append(gemm(gemm(x, packed.gate_up[expert], None, silu_mul=True), packed.down[expert], None))
-        else:
-            outs.append(F.linear(silu_mul(F.linear(x, w13[expert])), w2[expert]))
-    return torch.cat(outs)
+    if packed is not None and x.dtype == torch.bfloat16:
+        gemm = native.panel_gemm(packed.kernel)
+        assert gemm is not None  # it packed the experts
+
+        def expert_out(e: int) -> Tensor:
+            return gemm(gemm(x, packed.gate_up[e], None, silu_mul=True), packed.down[e], None)
+    else:
+        def expert_out(e: int) -> Tensor:
+            return F.linear(silu_mul(F.linear(x, w13[e])), w2[e])
+    return torch.cat([expert_out(e) for e in topk_ids[0].tolist()])  # the host read the per-expert loop makes too
 
 
 def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
