@@ -9,7 +9,7 @@
 2. `grouped`: one MoE layer's experts over 64 tokens in --dtype, the grouped path (ppserve/model/ops/moe.py,
    every way of running its matmuls: F.grouped_mm, the per-expert torch loop and, in bf16 on a CPU with
    AMX or AVX512-BF16, ppserve's panel GEMM) against a loop over tokens, median of repeated runs.
-3. `breakdown`: where one float32 decode step's milliseconds go, per phase, ppserve against transformers
+3. `breakdown`: where one --dtype decode step's milliseconds go, per phase, ppserve against transformers
    (moe_step_breakdown.py).
 4. `sim`: `ppserve simulate` on H100s for Qwen3-235B-A22B and Mixtral-8x22B at PP4xTP8 and PP2xTP8,
    sarathi against the vllm policy, over the Splitwise conversation trace: throughput and mean bubble.
@@ -136,8 +136,8 @@ def decode_cell(hf, llm, prompts: list[list[int]], new_tokens: int, repeats: int
 
 
 def step_breakdown(hidden: int, inter: int, batch: int, prompt_len: int, new_tokens: int, repeats: int,
-                   threads: int) -> dict[str, object]:
-    """Per-phase milliseconds of one float32 decode step, ppserve against transformers (moe_step_breakdown.py)."""
+                   threads: int, dtype: str = "float32") -> dict[str, object]:
+    """Per-phase milliseconds of one decode step in `dtype`, ppserve against transformers (moe_step_breakdown.py)."""
     from moe_step_breakdown import ppserve_timers, transformers_timers  # beside this file
     from transformers import AutoModelForCausalLM
 
@@ -147,11 +147,11 @@ def step_breakdown(hidden: int, inter: int, batch: int, prompt_len: int, new_tok
     model_dir = tiny_qwen3_moe(hidden, inter)
     prompts = random_prompts(0, [prompt_len] * batch)
     ids = torch.tensor(prompts)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     hf.generation_config.eos_token_id = None
     result: dict[str, object] = {"hidden": hidden, "expert_intermediate": inter, "batch": batch,
-                                 "new_tokens": new_tokens}
-    with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=1, max_num_seqs=batch,
+                                 "new_tokens": new_tokens, "dtype": dtype}
+    with LLM(str(model_dir), dtype=dtype, executor="inproc", pipeline_parallel_size=1, max_num_seqs=batch,
              token_budget=max(512, batch * prompt_len),
              overrides=[f"parallel.num_threads={threads}"] if threads else []) as llm, torch.inference_mode():
         sides = {
@@ -260,7 +260,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (both sides; decode and grouped parts)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (both sides; every part but sim)")
     # One thread by default: on this shared 2-core machine a two-thread OpenMP region waits ~40 ms whenever
     # its second thread is descheduled, which swamps every multi-threaded op (both sides alike).
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -300,9 +300,10 @@ def main() -> None:
                   f"({r['fast_path_gain_best']:.2f}x) | {r['tokens_equal']} |")
     if "breakdown" in parts:
         hidden, inter, batch = (int(v) for v in args.breakdown.split("x"))
-        r = step_breakdown(hidden, inter, batch, args.prompt_len, args.new_tokens, args.repeats, args.threads)
+        r = step_breakdown(hidden, inter, batch, args.prompt_len, args.new_tokens, args.repeats, args.threads,
+                           args.dtype)
         results["breakdown"] = r
-        print(f"one float32 decode step, {hidden}x{inter}, batch {batch}, ms (fastest of {args.repeats} interleaved):")
+        print(f"one {args.dtype} decode step, {hidden}x{inter}, batch {batch}, ms (fastest of {args.repeats} interleaved):")
         for side in ("ppserve", "transformers"):
             print(f"  {side}: {r[side]['step_ms']:.3f} ms per step")
             for name, ms in r[side]["phases_ms"].items():

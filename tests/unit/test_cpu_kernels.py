@@ -300,6 +300,45 @@ def test_panel_gemm_layout_and_refusals(kind: str) -> None:
     assert gemm(torch.randn(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)  # an empty batch
 
 
+@needs_compiler
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+@pytest.mark.parametrize("silu_mul", [False, True])
+# rows per expert: idle experts first, in the middle and last; one crowded expert (over a 6-row block); none
+@pytest.mark.parametrize("counts", [[0, 3, 0, 1, 9, 0], [2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 13], [0] * 6])
+def test_grouped_panel_gemm_equals_one_call_per_expert(kind: str, silu_mul: bool, counts: list[int]) -> None:
+    """Every expert of an MoE layer in one call: the same GEMM per expert over the same rows as calling the
+    kernel once per expert, so bit for bit its result (the AMX kernel loops over the experts itself)."""
+    gemm = _gemm_or_skip(kind)
+    torch.manual_seed(sum(counts) + silu_mul)
+    n, k = (2 * 96, 128) if silu_mul else (96, 128)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
+    packed = torch.stack([gemm.pack_gate_up(w) if silu_mul else gemm.pack(w) for w in weights])
+    rows = torch.randn(sum(counts), k + 32, dtype=torch.bfloat16)[:, :k]  # strided rows, as gathered
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    got = gemm.grouped(rows, packed, ends, silu_mul=silu_mul)
+    bounds = [0, *ends.tolist()]
+    want = [gemm(rows[bounds[e]:bounds[e + 1]], packed[e], None, silu_mul=silu_mul) for e in range(len(counts))]
+    assert got.shape == (sum(counts), n // 2 if silu_mul else n)
+    assert torch.equal(got, torch.cat(want))
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+def test_grouped_panel_gemm_refuses_bad_groups(kind: str) -> None:
+    gemm = _gemm_or_skip(kind)
+    packed = torch.stack([gemm.pack(torch.randn(32, 64, dtype=torch.bfloat16)) for _ in range(3)])
+    rows = torch.randn(5, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows end at 4, not at 5"):
+        gemm.grouped(rows, packed, torch.tensor([1, 3, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="do not match 3 packed weights"):
+        gemm.grouped(rows, packed, torch.tensor([1, 5], dtype=torch.int32))  # two ends for three experts
+    with pytest.raises(ValueError, match="do not match"):
+        gemm.grouped(rows, packed, torch.tensor([1, 3, 5]))  # int64 ends
+    if kind == "avx512":  # the C entry checks the order itself; the AMX loop would just skip the experts
+        with pytest.raises(RuntimeError, match="ends not non-decreasing"):
+            gemm.grouped(rows, packed, torch.tensor([3, 1, 5], dtype=torch.int32))
+
+
 def test_a_forced_onednn_path_turns_the_panel_gemm_off(monkeypatch) -> None:
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
     assert native.panel_gemm() is None  # model.linear_path: packed | plain means oneDNN for every weight

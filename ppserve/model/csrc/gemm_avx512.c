@@ -81,47 +81,81 @@ static const micro_fn MICROS[MR][NP] = {ROW_FNS(1), ROW_FNS(2), ROW_FNS(3), ROW_
  * group is 192 KiB, so a sweep stays in L2 across the row blocks while A's rows come from L1. */
 #define GROUPS_PER_SWEEP 2
 
+/* One thread's share of out [M, N] = a W^T (+ bias; or silu(gate) * up, see gemm_bf16_avx512): the output
+ * columns of panels lo .. hi - 1 (lo, hi even), every row. Each thread streams its share of W once (from
+ * memory; later row blocks read it from L2). */
+static void gemm_share(const uint16_t *a, int64_t lda, const uint16_t *w_packed, const uint16_t *bias, uint16_t *out,
+                       int64_t ldc, int64_t m, int64_t k, int silu_mul, int64_t lo, int64_t hi) {
+    const int64_t pairs = k / 2, panel = k * 16; /* uint16 per 16-column panel */
+    __m512 acc[MR][NP];
+    for (int64_t s0 = lo; s0 < hi; s0 += NP * GROUPS_PER_SWEEP) {
+        const int64_t s1 = s0 + NP * GROUPS_PER_SWEEP < hi ? s0 + NP * GROUPS_PER_SWEEP : hi;
+        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+            const int rows = m - r0 < MR ? (int)(m - r0) : MR;
+            for (int64_t p0 = s0; p0 < s1; p0 += NP) {
+                const int np = s1 - p0 < NP ? (int)(s1 - p0) : NP; /* even: units are panel pairs */
+                MICROS[rows - 1][np - 1](a + r0 * lda, lda, w_packed + p0 * panel, panel, pairs, acc);
+                for (int r = 0; r < rows; r++) {
+                    uint16_t *o = out + (r0 + r) * ldc;
+                    if (silu_mul) { /* panels 2q, 2q + 1: gate and up of output columns 16q .. 16q + 15 */
+                        for (int p = 0; p < np; p += 2) {
+                            const __m512 gate = vround_f32(acc[r][p]), up = vround_f32(acc[r][p + 1]);
+                            _mm256_storeu_si256((__m256i *)(o + (p0 + p) * 8), vround(vsilu_mul(gate, up)));
+                        }
+                        continue;
+                    }
+                    for (int p = 0; p < np; p++) {
+                        const __m512 b = bias ? vload(bias + (p0 + p) * 16, 0xffff) : _mm512_setzero_ps();
+                        _mm256_storeu_si256((__m256i *)(o + (p0 + p) * 16), vround(_mm512_add_ps(acc[r][p], b)));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Threads split the columns in units of two panels (a gate/up pair for silu_mul), not in whole micro-
+ * kernel groups: 36 panels (N = 576) are 9 groups of 4, which two threads would share 5 : 4. */
+static inline int64_t share_start(int64_t units, int64_t tid, int64_t nt) { return 2 * (units * tid / nt); }
+
 /* silu_mul = 0: out [M, N] = a W^T + bias. silu_mul = 1: W's panels alternate gate, up and out [M, N/2]
  * = silu(gate) * up (no bias). Returns 0, 1 = unsupported shape, 3 = not built with AVX512-BF16. */
 int gemm_bf16_avx512(const uint16_t *a, int64_t lda, const uint16_t *w_packed, const uint16_t *bias, uint16_t *out,
                      int64_t ldc, int64_t m, int64_t n, int64_t k, int silu_mul, int num_threads) {
     if (n % 32 || k % 32 || m <= 0 || n <= 0 || k <= 0 || (silu_mul && bias)) return 1;
-    const int64_t pairs = k / 2, panel = k * 16; /* uint16 per 16-column panel */
-    /* Threads split the columns in units of two panels (a gate/up pair for silu_mul), not in whole micro-
-     * kernel groups: 36 panels (N = 576) are 9 groups of 4, which two threads would share 5 : 4. */
     const int64_t units = n / 32;
     const int threads = num_threads < units ? num_threads : (int)units;
 #pragma omp parallel num_threads(threads)
     {
-        __m512 acc[MR][NP];
         const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        /* Each thread streams its own share of W once (from memory; later row blocks read it from L2). */
-        const int64_t lo = 2 * (units * tid / nt), hi = 2 * (units * (tid + 1) / nt);
-        for (int64_t s0 = lo; s0 < hi; s0 += NP * GROUPS_PER_SWEEP) {
-            const int64_t s1 = s0 + NP * GROUPS_PER_SWEEP < hi ? s0 + NP * GROUPS_PER_SWEEP : hi;
-            for (int64_t r0 = 0; r0 < m; r0 += MR) {
-                const int rows = m - r0 < MR ? (int)(m - r0) : MR;
-                for (int64_t p0 = s0; p0 < s1; p0 += NP) {
-                    const int np = s1 - p0 < NP ? (int)(s1 - p0) : NP; /* even: units are panel pairs */
-                    MICROS[rows - 1][np - 1](a + r0 * lda, lda, w_packed + p0 * panel, panel, pairs, acc);
-                    for (int r = 0; r < rows; r++) {
-                        uint16_t *o = out + (r0 + r) * ldc;
-                        if (silu_mul) { /* panels 2q, 2q + 1: gate and up of output columns 16q .. 16q + 15 */
-                            for (int p = 0; p < np; p += 2) {
-                                const __m512 gate = vround_f32(acc[r][p]), up = vround_f32(acc[r][p + 1]);
-                                _mm256_storeu_si256((__m256i *)(o + (p0 + p) * 8),
-                                                    vround(vsilu_mul(gate, up)));
-                            }
-                            continue;
-                        }
-                        for (int p = 0; p < np; p++) {
-                            const __m512 b = bias ? vload(bias + (p0 + p) * 16, 0xffff) : _mm512_setzero_ps();
-                            _mm256_storeu_si256((__m256i *)(o + (p0 + p) * 16), vround(_mm512_add_ps(acc[r][p], b)));
-                        }
-                    }
-                }
-            }
-        }
+        gemm_share(a, lda, w_packed, bias, out, ldc, m, k, silu_mul, share_start(units, tid, nt),
+                   share_start(units, tid + 1, nt));
+    }
+    return 0;
+}
+
+/* The experts of a mixture-of-experts layer in one parallel region: rows ends[e - 1] .. ends[e] - 1 of a
+ * (sorted by expert, ends[-1] = 0) times expert e's packed weight (w_packed + e * expert_stride), into
+ * the same rows of out; no bias. One call instead of one per expert saves each expert's call, output
+ * allocation, slicing and copy, which at a decode step's few rows per expert cost about what the
+ * multiplication does. Each thread takes its column share of every expert in turn. Returns as
+ * gemm_bf16_avx512; 2 = ends not non-decreasing. */
+int grouped_gemm_bf16_avx512(const uint16_t *a, int64_t lda, const uint16_t *w_packed, int64_t expert_stride,
+                             const int32_t *ends, int64_t num_experts, uint16_t *out, int64_t ldc, int64_t n,
+                             int64_t k, int silu_mul, int num_threads) {
+    if (n % 32 || k % 32 || n <= 0 || k <= 0 || num_experts <= 0) return 1;
+    for (int64_t e = 0, start = 0; e < num_experts; start = ends[e], e++)
+        if (ends[e] < start) return 2;
+    const int64_t units = n / 32;
+    const int threads = num_threads < units ? num_threads : (int)units;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = share_start(units, tid, nt), hi = share_start(units, tid + 1, nt);
+        for (int64_t e = 0, start = 0; e < num_experts; start = ends[e], e++)
+            if (ends[e] > start)
+                gemm_share(a + start * lda, lda, w_packed + e * expert_stride, NULL, out + start * ldc, ldc,
+                           ends[e] - start, k, silu_mul, lo, hi);
     }
     return 0;
 }
@@ -132,6 +166,14 @@ int gemm_bf16_avx512(const uint16_t *a, int64_t lda, const uint16_t *w_packed, c
                      int64_t ldc, int64_t m, int64_t n, int64_t k, int silu_mul, int num_threads) {
     (void)a, (void)lda, (void)w_packed, (void)bias, (void)out, (void)ldc, (void)m, (void)n, (void)k, (void)silu_mul;
     (void)num_threads;
+    return 3; /* not built with AVX512-BF16 */
+}
+
+int grouped_gemm_bf16_avx512(const uint16_t *a, int64_t lda, const uint16_t *w_packed, int64_t expert_stride,
+                             const int32_t *ends, int64_t num_experts, uint16_t *out, int64_t ldc, int64_t n,
+                             int64_t k, int silu_mul, int num_threads) {
+    (void)a, (void)lda, (void)w_packed, (void)expert_stride, (void)ends, (void)num_experts, (void)out, (void)ldc;
+    (void)n, (void)k, (void)silu_mul, (void)num_threads;
     return 3; /* not built with AVX512-BF16 */
 }
 

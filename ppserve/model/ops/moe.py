@@ -20,9 +20,12 @@ group the pairs by expert and run each expert once over all its tokens, never a 
   of the tiny Qwen3-MoE, float32: the experts from 0.14 to 0.09 ms; `bench_moe.py --parts breakdown`).
   Either way the grouped path is not captured in CUDA graphs (the loop's host read; on CUDA the Triton
   kernel is the fast path).
-  In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: the per-expert loop on ppserve's
-  panel GEMM (csrc/gemm_amx.c, csrc/gemm_avx512.c; `native.panel_gemm`), each expert's weights prepacked
-  once at load (`PanelExperts`), SiLU-and-mul in the gate/up GEMM's epilogue as the dense MLP does. oneDNN's bf16 GEMM repacks a weight on every call, which
+  In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: ppserve's panel GEMM (csrc/gemm_amx.c,
+  csrc/gemm_avx512.c; `native.panel_gemm`), each expert's weights prepacked once at load (`PanelExperts`),
+  SiLU-and-mul in the gate/up GEMM's epilogue as the dense MLP does, and every expert's projection in one
+  call (`PanelGemm.grouped`; on AMX a loop over the experts): one call per expert cost about what a decode
+  step's few rows multiply (one layer, H 512, I 1024, 16 tokens on 8 experts top-2, Zen 4: the matmuls
+  1.01 -> 0.47 ms). oneDNN's bf16 GEMM repacks a weight on every call, which
   at an expert's few rows is a large part of the product (one layer, 64 tokens, H 512, I 256, 8 experts
   top-2, one thread on a Xeon with AMX: the AMX loop 1.4x faster than grouped_mm, 20x the loop over
   tokens; `benchmarks/bench_moe.py --parts grouped --dtype bfloat16`). Its sums may run in another order
@@ -194,18 +197,12 @@ def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> 
 
 
 def _panel_expert_matmuls(rows: Tensor, ends: Tensor, packed: PanelExperts) -> Tensor:
-    """`_per_expert_matmuls` on the panel GEMM: bf16 rows [P, H] sorted by expert -> [P, H]."""
+    """`_per_expert_matmuls` on the panel GEMM: bf16 rows [P, H] sorted by expert -> [P, H]. Every expert's
+    gate/up in one call, then every expert's down in another (`PanelGemm.grouped`): the per-expert calls,
+    output allocations and copies cost about what a decode step's few rows per expert multiply."""
     gemm = native.panel_gemm(packed.kernel)
     assert gemm is not None  # it packed the experts
-    down = torch.empty(rows.shape[0], packed.down.shape[1] * 16, dtype=rows.dtype)
-    start = 0
-    for expert, end in enumerate(ends.tolist()):
-        if end == start:
-            continue
-        act = gemm(rows[start:end], packed.gate_up[expert], None, silu_mul=True)  # [n, I]
-        down[start:end] = gemm(act, packed.down[expert], None)
-        start = end
-    return down
+    return gemm.grouped(gemm.grouped(rows, packed.gate_up, ends, silu_mul=True), packed.down, ends)
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:

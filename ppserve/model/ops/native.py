@@ -185,6 +185,9 @@ class PanelGemm:
     Both take the same layout and arguments and round the same way."""
 
     KERNELS = {"amx": "gemm_bf16_amx", "avx512": "gemm_bf16_avx512"}
+    # Every expert of an MoE layer in one call (csrc/gemm_avx512.c); the AMX kernel has none, so `grouped`
+    # loops over the experts there.
+    GROUPED_KERNELS = {"avx512": "grouped_gemm_bf16_avx512"}
 
     def __init__(self, lib: ctypes.CDLL, kernel: str = "amx") -> None:
         fn = getattr(lib, self.KERNELS[kernel])
@@ -192,6 +195,14 @@ class PanelGemm:
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self._grouped_fn = None
+        if kernel in self.GROUPED_KERNELS:
+            grouped = getattr(lib, self.GROUPED_KERNELS[kernel])
+            grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                ctypes.c_int, ctypes.c_int]
+            grouped.restype = ctypes.c_int
+            self._grouped_fn = grouped
         self.kernel = kernel
 
     @staticmethod
@@ -232,6 +243,41 @@ class PanelGemm:
                           out.data_ptr(), out.shape[1], m, n, k, int(silu_mul), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{self.kernel} GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
+        return out
+
+    def grouped(self, x: Tensor, packed: Tensor, ends: Tensor, silu_mul: bool = False) -> Tensor:
+        """Rows of x [P, K] sorted by expert, expert e's rows ending at ends[e] (int32 [E], non-decreasing,
+        ends[-1] = P), each times its expert's packed weight packed[e] ([E, ...] of `pack` or, with
+        `silu_mul`, of `pack_gate_up`) -> [P, N] (or [P, N/2]): what calling this GEMM per expert gives, bit
+        for bit, in one call where the kernel has a grouped entry (experts with no rows cost nothing)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        p, k = x.shape
+        num_experts, n = packed.shape[0], packed.shape[1] * 16
+        if (x.dtype != torch.bfloat16 or k != packed.shape[2] * 32 or ends.shape != (num_experts,)
+                or ends.dtype != torch.int32):
+            raise ValueError(f"{self.kernel} grouped GEMM: input {tuple(x.shape)} {x.dtype}, ends {tuple(ends.shape)} "
+                             f"{ends.dtype} do not match {num_experts} packed weights [{n}, {packed.shape[2] * 32}]")
+        if p != int(ends[-1]):
+            raise ValueError(f"{self.kernel} grouped GEMM: the experts' rows end at {int(ends[-1])}, not at {p}")
+        if self._grouped_fn is None:
+            out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
+            start = 0
+            for expert, end in enumerate(ends.tolist()):
+                if end > start:
+                    out[start:end] = self(x[start:end], packed[expert], None, silu_mul=silu_mul)
+                start = end
+            return out
+        ends = ends.contiguous()
+        out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
+        if p == 0:
+            return out
+        status = self._grouped_fn(x.data_ptr(), x.stride(0), packed.data_ptr(), packed.stride(0), ends.data_ptr(),
+                                  num_experts, out.data_ptr(), out.shape[1], n, k, int(silu_mul),
+                                  torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{self.kernel} grouped GEMM refused [{p}, {k}] x {num_experts} x [{n}, {k}] "
+                               f"(status {status}: {'ends not non-decreasing' if status == 2 else 'shape'})")
         return out
 
 
