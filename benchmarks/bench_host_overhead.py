@@ -48,7 +48,9 @@ def measure(model_dir: Path, requests: int, pp: int, steps: int, warm_steps: int
         sampling = SamplingParams(max_tokens=warm_steps + steps + 8, ignore_eos=True)
         for i in range(requests):
             engine.add_request([3 + i % 200, 5, 7, 9], sampling, request_id=f"r{i}")
-        while engine.scheduler.waiting or any(o.num_prefill_tokens for o in engine.scheduler.in_flight):
+        sched = engine.scheduler
+        while (sched.waiting or any(o.num_prefill_tokens for o in sched.in_flight)
+               or any(r.is_prefill for r in sched.running.values())):
             engine.step()  # until every request decodes
         for _ in range(warm_steps):
             engine.step()
@@ -84,6 +86,7 @@ def measure(model_dir: Path, requests: int, pp: int, steps: int, warm_steps: int
              for s in range(pp)}
     return {"requests": requests, "pp": pp, "microbatches": microbatches,
             "decodes_per_microbatch": statistics.median(decodes.values()) if decodes else 0,
+            "decodes_per_step": [decodes[s] for s in sorted(decodes)],
             "stage_host_ms": {str(s): round(v, 4) for s, v in stage_ms.items()}, "stage_parts_ms": parts,
             "worst_stage_host_ms": round(max(stage_ms.values()), 4),
             "worst_prepare_ms": round(max(p.get("prepare", 0.0) for p in parts.values()), 4),
