@@ -305,10 +305,17 @@ def test_panel_gemm_layout_and_refusals(kind: str) -> None:
 @pytest.mark.parametrize("silu_mul", [False, True])
 # rows per expert: idle experts first, in the middle and last; one crowded expert (over a 6-row block); none
 @pytest.mark.parametrize("counts", [[0, 3, 0, 1, 9, 0], [2, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 13], [0] * 6])
-def test_grouped_panel_gemm_equals_one_call_per_expert(kind: str, silu_mul: bool, counts: list[int]) -> None:
+@pytest.mark.parametrize("entry", ["kernel's own", "loop"])
+def test_grouped_panel_gemm_equals_one_call_per_expert(kind: str, silu_mul: bool, counts: list[int], entry: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Every expert of an MoE layer in one call: the same GEMM per expert over the same rows as calling the
-    kernel once per expert, so bit for bit its result (the AMX kernel loops over the experts itself)."""
+    kernel once per expert, so bit for bit its result. A kernel without a grouped entry (AMX) loops over
+    the experts in Python: `entry="loop"` takes that path on any kernel."""
     gemm = _gemm_or_skip(kind)
+    if entry == "loop":
+        monkeypatch.setattr(gemm, "_grouped_fn", None)
+    elif gemm._grouped_fn is None:
+        pytest.skip(f"the {kind} kernel has no grouped entry")
     torch.manual_seed(sum(counts) + silu_mul)
     n, k = (2 * 96, 128) if silu_mul else (96, 128)
     weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.1 for _ in counts]
