@@ -331,7 +331,7 @@ def test_grouped_panel_gemm_equals_one_call_per_expert(kind: str, silu_mul: bool
 
 @needs_compiler
 @pytest.mark.parametrize("kind", ["amx", "avx512"])
-def test_grouped_panel_gemm_refuses_bad_groups(kind: str) -> None:
+def test_grouped_panel_gemm_refuses_bad_groups(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     gemm = _gemm_or_skip(kind)
     packed = torch.stack([gemm.pack(torch.randn(32, 64, dtype=torch.bfloat16)) for _ in range(3)])
     rows = torch.randn(5, 64, dtype=torch.bfloat16)
@@ -341,9 +341,13 @@ def test_grouped_panel_gemm_refuses_bad_groups(kind: str) -> None:
         gemm.grouped(rows, packed, torch.tensor([1, 5], dtype=torch.int32))  # two ends for three experts
     with pytest.raises(ValueError, match="do not match"):
         gemm.grouped(rows, packed, torch.tensor([1, 3, 5]))  # int64 ends
-    if kind == "avx512":  # the C entry checks the order itself; the AMX loop would just skip the experts
-        with pytest.raises(RuntimeError, match="ends not non-decreasing"):
-            gemm.grouped(rows, packed, torch.tensor([3, 1, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="ends not non-decreasing"):
+        gemm.grouped(rows, packed, torch.tensor([3, 1, 5], dtype=torch.int32))
+    monkeypatch.setattr(gemm, "_grouped_fn", None)  # the Python loop (the AMX kernel's) checks the same
+    with pytest.raises(RuntimeError, match="ends not non-decreasing"):
+        gemm.grouped(rows, packed, torch.tensor([3, 1, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="one contiguous tensor"):
+        gemm.grouped(rows, packed.transpose(3, 4), torch.tensor([1, 3, 5], dtype=torch.int32))  # same shape
 
 
 def test_a_forced_onednn_path_turns_the_panel_gemm_off(monkeypatch) -> None:

@@ -8,6 +8,7 @@ library cannot be built or the kernel cannot run (no AMX, switched off by the se
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -260,13 +261,16 @@ class PanelGemm:
                              f"{ends.dtype} do not match {num_experts} packed weights [{n}, {packed.shape[2] * 32}]")
         if p != int(ends[-1]):
             raise ValueError(f"{self.kernel} grouped GEMM: the experts' rows end at {int(ends[-1])}, not at {p}")
+        if not packed.is_contiguous():  # the kernel finds expert e's weight e strides in
+            raise ValueError(f"{self.kernel} grouped GEMM: the packed weights must be one contiguous tensor")
         if self._grouped_fn is None:
             out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
-            start = 0
-            for expert, end in enumerate(ends.tolist()):
+            bounds = [0, *ends.tolist()]
+            if any(end < start for start, end in itertools.pairwise(bounds)):
+                raise RuntimeError(f"{self.kernel} grouped GEMM refused: ends not non-decreasing")
+            for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
                 if end > start:
                     out[start:end] = self(x[start:end], packed[expert], None, silu_mul=silu_mul)
-                start = end
             return out
         ends = ends.contiguous()
         out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
