@@ -20,7 +20,10 @@ token, on the last stage only (the fit finds it zero elsewhere).
 - `StepCostFit` / `OnlinePipelineCost`: fitted online from the stage times every `StepResult` carries,
   by exponentially weighted least squares with a weak ridge toward a prior (a saved profile, a
   start-up calibration or the simulator's roofline), solved on demand, so it follows drift and never
-  becomes singular when every microbatch looks alike.
+  becomes singular when every microbatch looks alike. Two pieces: one for microbatches with a prefill
+  chunk, where decode-only microbatches weigh `DECODE_ONLY_WEIGHT`, and one for decode-only
+  microbatches alone (below the ridge point a step is its floor, which a line through the chunks
+  does not pass through).
 - `LayerCosts`: per decoder layer and for what the last stage adds; a pipeline's `PipelineCost` from
   any layer split (the partitioner's objective), and back from a measured one (`fit_layer_costs`).
 
@@ -36,6 +39,7 @@ from dataclasses import astuple, dataclass, fields, replace
 from ppserve.sched.output import SchedulerOutput
 
 __all__ = [
+    "DECODE_ONLY_WEIGHT",
     "BatchShape",
     "Chunks",
     "Features",
@@ -57,6 +61,19 @@ Chunks = Sequence[tuple[int, int]]
 # (1, tokens, prefill attention keys, decode keys, sampled tokens): what every coefficient multiplies.
 Features = tuple[float, float, float, float, float]
 NUM_FEATURES = 5
+
+# What a decode-only microbatch weighs in the scheduler's online fit of the chunked step cost, against 1
+# for a microbatch with a prefill chunk; the decode-only ones get a fit of their own besides
+# (`OnlinePipelineCost`, `PipelineCost.decode_stages`). A real step is not linear in its tokens: up to
+# about the ridge point it costs its floor (the weights' read on a GPU), beyond it each token its compute.
+# Decode-only microbatches are most of a run (the conversation trace on Llama-2-70B A100 PP4: nine in
+# ten) and sit below that knee, so one fit weighing all alike was true for them and wrong for the chunks,
+# whose size is what the balanced share decides: it read 15 us a token and 11 ns a prefill key where the
+# chunks cost 46 us a token past the knee and ~1 ns a key, and cut a 4,074-token prompt into chunks that
+# ran 24.6, 20.1, 17.3 ... 8.2 ms one after another. Each fall stalls the decode ring (the p - 1 microbatches
+# behind a longer one wait for it to come round). Weighed down, decodes still price what only they show
+# when no chunk runs; the regime suite's figures are in benchmarks/README.md ("The step cost's two pieces").
+DECODE_ONLY_WEIGHT = 1e-3
 
 
 def attention_keys(num_tokens: int, context: int) -> float:
@@ -233,13 +250,20 @@ class StepCost:
 
 @dataclass(frozen=True)
 class PipelineCost:
-    """A `StepCost` per pipeline stage; the pipeline's pace is its slowest stage."""
+    """A `StepCost` per pipeline stage; the pipeline's pace is its slowest stage.
+
+    `decode_stages`, where given, price a microbatch without a prefill chunk (the online fit's second
+    piece, `OnlinePipelineCost`: below the knee a step is its floor); `stages` price every other one and
+    are what a budget adds chunks with."""
 
     stages: tuple[StepCost, ...]
+    decode_stages: tuple[StepCost, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ValueError("a pipeline cost needs at least one stage")
+        if self.decode_stages is not None and len(self.decode_stages) != len(self.stages):
+            raise ValueError(f"{len(self.decode_stages)} decode-only stage costs for {len(self.stages)} stages")
 
     @property
     def num_stages(self) -> int:
@@ -247,7 +271,8 @@ class PipelineCost:
 
     def stage_times(self, shape: BatchShape) -> list[float]:
         x = features(shape.chunks, shape.num_sampled)
-        return [s.of_features(x) for s in self.stages]
+        stages = self.decode_stages if self.decode_stages is not None and x[2] == 0 else self.stages
+        return [s.of_features(x) for s in stages]
 
     def pace(self, shape: BatchShape) -> float:
         """The predicted time of the slowest stage: how long the pipeline takes per microbatch like this."""
@@ -381,27 +406,29 @@ class StepCostFit:
         self._dirty = False
         self._free_hint: list[bool] | None = None  # which coefficients the last fit left above zero
 
-    def observe(self, x: Sequence[float], seconds: float) -> None:
+    def observe(self, x: Sequence[float], seconds: float, weight: float = 1.0) -> None:
         z = self.scaled(x)
-        self.observe_scaled(z, [[zi * zj for zj in z] for zi in z], seconds)
+        self.observe_scaled(z, [[zi * zj for zj in z] for zi in z], seconds, weight)
 
     @classmethod
     def scaled(cls, x: Sequence[float]) -> list[float]:
         """Features in the fit's units (`_SCALE`)."""
         return [f / s for f, s in zip(x, cls._SCALE, strict=True)]
 
-    def observe_scaled(self, z: Sequence[float], zz: Sequence[Sequence[float]], seconds: float) -> None:
+    def observe_scaled(self, z: Sequence[float], zz: Sequence[Sequence[float]], seconds: float,
+                       weight: float = 1.0) -> None:
         """`observe` with the features already scaled (`z`) and their outer product (`zz`): every stage
-        of a pipeline sees the same microbatch, so `OnlinePipelineCost` forms them once."""
+        of a pipeline sees the same microbatch, so `OnlinePipelineCost` forms them once. `weight`: what
+        the sample counts in the least squares (`OnlinePipelineCost`'s decode-only microbatches)."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return  # a broken measurement teaches nothing
         lam = self.forgetting
         for i, zi in enumerate(z):
-            self._xty[i] = lam * self._xty[i] + zi * seconds
+            self._xty[i] = lam * self._xty[i] + weight * zi * seconds
             row = self._xtx[i]
             for j, zzij in enumerate(zz[i]):
-                row[j] = lam * row[j] + zzij
-        self._yy = lam * self._yy + seconds * seconds
+                row[j] = lam * row[j] + weight * zzij
+        self._yy = lam * self._yy + weight * seconds * seconds
         self.num_samples += 1
         self._dirty = (self._dirty or self.num_samples % self.refit_every == 0
                        or self.num_samples <= self.min_samples + self.WARM_UP)
@@ -457,13 +484,22 @@ class StepCostFit:
 class OnlinePipelineCost:
     """A `StepCostFit` per stage, fed every microbatch's measured stage times (`StepResult.stage_seconds`):
     the scheduler's live `PipelineCost`. `prior` (a saved profile, a calibration, the roofline) is what
-    it predicts before `min_samples` microbatches and what the weak ridge pulls toward."""
+    it predicts before `min_samples` microbatches and what the weak ridge pulls toward.
+
+    With `decode_only_weight` < 1 (the scheduler's default, `DECODE_ONLY_WEIGHT`) the cost has two pieces:
+    `fits`, where a decode-only microbatch weighs that much and one with a prefill chunk 1 (what a budget
+    sizes chunks with), and `decode_fits`, on decode-only microbatches alone (`PipelineCost.decode_stages`).
+    At 1 (an offline fit of a whole run, `sched/partition.py`) every microbatch weighs alike in one piece."""
 
     def __init__(self, num_stages: int, prior: PipelineCost | None = None, forgetting: float = 0.995,
-                 ridge: float = 1e-6, min_samples: int = 8, refit_every: int = 8) -> None:
+                 ridge: float = 1e-6, min_samples: int = 8, refit_every: int = 8,
+                 decode_only_weight: float = DECODE_ONLY_WEIGHT) -> None:
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages!r}")
+        if not 0.0 < decode_only_weight <= 1.0:
+            raise ValueError(f"decode_only_weight must be in (0, 1], got {decode_only_weight!r}")
         self._num_stages = num_stages
+        self.decode_only_weight = decode_only_weight
         self.forgetting = forgetting
         self.ridge = ridge
         self.min_samples = min_samples
@@ -476,6 +512,10 @@ class OnlinePipelineCost:
             raise ValueError(f"a prior of {prior.num_stages} stages for a pipeline of {self._num_stages}")
         priors: Sequence[StepCost | None] = prior.stages if prior is not None else (None,) * self._num_stages
         self.fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every) for p in priors]
+        # The decode-only piece: fitted on decode-only microbatches alone, at full weight (none where they
+        # weigh as much as the others: one fit is then true for both).
+        self.decode_fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every)
+                            for p in priors] if self.decode_only_weight < 1.0 else []
         self.has_prior = prior is not None
         self._current: PipelineCost | None = None
 
@@ -492,17 +532,26 @@ class OnlinePipelineCost:
         """One microbatch's compute seconds per stage; ignored when they cover another pipeline."""
         if len(stage_seconds) != len(self.fits) or not shape.chunks:
             return
-        z = StepCostFit.scaled(features(shape.chunks, shape.num_sampled))
+        x = features(shape.chunks, shape.num_sampled)
+        z = StepCostFit.scaled(x)
         zz = [[zi * zj for zj in z] for zi in z]
+        decode_only = x[2] == 0  # no prefill keys: no chunk of more than one token
+        weight = self.decode_only_weight if decode_only else 1.0
         for fit, seconds in zip(self.fits, stage_seconds, strict=True):
-            fit.observe_scaled(z, zz, seconds)
-        if any(f._dirty for f in self.fits):
+            fit.observe_scaled(z, zz, seconds, weight)
+        if decode_only and self.decode_fits:  # none at full weight
+            for fit, seconds in zip(self.decode_fits, stage_seconds, strict=True):
+                fit.observe_scaled(z, zz, seconds)
+        if any(f._dirty for f in self.fits) or any(f._dirty for f in self.decode_fits):
             self._current = None
 
     @property
     def current(self) -> PipelineCost:
         if self._current is None:
-            self._current = PipelineCost(tuple(f.cost for f in self.fits))
+            # Until the decode-only piece has its own samples it prices with the other piece.
+            pairs = zip(self.fits, self.decode_fits, strict=True) if self.decode_fits else ()
+            decode = tuple(d.cost if d.calibrated else f.cost for f, d in pairs) or None
+            self._current = PipelineCost(tuple(f.cost for f in self.fits), decode)
         return self._current
 
 

@@ -258,7 +258,8 @@ def fit_cost_profile(samples: Sequence[tuple[BatchShape, Sequence[float]]], rang
     if len(ranges) < 2:
         raise ValueError("fitting stage costs needs a pipeline of two stages or more")
     # Offline: every sample weighs alike, no drift; solved once, when read at the end.
-    fit = OnlinePipelineCost(len(ranges), forgetting=1.0, ridge=1e-9, min_samples=1, refit_every=1)
+    fit = OnlinePipelineCost(len(ranges), forgetting=1.0, ridge=1e-9, min_samples=1, refit_every=1,
+                               decode_only_weight=1.0)
     every: list[Features] = []
     decodes: list[Features] = []
     for shape, seconds in samples:

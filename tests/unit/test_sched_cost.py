@@ -18,6 +18,7 @@ from ppserve.sched.budget import (
     make_budget_mode,
 )
 from ppserve.sched.cost import (
+    DECODE_ONLY_WEIGHT,
     BatchShape,
     LayerCosts,
     OnlinePipelineCost,
@@ -305,7 +306,7 @@ def test_work_features_plus_copies_and_leaves_the_sum_alone():
 
 def test_a_pipeline_fit_equals_one_fit_per_stage_fed_alone():
     """`OnlinePipelineCost` forms the scaled features once for all stages: the same sums as each
-    stage's `StepCostFit.observe`."""
+    stage's `StepCostFit.observe`, a decode-only microbatch weighed `DECODE_ONLY_WEIGHT`."""
     rng = random.Random(5)
     pipe = OnlinePipelineCost(2, forgetting=0.99)
     alone = [StepCostFit(forgetting=0.99), StepCostFit(forgetting=0.99)]
@@ -313,8 +314,9 @@ def test_a_pipeline_fit_equals_one_fit_per_stage_fed_alone():
         shape = random_shape(rng)
         times = PIPE.stage_times(shape)
         pipe.observe(shape, times)
+        weight = 1.0 if any(n > 1 for n, _ in shape.chunks) else DECODE_ONLY_WEIGHT
         for fit, t in zip(alone, times, strict=True):
-            fit.observe(features(shape.chunks, shape.num_sampled), t)
+            fit.observe(features(shape.chunks, shape.num_sampled), t, weight)
     assert [f.cost for f in pipe.fits] == [f.cost for f in alone]
     assert [f.normal_equations() for f in pipe.fits] == [f.normal_equations() for f in alone]
 
@@ -436,3 +438,51 @@ def test_adaptive_feedback_alone_shrinks_the_budget():
     for t in range(1, 6):
         ad.observe(out, (), now=0.2 * t, finished=())
     assert ad.token_budget < 1000 and ad.history and ad.history[0][1] == pytest.approx(0.2)
+
+
+def _knee_seconds(shape: BatchShape) -> float:
+    """A step that costs its floor up to a 96-token knee (the weights' read) and its compute past it:
+    what a GPU stage looks like, and what one line through every microbatch cannot follow."""
+    _, tokens, prefill_keys, decode_keys, _ = features(shape.chunks, shape.num_sampled)
+    return 5e-3 + 40e-6 * max(0.0, tokens - 96) + 1e-9 * prefill_keys + 10e-9 * decode_keys
+
+
+def _serving_shape(rng: random.Random, with_chunk: bool) -> BatchShape:
+    decodes = [(1, rng.randint(100, 3000)) for _ in range(8)]
+    chunk = [(rng.randint(150, 504), rng.randint(0, 3000))] if with_chunk else []
+    return BatchShape(tuple(decodes + chunk), 8)
+
+
+def test_the_online_fit_prices_chunks_and_decodes_each_with_its_own_piece():
+    """Nine microbatches in ten decode only, below the knee. Weighed alike, they bend the one line away
+    from the chunks the balanced share sizes; weighed down (`DECODE_ONLY_WEIGHT`), the chunk piece is
+    true for chunks, and the decode-only piece, fitted on them alone, for them."""
+    rng = random.Random(11)
+    two_piece = OnlinePipelineCost(1)
+    one_line = OnlinePipelineCost(1, decode_only_weight=1.0)
+    assert one_line.current.decode_stages is None
+    for _ in range(2000):
+        shape = _serving_shape(rng, with_chunk=rng.random() < 0.1)
+        for cost in (two_piece, one_line):
+            cost.observe(shape, [_knee_seconds(shape)])
+
+    def worst_error(cost: OnlinePipelineCost, with_chunk: bool) -> float:
+        shapes = [_serving_shape(rng, with_chunk) for _ in range(200)]
+        return max(abs(cost.current.pace(s) - _knee_seconds(s)) / _knee_seconds(s) for s in shapes)
+
+    assert worst_error(two_piece, with_chunk=True) < 0.08
+    assert worst_error(one_line, with_chunk=True) > 2 * worst_error(two_piece, with_chunk=True)
+    assert worst_error(two_piece, with_chunk=False) < 0.02
+    # A budget adds chunks with the chunk piece: its per-token price is the compute past the knee.
+    assert two_piece.current.stages[0].token_s == pytest.approx(40e-6, rel=0.1)
+
+
+def test_the_decode_only_piece_prices_with_the_chunk_piece_until_it_has_samples():
+    cost = OnlinePipelineCost(1)
+    chunk = BatchShape(((300, 0), (1, 50)), 1)
+    for _ in range(16):
+        cost.observe(chunk, [_knee_seconds(chunk)])
+    current = cost.current
+    assert current.decode_stages == current.stages  # no decode-only microbatch seen yet
+    with pytest.raises(ValueError, match="decode-only stage costs"):
+        PipelineCost((TRUE, LAST), decode_stages=(TRUE,))
