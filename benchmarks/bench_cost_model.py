@@ -46,6 +46,7 @@ def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, An
     llm = build_llm(spec, "sarathi")
     rows: list[tuple[list[float], tuple[float, ...]]] = []
     prior_rows: list[tuple[list[float], tuple[float, ...]]] = []
+    with_chunk: list[bool] = []  # per scored row: whether its microbatch held a prefill chunk
     startup = llm.engine.executor.startup_cost
     try:
         warm_up(llm.engine)
@@ -60,6 +61,7 @@ def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, An
                 prior_rows.append((startup.stage_times(BatchShape.of(measured)), tuple(stage_seconds)))
             if stage_seconds and not measured.is_empty and sched.cost.fits[0].num_samples >= skip:
                 rows.append((sched.cost.current.stage_times(BatchShape.of(measured)), tuple(stage_seconds)))
+                with_chunk.append(measured.num_prefill_tokens > 0)
             observe(out, stage_seconds, timed=timed)
 
         sched.observe_step = predicting_observe  # type: ignore[method-assign]
@@ -67,7 +69,11 @@ def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, An
     finally:
         llm.shutdown()
     summary = run.summary()
-    return {**_scored(rows), "num_microbatches": len(rows), "skip": skip,
+    # The online cost prices the two kinds with two pieces (sched/cost.py, DECODE_ONLY_WEIGHT): scored apart too.
+    by_kind = {kind: _errors([max(p) for (p, _), c in zip(rows, with_chunk, strict=True) if c == chunk],
+                             [max(m) for (_, m), c in zip(rows, with_chunk, strict=True) if c == chunk])
+               for kind, chunk in (("with_chunk", True), ("decode_only", False))}
+    return {**_scored(rows), "pace_by_kind": by_kind, "num_microbatches": len(rows), "skip": skip,
             "startup_prior": {**_scored(prior_rows), "num_microbatches": len(prior_rows),
                               "cost": startup.to_json() if startup is not None else None},
             "mean_bubble_fraction": summary.get("bubbles", {}).get("mean_bubble_fraction"),
@@ -110,6 +116,10 @@ def main() -> None:
                 continue
             print(f"{name:>8}: |predicted - measured| / measured  median {100 * e['median']:.1f} %  "
                   f"p90 {100 * e['p90']:.1f} %  (goal <= 10 % / <= 25 %)  bias {100 * e['bias']:+.1f} %")
+    for kind, e in fig["pace_by_kind"].items():
+        if e is not None:
+            print(f"online model, pace, {kind.replace('_', ' ')} ({e['n']} microbatches): median {100 * e['median']:.1f} %  "
+                  f"p90 {100 * e['p90']:.1f} %  bias {100 * e['bias']:+.1f} %")
     write_json(args.out, {"args": vars(args), **fig})
     print(f"wrote {args.out}")
 
