@@ -548,9 +548,11 @@ class OnlinePipelineCost:
     @property
     def current(self) -> PipelineCost:
         if self._current is None:
-            # Until the decode-only piece has its own samples it prices with the other piece.
-            pairs = zip(self.fits, self.decode_fits, strict=True) if self.decode_fits else ()
-            decode = tuple(d.cost if d.calibrated else f.cost for f, d in pairs) or None
+            # Until the decode-only piece has its own samples the other piece prices every microbatch.
+            decode = None
+            if any(d.calibrated for d in self.decode_fits):
+                pairs = zip(self.fits, self.decode_fits, strict=True)
+                decode = tuple(d.cost if d.calibrated else f.cost for f, d in pairs)
             self._current = PipelineCost(tuple(f.cost for f in self.fits), decode)
         return self._current
 

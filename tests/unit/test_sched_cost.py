@@ -482,7 +482,11 @@ def test_the_decode_only_piece_prices_with_the_chunk_piece_until_it_has_samples(
     chunk = BatchShape(((300, 0), (1, 50)), 1)
     for _ in range(16):
         cost.observe(chunk, [_knee_seconds(chunk)])
-    current = cost.current
-    assert current.decode_stages == current.stages  # no decode-only microbatch seen yet
+    assert cost.current.decode_stages is None  # no decode-only microbatch seen yet: one piece prices all
+    decode = BatchShape(((1, 50),), 1)
+    for _ in range(8):
+        cost.observe(decode, [_knee_seconds(decode)])
+    assert cost.current.decode_stages is not None
+    assert cost.current.pace(decode) == pytest.approx(_knee_seconds(decode), rel=0.02)
     with pytest.raises(ValueError, match="decode-only stage costs"):
         PipelineCost((TRUE, LAST), decode_stages=(TRUE,))
