@@ -490,3 +490,6 @@ def test_the_decode_only_piece_prices_with_the_chunk_piece_until_it_has_samples(
     assert cost.current.pace(decode) == pytest.approx(_knee_seconds(decode), rel=0.02)
     with pytest.raises(ValueError, match="decode-only stage costs"):
         PipelineCost((TRUE, LAST), decode_stages=(TRUE,))
+    for bad in (0.0, -1.0, 1.5):
+        with pytest.raises(ValueError, match="decode_only_weight"):
+            OnlinePipelineCost(1, decode_only_weight=bad)
