@@ -548,11 +548,10 @@ class OnlinePipelineCost:
     @property
     def current(self) -> PipelineCost:
         if self._current is None:
-            # Until the decode-only piece has its own samples the other piece prices every microbatch.
-            decode = None
-            if any(d.calibrated for d in self.decode_fits):
-                pairs = zip(self.fits, self.decode_fits, strict=True)
-                decode = tuple(d.cost if d.calibrated else f.cost for f, d in pairs)
+            # Until the decode-only piece has its own samples the other piece prices every microbatch. Every
+            # stage's fit sees every microbatch, so the stages' decode-only fits calibrate together.
+            calibrated = bool(self.decode_fits) and self.decode_fits[0].calibrated
+            decode = tuple(d.cost for d in self.decode_fits) if calibrated else None
             self._current = PipelineCost(tuple(f.cost for f in self.fits), decode)
         return self._current
 
