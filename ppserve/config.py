@@ -158,6 +158,11 @@ class SchedulerConfig:
     # ring's critical path (ARCHITECTURE.md §3, "The token ring"). A request that stops on a stop token
     # computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
     async_scheduling: bool = False
+    # With the token ring: form its extra microbatch the control plane's dispatch latency plus this margin
+    # (for the step cost's error) before stage 0 is predicted to finish the work ahead of it, so that a
+    # prompt arriving meanwhile joins it; None: as soon as the slot frees, a stage time early
+    # (ppserve/sched/ring_clock.py)
+    ring_margin_ms: float | None = 1.0
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
     max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
     budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)
@@ -177,6 +182,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.max_waiting must be >= 1, got {self.max_waiting!r}")
         if self.balance_rounds < 1:
             raise ValueError(f"scheduler.balance_rounds must be >= 1, got {self.balance_rounds!r}")
+        if self.ring_margin_ms is not None and not (self.ring_margin_ms >= 0 and math.isfinite(self.ring_margin_ms)):
+            raise ValueError(f"scheduler.ring_margin_ms must be a finite number >= 0 (or null), got {self.ring_margin_ms!r}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
 

@@ -25,6 +25,20 @@ from ppserve.sched.output import RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.scheduler import Scheduler
 
 MAX_UNTIMED = 256  # collected microbatches kept for their times: stages lag a few steps, never this many
+MAX_FORMATION_WAIT_S = 1.0  # the longest a real engine sleeps before forming a microbatch (a guard, not a tuning)
+
+
+def sleep_until(clock: Callable[[], float]) -> Callable[[float], None]:
+    """EngineCore's `wait_until` for a real engine: sleep until `clock` reads the due time. The result of
+    the oldest microbatch, if it comes back meanwhile, waits in its channel: the due time is a prediction of
+    when stage 0 frees, which is before that result is back unless the prediction ran late."""
+
+    def wait(due_s: float) -> None:
+        delay = due_s - clock()
+        if delay > 0:
+            time.sleep(min(delay, MAX_FORMATION_WAIT_S))
+
+    return wait
 
 
 class StepExecutor(Protocol):
@@ -41,12 +55,21 @@ class EngineCore:
         clock: Callable[[], float] = time.perf_counter,
         clock_ns: Callable[[], int] = time.perf_counter_ns,
         intake: Callable[[], None] | None = None,
+        wait_until: Callable[[float], None] | None = None,
+        dispatch_s: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock
         self.clock_ns = clock_ns
         self.intake = intake
+        # Waits until a clock time (seconds), or until the oldest microbatch is back if that comes first
+        # (the simulator): lets the token ring's extra microbatch be formed just before stage 0 needs it
+        # (`Scheduler.formation_due`). None: an executor that computes in `submit`, where waiting gains
+        # nothing; the next microbatch is then formed at once.
+        self.wait_until = wait_until
+        self.dispatch_s = dispatch_s  # the control plane's latency from submit to the stages (an estimate)
+        self.fill_due: float | None = None  # when the deferred fill is due (the clock's seconds)
         self.work = WorkTracker()  # when the engine had work: the bubble math's "had work" intervals
         self.engine_spans: list[Span] = []  # `schedule` spans on the engine track
         # Told of every microbatch that came back (the metrics exporter); quick, and must not raise.
@@ -66,6 +89,10 @@ class EngineCore:
         if self.deferred_failure is not None:
             failure, self.deferred_failure = self.deferred_failure, None
             raise failure
+        if self.fill_due is not None:
+            deferred, self.fill_due = self.fill_due, None
+            if self.wait_until is not None:
+                self.wait_until(deferred)
         self.fill()
         if not sched.in_flight:
             self.work.update(sched.has_unfinished, self.clock_ns())
@@ -81,6 +108,13 @@ class EngineCore:
         if timed is not None:
             for observe_time in self.timing_observers:
                 observe_time(timed, result.stage_seconds)
+        due = sched.formation_due(self.dispatch_s) if self.wait_until is not None else None
+        if due is not None and due > self.clock():
+            # The token ring's extra microbatch is not needed yet: the caller does its text work, the next
+            # step waits until it is due and forms it then, with whatever arrived meanwhile.
+            self.fill_due = due
+            self.work.update(sched.has_unfinished, self.clock_ns())
+            return now, updates
         try:
             self.fill()  # the stages get their next work before the caller does any text work
         except Exception as e:

@@ -38,6 +38,11 @@ class Executor(Protocol):
     # Each stage's step cost timed at start-up (worker/startup_cost.py), the prior of the scheduler's
     # cost model; None when a stage did not time one.
     startup_cost: PipelineCost | None
+    # Whether the stages compute while the engine does other things (submit returns at once): only then
+    # can the engine wait to form a microbatch until stage 0 needs it (EngineCore.wait_until), forming it
+    # `dispatch_latency_s` (the control plane's, from submit to stage 0) ahead.
+    asynchronous: bool
+    dispatch_latency_s: float
 
     def submit(self, out: SchedulerOutput) -> None:
         """Start a microbatch; returns without waiting when the executor is asynchronous."""
@@ -101,6 +106,9 @@ def agreed_block_size(sizes: list[int]) -> int:
 
 class InProcExecutor:
     """Every stage in this process, one after another per microbatch (tp = 1)."""
+
+    asynchronous = False  # the stages compute in `collect`, on the engine's thread
+    dispatch_latency_s = 0.0
 
     def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch,
                  ranges: list[tuple[int, int]]) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
-from ppserve.engine.core import EngineCore
+from ppserve.engine.core import EngineCore, sleep_until
 from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
 from ppserve.engine.messages import PromptInput, TokenDelta
@@ -130,7 +130,11 @@ class LLMEngine:
             # simulator, whose scheduler starts from the roofline's (worker/startup_cost.py).
             cost_prior=self.executor.startup_cost,
         )
-        self.core = EngineCore(self.scheduler, self.executor, clock=self.clock)
+        # With the token ring the engine may wait to form a microbatch until stage 0 needs it (sched/ring_clock.py):
+        # only where the stages compute on their own while it waits.
+        wait = sleep_until(self.clock) if getattr(self.executor, "asynchronous", False) else None
+        self.core = EngineCore(self.scheduler, self.executor, clock=self.clock, wait_until=wait,
+                               dispatch_s=getattr(self.executor, "dispatch_latency_s", 0.0))
         # The prefix cache over time, for the trace's counter track: (name, engine ns, values), one
         # sample per step that changed its hit rate or cached blocks.
         self.cache_counters: list[tuple[str, int, dict[str, float]]] = []
@@ -345,6 +349,7 @@ class LLMEngine:
                     logger.error("pipeline rebuild attempt %d failed: %s", self._consecutive_failures, e)
                     cause = e
             requeued = self.scheduler.requeue_all_for_recompute()
+            self.core.fill_due = None  # a wait for the old pipeline's stage 0
         finally:
             self.recovering = False
         elapsed = time.perf_counter() - t0

@@ -70,6 +70,12 @@ def ray_single_machine_mode() -> Iterator[None]:
 
 
 class RayExecutor:
+    asynchronous = True  # the stage actors compute while the engine forms the next microbatch
+    # From submit to stage 0 holding the microbatch: 0.39-0.46 ms medians measured on the connection control
+    # plane (benchmarks/bench_control_plane.py, benchmarks/README.md); what the token ring's just-in-time
+    # formation forms ahead by, with scheduler.ring_margin_ms.
+    dispatch_latency_s = 0.5e-3
+
     def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch, ranges: list[tuple[int, int]]) -> None:
         import ray
 

@@ -53,6 +53,7 @@ from ppserve.sched.budget import BudgetMode, TimeBudget, TokenBudget, make_budge
 from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost, WorkFeatures
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
+from ppserve.sched.ring_clock import RingClock
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -95,6 +96,9 @@ class Scheduler:
         # decodes taking the tokens the oldest in-flight microbatch samples, straight from the last stage.
         self.async_scheduling = config.async_scheduling and num_stages > 1
         self.max_in_flight = num_stages + 1 if self.async_scheduling else num_stages
+        # With the ring, when its extra microbatch is due: just before stage 0 needs it (`formation_due`).
+        self.ring_clock = RingClock(config.ring_margin_ms * 1e-3, 2 * self.max_in_flight) \
+            if self.async_scheduling and config.ring_margin_ms is not None else None
         self._seq_cap: int | None = None
         self.arrivals = ArrivalWatch()  # whether requests keep arriving: the balanced share's rounds
         if config.per_microbatch_seq_cap:
@@ -184,6 +188,8 @@ class Scheduler:
         """
         self.in_flight.clear()
         self._in_flight_work.clear()
+        if self.ring_clock is not None:
+            self.ring_clock.forget()
         self._released = []  # the old workers are gone: nothing of theirs to drop
         for rid, req in list(self.requests.items()):
             req.num_in_flight = 0
@@ -496,7 +502,20 @@ class Scheduler:
         self._released = []
         self._next_step += 1
         self.in_flight.append(out)
+        if self.ring_clock is not None:
+            stage0_s = self.cost.current.stage_times(BatchShape.of(out))[0] if self.cost.calibrated else None
+            self.ring_clock.formed(out.step_id, self.clock(), stage0_s)
         return out
+
+    def formation_due(self, dispatch_s: float = 0.0) -> float | None:
+        """With the token ring, when only its extra slot is free: when the next microbatch should be formed
+        (the injected clock's seconds), `dispatch_s` (the control plane's latency to the stages) plus
+        `scheduler.ring_margin_ms` before stage 0 is predicted to need it, so that what arrives meanwhile
+        joins it (sched/ring_clock.py). None: now (no ring, a stage slot free, or no prediction)."""
+        if self.ring_clock is None or len(self.in_flight) != self.num_stages:
+            return None
+        due = self.ring_clock.due_s(self.in_flight)
+        return None if due is None else due - dispatch_s
 
     def update_from_output(self, out: SchedulerOutput, result: StepResult) -> list[RequestUpdate]:
         """Take a finished microbatch back (oldest first), append sampled tokens, apply stop rules."""
@@ -510,6 +529,8 @@ class Scheduler:
             raise AssertionError(f"step {out.step_id}: no token came back for {sorted(missing)}")
         self.in_flight.popleft()
         self._in_flight_work.pop(out.step_id, None)
+        if self.ring_clock is not None:
+            self.ring_clock.returned(out.step_id, self.clock())
         requests = self.requests
         seq = self._next_step
         max_len = self.max_model_len

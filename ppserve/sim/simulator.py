@@ -308,7 +308,19 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
                 watch.admitted(req)
             core.work.update(True, arr_ns)
 
-    core = EngineCore(sched, executor, clock=clock.seconds, clock_ns=clock.ns, intake=intake)
+    def wait_until(due_s: float) -> None:
+        """The engine waits to form the token ring's extra microbatch (EngineCore.fill_due): its turnaround
+        after the last result first, then until `due_s` or the oldest microbatch's return, whichever comes first."""
+        if executor.just_collected:
+            clock.now_ns += _ns(cfg.schedule_overhead_s)
+            executor.just_collected = False
+        due_ns = _ns(due_s)
+        if executor.in_flight:
+            due_ns = min(due_ns, executor.in_flight[0][1])  # woken by the result that comes back first
+        clock.now_ns = max(clock.now_ns, due_ns)
+
+    core = EngineCore(sched, executor, clock=clock.seconds, clock_ns=clock.ns, intake=intake,
+                      wait_until=wait_until, dispatch_s=cfg.dispatch_latency_s)
     while True:
         stepped = core.step()
         if stepped is not None:
