@@ -9,8 +9,10 @@ hands the scheduler that microbatch's composition with them, never the current o
 
 The loop knows nothing of models, Ray or time itself. It is handed a scheduler, an executor (the Ray
 or in-process pipeline, or the simulator's cost-model pipeline), two clocks (seconds for request times,
-integer nanoseconds for spans) and an optional `intake` that adds the requests that have arrived
-before the engine looks (the simulator's arrivals; a server adds requests between steps instead).
+integer nanoseconds for spans), an optional `intake` that adds the requests that have arrived
+before the engine looks (the simulator's arrivals; a server adds requests between steps instead), and an
+optional `wait_until` (a real engine sleeps, the simulator moves its clock) with which the token ring's
+extra microbatch is formed just before stage 0 needs it, not as soon as its slot frees.
 Pure Python: no torch, Ray or grpc.
 """
 
@@ -65,8 +67,8 @@ class EngineCore:
         self.intake = intake
         # Waits until a clock time (seconds), or until the oldest microbatch is back if that comes first
         # (the simulator): lets the token ring's extra microbatch be formed just before stage 0 needs it
-        # (`Scheduler.formation_due`). None: an executor that computes in `submit`, where waiting gains
-        # nothing; the next microbatch is then formed at once.
+        # (`Scheduler.formation_due`). None: an executor whose stages compute only when the engine collects
+        # (the in-process one), where waiting gains nothing; the next microbatch is then formed at once.
         self.wait_until = wait_until
         self.dispatch_s = dispatch_s  # the control plane's latency from submit to the stages (an estimate)
         self.fill_due: float | None = None  # when the deferred fill is due (the clock's seconds)
@@ -82,8 +84,9 @@ class EngineCore:
         self.deferred_failure: Exception | None = None
 
     def step(self) -> tuple[float, list[RequestUpdate]] | None:
-        """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again.
-        Returns (the time the result came back, what each request gained), or None when nothing could
+        """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again (with the
+        token ring, where the engine can wait: the fill of the ring's extra slot is deferred to the next
+        step, which first waits until it is due). Returns (the time the result came back, what each request gained), or None when nothing could
         be put in flight."""
         sched = self.scheduler
         if self.deferred_failure is not None:
