@@ -5,7 +5,7 @@ in flight. The extra one's decodes take the tokens of the oldest in-flight micro
 so it can be formed as soon as the oldest before that returns, and that is when it used to be formed. But
 it then waits at stage 0 behind the microbatch ahead of it for about one stage time, and a prompt that
 arrives in that time misses it and joins the one after: the ring added a step to TTFT where prompts arrive
-among decodes (the regime suite's conversation trace +4-5 %, decode-heavy +11 %, shared-prefix +17 %).
+among decodes (the regime suite's conversation trace +3.8-4.5 %, decode-heavy +11 %, shared-prefix +17 %).
 
 `RingClock` predicts when stage 0 will have finished the work in flight ahead of the next microbatch, so
 the engine forms it ahead of then by the dispatch's latency (the caller's) plus `margin_s`, for the
