@@ -5,8 +5,9 @@ Two tables, one run:
    sarathi at token budget 512 and 128 running requests (seq cap on): the unbalanced formation with
    the old control-plane figures (0.2 ms turnaround, no dispatch latency: what the issue measured),
    the unbalanced formation and the balanced one both with ppserve's measured control plane
-   (--dispatch-ms / --overhead-ms). Mean bubble (active window), microbatch token CV, throughput,
-   TTFT and TBT.
+   (--dispatch-ms / --overhead-ms), and the balanced one with the token ring (`scheduler.async_scheduling`,
+   its extra microbatch formed just in time: off by default, ARCHITECTURE.md §3). Mean bubble (active
+   window), microbatch token CV, throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
    (unbalanced), against the pipelined ideal (every chunk enters a stage the moment both the stage and
    the chunk are free, no control plane).
@@ -88,6 +89,7 @@ def main() -> None:
         ("unbalanced, old control plane", dataclasses.replace(base, balance=False), 0.2, 0.0),
         ("unbalanced", dataclasses.replace(base, balance=False), args.overhead_ms, args.dispatch_ms),
         ("balanced", base, args.overhead_ms, args.dispatch_ms),
+        ("balanced + token ring", dataclasses.replace(base, async_scheduling=True), args.overhead_ms, args.dispatch_ms),
     ]
     rows = []
     print("| rate (req/s) | formation | bubble | token CV | req/s | out tok/s | TTFT p50 ms | TBT p50 ms | TBT p99 ms |")
