@@ -116,15 +116,14 @@ class EngineCore:
             # The token ring's extra microbatch is not needed yet: the caller does its text work, the next
             # step waits until it is due and forms it then, with whatever arrived meanwhile.
             self.fill_due = due
-            self.work.update(sched.has_unfinished, self.clock_ns())
-            return now, updates
-        try:
-            self.fill()  # the stages get their next work before the caller does any text work
-        except Exception as e:
-            # The result's tokens are in their requests already (a recovery recomputes from them), so
-            # they must reach the caller: return them, and fail on the next step. Raised here, a stage
-            # that died between this collect and the next submit lost them from the streams.
-            self.deferred_failure = e
+        else:
+            try:
+                self.fill()  # the stages get their next work before the caller does any text work
+            except Exception as e:
+                # The result's tokens are in their requests already (a recovery recomputes from them), so
+                # they must reach the caller: return them, and fail on the next step. Raised here, a stage
+                # that died between this collect and the next submit lost them from the streams.
+                self.deferred_failure = e
         self.work.update(sched.has_unfinished, self.clock_ns())
         return now, updates
 

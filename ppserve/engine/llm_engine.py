@@ -132,9 +132,9 @@ class LLMEngine:
         )
         # With the token ring the engine may wait to form a microbatch until stage 0 needs it (sched/ring_clock.py):
         # only where the stages compute on their own while it waits.
-        wait = sleep_until(self.clock) if getattr(self.executor, "asynchronous", False) else None
+        wait = sleep_until(self.clock) if self.executor.asynchronous else None
         self.core = EngineCore(self.scheduler, self.executor, clock=self.clock, wait_until=wait,
-                               dispatch_s=getattr(self.executor, "dispatch_latency_s", 0.0))
+                               dispatch_s=self.executor.dispatch_latency_s)
         # The prefix cache over time, for the trace's counter track: (name, engine ns, values), one
         # sample per step that changed its hit rate or cached blocks.
         self.cache_counters: list[tuple[str, int, dict[str, float]]] = []

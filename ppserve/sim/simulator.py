@@ -285,11 +285,15 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     watch = SloWatch(cfg.stop_on_slo_fail, [w.output_len for w in workload]) if cfg.stop_on_slo_fail else None
     stopped_early: str | None = None
 
-    def intake() -> None:
-        nonlocal next_arrival
-        if executor.just_collected:  # the engine's turnaround after a result, before it looks again
+    def turn_around() -> None:
+        """The engine's turnaround after a result (`schedule_overhead_s`), once, before it looks again."""
+        if executor.just_collected:
             clock.now_ns += _ns(cfg.schedule_overhead_s)
             executor.just_collected = False
+
+    def intake() -> None:
+        nonlocal next_arrival
+        turn_around()
         while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= clock.now_ns:
             arr_ns, k, w = arrivals[next_arrival]
             next_arrival += 1
@@ -311,9 +315,7 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     def wait_until(due_s: float) -> None:
         """The engine waits to form the token ring's extra microbatch (EngineCore.fill_due): its turnaround
         after the last result first, then until `due_s` or the oldest microbatch's return, whichever comes first."""
-        if executor.just_collected:
-            clock.now_ns += _ns(cfg.schedule_overhead_s)
-            executor.just_collected = False
+        turn_around()
         due_ns = _ns(due_s)
         if executor.in_flight:
             due_ns = min(due_ns, executor.in_flight[0][1])  # woken by the result that comes back first
