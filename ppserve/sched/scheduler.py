@@ -236,12 +236,13 @@ class Scheduler:
         slot the microbatch is formed without ring decodes first, and takes them only when it would
         otherwise be empty. Ring decodes make a microbatch wait at stage 0 for the oldest one to leave
         the last stage: beside work that could start now (the prompts filling an empty pipeline) they
-        would hold it back, where without them a free slot only waits for work."""
+        would hold it back, where without them a free slot only waits for work. The extra slot stays
+        closed while requests wait beyond the free seats (`_ring_slot_open`)."""
         if not self.has_room():
             return None
         ring = self._ring_candidates()
         if len(self.in_flight) >= self.num_stages:
-            return self._form(ring)
+            return self._form(ring) if self._ring_slot_open() else None
         return self._form({}) or (self._form(ring) if ring else None)
 
     def _form(self, ring: dict[str, Request]) -> SchedulerOutput | None:
@@ -267,6 +268,16 @@ class Scheduler:
         if not b.chosen:
             return None
         return self._emit(b, ring)
+
+    def _ring_slot_open(self) -> bool:
+        """Whether the token ring's extra slot (the p + 1-th microbatch in flight) may be used: not while
+        requests wait beyond the free seats. Then `max_num_seqs` bounds the work and every seat is taken:
+        the extra microbatch can only hold one decode group's next step, waiting at stage 0 for that
+        group's token, or split the prompts' chunks over p + 1 microbatches unevenly, a short one among
+        full ones, which every stage after the first pays as idle time. So the pipeline runs plain
+        Sarathi-Serve there (Sarathi's GPT-3 case: bubble 5.3 % with the slot, 4.4 % without, 4.3 %
+        without the ring; ARCHITECTURE.md §3)."""
+        return len(self.waiting) <= max(0, self.config.max_num_seqs - len(self.running))
 
     def _ring_candidates(self) -> dict[str, Request]:
         """With the token ring: the requests the oldest in-flight microbatch samples that may decode again
@@ -511,8 +522,9 @@ class Scheduler:
         """With the token ring, when only its extra slot is free: when the next microbatch should be formed
         (the injected clock's seconds), `dispatch_s` (the control plane's latency to the stages) plus
         `scheduler.ring_margin_ms` before stage 0 is predicted to need it, so that what arrives meanwhile
-        joins it (sched/ring_clock.py). None: now (no ring, a stage slot free, or no prediction)."""
-        if self.ring_clock is None or len(self.in_flight) != self.num_stages:
+        joins it (sched/ring_clock.py). None: now (no ring, a stage slot free, the extra slot closed, or no
+        prediction)."""
+        if self.ring_clock is None or len(self.in_flight) != self.num_stages or not self._ring_slot_open():
             return None
         due = self.ring_clock.due_s(self.in_flight)
         return None if due is None else due - dispatch_s

@@ -93,6 +93,23 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     assert s.schedule() is not None and s.schedule() is not None and s.schedule() is None
 
 
+def test_the_extra_slot_stays_closed_while_requests_wait_beyond_the_seats():
+    """Saturated (`max_num_seqs` taken, a request waiting): the pipeline holds p microbatches, as plain
+    Sarathi-Serve, and the engine is told to form now (nothing to wait for). A seat for every waiting
+    request opens the slot again."""
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+    _decoding(s, 4)
+    s.add_request(make_request("late", 3, max_tokens=4))
+    a, b = s.schedule(), s.schedule()
+    assert a is not None and b is not None and s.schedule() is None
+    assert s.formation_due() is None
+    s.check_invariants()
+    s.cancel("r0")  # a seat frees: the waiting request fits, so the ring's slot opens
+    c = s.schedule()
+    assert c is not None and c.ring_step_id == a.step_id and s.schedule() is None
+    s.check_invariants()
+
+
 def test_a_stop_token_on_the_ring_wastes_one_token_and_loses_nothing():
     s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
     s.add_request(make_request("x", 3, max_tokens=20, ignore_eos=False))
