@@ -93,21 +93,29 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     assert s.schedule() is not None and s.schedule() is not None and s.schedule() is None
 
 
-def test_the_extra_slot_stays_closed_while_requests_wait_beyond_the_seats():
-    """Saturated (`max_num_seqs` taken, a request waiting): the pipeline holds p microbatches, as plain
-    Sarathi-Serve, and the engine is told to form now (nothing to wait for). A seat for every waiting
-    request opens the slot again."""
+def test_the_extra_slot_stays_closed_while_every_seat_is_taken():
+    """Every seat taken (`max_num_seqs`), with or without a request waiting: the pipeline holds p
+    microbatches, as plain Sarathi-Serve, and the engine is told to form now (nothing to wait for). A
+    free seat with every waiting request seated opens the slot again."""
     s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
     _decoding(s, 4)
-    s.add_request(make_request("late", 3, max_tokens=4))
     a, b = s.schedule(), s.schedule()
     assert a is not None and b is not None and s.schedule() is None
     assert s.formation_due() is None
+    s.add_request(make_request("late", 3, max_tokens=4))
+    assert s.schedule() is None
     s.check_invariants()
-    s.cancel("r0")  # a seat frees: the waiting request fits, so the ring's slot opens
+    s.cancel("r0")  # a seat frees and the waiting request fits it: the ring's slot opens
     c = s.schedule()
-    assert c is not None and c.ring_step_id == a.step_id and s.schedule() is None
+    assert c is not None and "late" in c.order and s.schedule() is None
     s.check_invariants()
+    # A free seat but more requests waiting than seats: closed.
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=5)
+    _decoding(s, 4)
+    s.schedule(), s.schedule()
+    s.add_request(make_request("w1", 3, max_tokens=4))
+    s.add_request(make_request("w2", 3, max_tokens=4))
+    assert len(s.in_flight) == 2 and s.schedule() is None
 
 
 def test_a_stop_token_on_the_ring_wastes_one_token_and_loses_nothing():
