@@ -115,8 +115,8 @@ def under_p_requests(res: SimResult) -> int:
     return total(intersect(idle, union(few)))
 
 
-FORMATIONS = (Formation("balanced", "sarathi", True), Formation("balanced + ring", "sarathi", True, True),
-              Formation("balance=False", "sarathi", False))
+FORMATIONS = (Formation("balanced", "sarathi", True, False), Formation("balanced + ring", "sarathi", True, True),
+              Formation("balance=False", "sarathi", False, False))
 
 
 def run(regime: Regime, formation: Formation, control_plane: bool) -> dict[str, Any]:

@@ -3,11 +3,12 @@
 Two tables, one run:
 1. Llama-2-70B on A100s, PP4 x TP4, the Azure conversation trace (400 requests, Poisson at each rate),
    sarathi at token budget 512 and 128 running requests (seq cap on): the unbalanced formation with
-   the old control-plane figures (0.2 ms turnaround, no dispatch latency: what the issue measured),
-   the unbalanced formation and the balanced one both with ppserve's measured control plane
-   (--dispatch-ms / --overhead-ms), and the balanced one with the token ring (`scheduler.async_scheduling`,
-   its extra microbatch formed just in time: off by default, ARCHITECTURE.md §3). Mean bubble (active
-   window), microbatch token CV, throughput, TTFT and TBT.
+   the old control-plane figures (0.2 ms turnaround, no dispatch latency, no token ring: what the issue
+   measured); then, with ppserve's measured control plane (--dispatch-ms / --overhead-ms), the
+   unbalanced and the balanced formation each without and with the token ring
+   (`scheduler.async_scheduling`, its extra microbatch formed just in time; ARCHITECTURE.md §3). The
+   default is the balanced formation with the ring. Mean bubble (active window), microbatch token CV,
+   throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
    (unbalanced), against the pipelined ideal (every chunk enters a stage the moment both the stage and
    the chunk are free, no control plane).
@@ -84,12 +85,14 @@ def main() -> None:
     blocks = kv_cache_blocks(model, hw, pp, tp, 16)
     base = SchedulerConfig(policy="sarathi", token_budget=512, max_num_seqs=128, per_microbatch_seq_cap=True,
                            max_waiting=max(4096, args.num_requests))
+    no_ring = dataclasses.replace(base, async_scheduling=False)
     trace = clip_to_context(read_trace(default_trace_path("splitwise_conv.csv"), args.num_requests), model.max_model_len)
     variants = [
-        ("unbalanced, old control plane", dataclasses.replace(base, balance=False), 0.2, 0.0),
-        ("unbalanced", dataclasses.replace(base, balance=False), args.overhead_ms, args.dispatch_ms),
-        ("balanced", base, args.overhead_ms, args.dispatch_ms),
-        ("balanced + token ring", dataclasses.replace(base, async_scheduling=True), args.overhead_ms, args.dispatch_ms),
+        ("unbalanced, old control plane", dataclasses.replace(no_ring, balance=False), 0.2, 0.0),
+        ("unbalanced", dataclasses.replace(no_ring, balance=False), args.overhead_ms, args.dispatch_ms),
+        ("unbalanced + token ring", dataclasses.replace(base, balance=False), args.overhead_ms, args.dispatch_ms),
+        ("balanced", no_ring, args.overhead_ms, args.dispatch_ms),
+        ("balanced + token ring (default)", base, args.overhead_ms, args.dispatch_ms),
     ]
     rows = []
     print("| rate (req/s) | formation | bubble | token CV | req/s | out tok/s | TTFT p50 ms | TBT p50 ms | TBT p99 ms |")

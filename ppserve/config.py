@@ -155,9 +155,12 @@ class SchedulerConfig:
     # pp > 1: a decode may be scheduled before its last token comes back. The last stage hands each
     # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine
     # forms the next microbatch one step ahead, so its result handling and the dispatch leave the decode
-    # ring's critical path (ARCHITECTURE.md §3, "The token ring"). A request that stops on a stop token
-    # computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
-    async_scheduling: bool = False
+    # ring's critical path (ARCHITECTURE.md §3, "The token ring"). Its extra (p + 1-th) microbatch waits
+    # while every seat (max_num_seqs) is taken: plain Sarathi-Serve there. A request that stops on a stop
+    # token computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
+    # None (the default): on with the sarathi policy, off with the baselines (vllm, orca, static), which
+    # are measured as published (`token_ring`).
+    async_scheduling: bool | None = None
     # With the token ring: form its extra microbatch the control plane's dispatch latency plus this margin
     # (for the step cost's error) before stage 0 is predicted to finish the work ahead of it, so that a
     # prompt arriving meanwhile joins it; None: as soon as the slot frees, a stage time early
@@ -186,6 +189,12 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.ring_margin_ms must be a finite number >= 0 (or null), got {self.ring_margin_ms!r}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
+
+    @property
+    def token_ring(self) -> bool:
+        """Whether the token ring is asked for (it runs where pp > 1): `async_scheduling`, or when that
+        is None, with the sarathi policy only."""
+        return self.policy == "sarathi" if self.async_scheduling is None else self.async_scheduling
 
     def _check_budget_fields(self) -> None:
         if self.budget_mode not in BUDGET_MODES:

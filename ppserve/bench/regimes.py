@@ -5,11 +5,13 @@ engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md
 formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
 Formations (SchedulerConfig, otherwise each regime's settings):
-- `sarathi`: the default, balanced formation (balance=True; ARCHITECTURE.md §3);
-- `sarathi-unbal`: sarathi with balance=False (one request per in-flight microbatch, filled to the budget);
-- `sarathi-ring`: the balanced formation with the token ring (async_scheduling=True: a decode group's next
-  microbatch formed before its last one returns, its tokens handed from the last stage to stage 0);
-- `vllm`, `orca`: the baselines.
+- `sarathi`: the default: the balanced formation (balance=True; ARCHITECTURE.md §3) with the token ring
+  (async_scheduling=True: a decode group's next microbatch formed before its last one returns, its tokens
+  handed from the last stage to stage 0);
+- `sarathi-unbal`: the default with balance=False (one request per in-flight microbatch, filled to the
+  budget; the token ring on);
+- `sarathi-no-ring`: the balanced formation without the token ring (the default before it was one);
+- `vllm`, `orca`: the baselines as published (no token ring: the default for them).
 
 Regimes (request counts full / `--reduced`):
 1. `sarathi-gpt3`: Sarathi's saturated pipeline case, exactly `ppserve.sim.reproduce_sarathi`'s default
@@ -84,6 +86,7 @@ __all__ = [
     "FORMATIONS",
     "BALANCED",
     "UNBALANCED",
+    "NO_RING",
     "THROUGHPUT_FLOOR",
     "TTFT_CEILING",
     "Formation",
@@ -109,15 +112,16 @@ class Formation:
     name: str
     policy: str
     balance: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None  # the token ring; None: SchedulerConfig's default (on for sarathi only)
 
 
 BALANCED = "sarathi"
 UNBALANCED = "sarathi-unbal"
+NO_RING = "sarathi-no-ring"
 FORMATIONS: tuple[Formation, ...] = (
     Formation(BALANCED, "sarathi", True),
     Formation(UNBALANCED, "sarathi", False),
-    Formation("sarathi-ring", "sarathi", True, async_scheduling=True),
+    Formation(NO_RING, "sarathi", True, async_scheduling=False),
     Formation("vllm", "vllm"),
     Formation("orca", "orca"),
 )

@@ -211,7 +211,7 @@ class RayExecutor:
             host = "127.0.0.1" if self.owns_ray else ray.util.get_node_ip_address()
             self.dispatch = ConnectionDispatch(self.actors, self.num_stages, self.tp, host)
         elif self.dispatch_kind == "compiled":
-            ring = self.config.scheduler.async_scheduling and self.num_stages > 1
+            ring = self.config.scheduler.token_ring and self.num_stages > 1
             self.dispatch = CompiledGraphDispatch(self.actors, self.num_stages, self.tp,
                                                   self.num_stages + 1 if ring else self.num_stages)
         else:

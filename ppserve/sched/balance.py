@@ -1,6 +1,7 @@
 """Balanced microbatch formation: how big the next microbatch is, so that the pipeline stays full.
 
-A pipeline of p stages keeps p microbatches in flight; it is balanced when consecutive microbatches
+A pipeline of p stages keeps p microbatches in flight (p + 1 with the token ring, whose extra one is the
+oldest decode group's next step: the decodes still form p groups); it is balanced when consecutive microbatches
 cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two numbers shape the next microbatch:
 
 - **Decode quota.** Each decoding request rides in one in-flight microbatch at a time (its next token

@@ -94,7 +94,7 @@ class Scheduler:
         self.balanced = self.policy.balanced and num_stages > 1
         # The token ring (ARCHITECTURE.md §3): one microbatch more than the stages may be formed, its
         # decodes taking the tokens the oldest in-flight microbatch samples, straight from the last stage.
-        self.async_scheduling = config.async_scheduling and num_stages > 1
+        self.async_scheduling = config.token_ring and num_stages > 1
         self.max_in_flight = num_stages + 1 if self.async_scheduling else num_stages
         # With the ring, when its extra microbatch is due: just before stage 0 needs it (`formation_due`).
         self.ring_clock = RingClock(config.ring_margin_ms * 1e-3, 2 * self.max_in_flight) \

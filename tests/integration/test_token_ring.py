@@ -11,7 +11,8 @@ from ppserve import LLM, SamplingParams
 from tests.oracle import ppserve_greedy, random_prompts, reference_greedy
 
 MAX_NEW = 16
-RING = ["scheduler.async_scheduling=true"]
+RING = ["scheduler.async_scheduling=true"]  # the default; spelled out so these tests keep testing the ring
+NO_RING = ["scheduler.async_scheduling=false"]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,10 @@ def _ring_steps(llm: LLM) -> int:
     return llm.engine.scheduler.max_in_flight - llm.engine.scheduler.num_stages
 
 
-@pytest.mark.parametrize("pp", [2, 3])
-def test_in_process_ring_equals_transformers(tiny_llama_dir, prompts, expected, pp):
+@pytest.mark.parametrize("pp,ring", [(2, True), (3, True), (2, False), (3, False)])
+def test_in_process_equals_transformers_with_and_without_the_ring(tiny_llama_dir, prompts, expected, pp, ring):
     got, _ = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, executor="inproc", pipeline_parallel_size=pp,
-                            token_budget=24, block_size=4, overrides=RING)
+                            token_budget=24, block_size=4, overrides=RING if ring else NO_RING)
     assert got == expected
 
 
@@ -61,7 +62,7 @@ def test_ring_decodes_ride_and_stop_tokens_lose_nothing(tiny_llama_dir, prompts,
     runs = {}
     for ring in (False, True):
         with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
-                 block_size=4, overrides=RING if ring else []) as llm:
+                 block_size=4, overrides=RING if ring else NO_RING) as llm:
             assert _ring_steps(llm) == int(ring)
             runs[ring] = [[(o.token_ids, o.finish_reason) for o in llm.generate(prompts, p)] for p in params]
             if ring:

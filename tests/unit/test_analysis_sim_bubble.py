@@ -31,7 +31,9 @@ class PrefillHeavyCost:
 
 
 def _run(cost, workload, overhead_s: float, dispatch_s: float, **sched):
-    cfg = SchedulerConfig(**{"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, **sched})
+    # Without the token ring unless asked: these parts are those of a decode cycle through the engine.
+    cfg = SchedulerConfig(**{"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, "async_scheduling": False,
+                             **sched})
     res = simulate(workload, cost, SimConfig(cfg, 256, 16, 512, overhead_s, dispatch_s))
     mod = load_benchmark("analysis_sim_bubble")
     parts = mod.first_stage_idle(res, dispatch_s)
@@ -71,7 +73,7 @@ def test_parts_add_up_to_the_bubble_on_a_mixed_run(balance: bool):
 
 
 def _under_p(workload, num_stages: int):
-    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8)
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, async_scheduling=False)
     res = simulate(workload, ConstantCostModel(num_stages, 0.010), SimConfig(cfg, 256, 16, 512, 0.001, 0.002))
     mod = load_benchmark("analysis_sim_bubble")
     return mod.under_p_requests(res), res.bubble_report("active").stages[0].bubble_ns

@@ -55,21 +55,23 @@ def test_decode_quota_spreads_over_the_free_slots():
 
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_steady_state_depth_is_p_with_decodes_only(pp):
-    """8 decoding requests at budget 512 keep pp microbatches in flight (unbalanced: one)."""
-    for balance, expect_depth in ((True, pp), (False, 1)):
-        s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, balance=balance)
+    """8 decoding requests at budget 512 keep pp microbatches in flight (unbalanced: one); pp + 1 with the
+    token ring (its extra microbatch: the oldest group's next step)."""
+    for balance, ring, expect_depth in ((True, False, pp), (False, False, 1), (True, True, pp + 1)):
+        s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, balance=balance,
+                           async_scheduling=ring)
         for i in range(8):
             s.add_request(make_request(f"r{i}", 16, max_tokens=400))
         depths, _ = run(s, 200)
         steady = depths[20:]
-        assert sum(d == expect_depth for d, _ in steady) == len(steady), (balance, steady[:10])
+        assert sum(d == expect_depth for d, _ in steady) == len(steady), (balance, ring, steady[:10])
 
 
 def test_depth_is_p_for_90_percent_of_collects_with_arrivals():
     """64 requests arriving one every 3 collects (the issue's trace): once 2p or more run, the pipeline
-    holds p microbatches for at least 90 % of the collects."""
+    holds p microbatches for at least 90 % of the collects (no token ring: its extra one would make p + 1)."""
     pp = 4
-    s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, num_blocks=20_000)
+    s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, num_blocks=20_000, async_scheduling=False)
     rng = random.Random(3)
     pending = [make_request(f"r{i}", rng.randint(8, 300), max_tokens=rng.randint(20, 120)) for i in range(64)]
 
@@ -126,9 +128,10 @@ def test_consecutive_microbatches_cost_the_same_predicted_time():
 
 def test_long_prompt_chunks_ride_in_consecutive_in_flight_microbatches():
     """One 4096-token prompt at pp=4, budget 512: eight chunks, each following the previous one down the
-    pipeline, four in flight at a time; only the last samples."""
+    pipeline, four in flight at a time (five with the token ring, not asked for here); only the last samples."""
     pp = 4
-    s = make_scheduler("sarathi", token_budget=512, pp=pp, num_blocks=2000, block_size=16, max_model_len=8192)
+    s = make_scheduler("sarathi", token_budget=512, pp=pp, num_blocks=2000, block_size=16, max_model_len=8192,
+                       async_scheduling=False)
     s.add_request(make_request("long", 4096, max_tokens=2))
     first = [s.schedule() for _ in range(pp)]
     assert [o.num_scheduled_tokens for o in first] == [(512,)] * pp

@@ -40,8 +40,8 @@ def equal_microbatches(m: int, budget: int = 64) -> list[WorkloadRequest]:
     return [WorkloadRequest(0.0, budget, 1) for _ in range(m)]
 
 
-def sim_cfg(budget: int = 64, **kw) -> SimConfig:
-    return SimConfig(SchedulerConfig(token_budget=budget), check_invariants=True, **kw)
+def sim_cfg(budget: int = 64, ring: bool | None = None, **kw) -> SimConfig:
+    return SimConfig(SchedulerConfig(token_budget=budget, async_scheduling=ring), check_invariants=True, **kw)
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 3), (4, 10), (8, 8), (3, 17)])
@@ -57,9 +57,10 @@ def test_gpipe_oracle(p, m):
 def test_two_stages_three_microbatches_exact_times():
     d, t, o = 10 * MS, 1 * MS, 2 * MS
     res = simulate(equal_microbatches(3), ConstantCostModel(2, d * 1e-9, t * 1e-9),
-                   sim_cfg(schedule_overhead_s=o * 1e-9))
+                   sim_cfg(ring=False, schedule_overhead_s=o * 1e-9))
     got = {(s.step_id, s.stage): (s.start_ns, s.end_ns) for s in res.spans if s.kind == "compute"}
-    # mb 0, 1 enter at 0; mb 2 is scheduled when mb 0 returns (2d + t) plus the overhead o.
+    # mb 0, 1 enter at 0; mb 2 is scheduled when mb 0 returns (2d + t) plus the overhead o (no token ring:
+    # with it mb 2, a prompt that waits for no token, would take the extra slot at once).
     assert got == {
         (0, 0): (0, d), (0, 1): (d + t, 2 * d + t),
         (1, 0): (d, 2 * d), (1, 1): (2 * d + t, 3 * d + t),
@@ -79,7 +80,7 @@ def test_two_stages_three_microbatches_exact_times():
 def test_dispatch_latency_delays_every_stage_start():
     d, t, o, q = 10 * MS, 1 * MS, 2 * MS, 3 * MS
     res = simulate(equal_microbatches(3), ConstantCostModel(2, d * 1e-9, t * 1e-9),
-                   sim_cfg(schedule_overhead_s=o * 1e-9, dispatch_latency_s=q * 1e-9))
+                   sim_cfg(ring=False, schedule_overhead_s=o * 1e-9, dispatch_latency_s=q * 1e-9))
     got = {(s.step_id, s.stage): (s.start_ns, s.end_ns) for s in res.spans if s.kind == "compute"}
     # mb 0 and 1 are scheduled at 0 and reach the stages at q; mb 2 is scheduled when mb 0 returns plus o.
     assert got[(0, 0)] == (q, q + d) and got[(1, 0)] == (q + d, q + 2 * d)

@@ -34,7 +34,7 @@ def _decoding(s, n: int, prompt: int = 3, max_tokens: int = 20):
 
 
 def test_without_the_ring_a_full_pipeline_waits_for_a_result():
-    s = make_scheduler(pp=2, token_budget=8)
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=False)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     assert a is not None and b is not None and s.schedule() is None
@@ -88,7 +88,7 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     assert s.requests["p"].num_computed_tokens == sum(a.num_scheduled_tokens + b.num_scheduled_tokens
                                                       + c.num_scheduled_tokens)
     # Without the ring the pipeline holds p.
-    s = make_scheduler(pp=2, token_budget=8)
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=False)
     s.add_request(make_request("p", 40, max_tokens=4))
     assert s.schedule() is not None and s.schedule() is not None and s.schedule() is None
 
@@ -264,3 +264,14 @@ def test_a_following_chunk_keeps_a_seat_under_the_sequence_cap():
         s.check_invariants()
     assert len(chunks) >= 3
     assert chunks == list(range(chunks[0], chunks[0] + len(chunks))), chunks  # consecutive microbatches
+
+
+def test_the_ring_is_on_by_default_with_sarathi_and_off_for_the_baselines():
+    """`async_scheduling` None (the default): the ring with the sarathi policy; vllm, orca and static are
+    measured as published. An explicit setting wins either way."""
+    assert SchedulerConfig().async_scheduling is None and SchedulerConfig().token_ring
+    for policy in ("vllm", "orca", "static"):
+        assert not SchedulerConfig(policy=policy).token_ring
+        assert SchedulerConfig(policy=policy, async_scheduling=True).token_ring
+    assert not SchedulerConfig(async_scheduling=False).token_ring
+    assert make_scheduler(pp=2).max_in_flight == 3 and make_scheduler("vllm", pp=2).max_in_flight == 2
