@@ -156,7 +156,8 @@ class SchedulerConfig:
     # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine
     # forms the next microbatch one step ahead, so its result handling and the dispatch leave the decode
     # ring's critical path (ARCHITECTURE.md §3, "The token ring"). Its extra (p + 1-th) microbatch waits
-    # while every seat (max_num_seqs) is taken: plain Sarathi-Serve there. A request that stops on a stop
+    # while requests wait beyond the free seats (max_num_seqs), or every seat is taken under
+    # per_microbatch_seq_cap: plain Sarathi-Serve there. A request that stops on a stop
     # token computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
     # None (the default): on with the sarathi policy, off with the baselines (vllm, orca, static), which
     # are measured as published (`token_ring`).

@@ -93,11 +93,13 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     assert s.schedule() is not None and s.schedule() is not None and s.schedule() is None
 
 
-def test_the_extra_slot_stays_closed_while_every_seat_is_taken():
-    """Every seat taken (`max_num_seqs`), with or without a request waiting: the pipeline holds p
-    microbatches, as plain Sarathi-Serve, and the engine is told to form now (nothing to wait for). A
-    free seat with every waiting request seated opens the slot again."""
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+def test_the_extra_slot_stays_closed_while_the_seats_bound_the_work():
+    """Requests waiting beyond the free seats, or every seat taken under a per-microbatch sequence cap: the
+    pipeline holds p microbatches, as plain Sarathi-Serve, and the engine is told to form now (nothing to
+    wait for). Every seat taken without a cap, nobody waiting, keeps the slot; so does a free seat with
+    every waiting request seated."""
+    # Under the cap (4 seats, 2 a microbatch): the two decode groups fill the seats.
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4, per_microbatch_seq_cap=True)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     assert a is not None and b is not None and s.schedule() is None
@@ -109,6 +111,18 @@ def test_the_extra_slot_stays_closed_while_every_seat_is_taken():
     c = s.schedule()
     assert c is not None and "late" in c.order and s.schedule() is None
     s.check_invariants()
+    # No cap, every seat taken, nobody waiting: the ring's slot takes the oldest group's next step.
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+    _decoding(s, 4)
+    a, b = s.schedule(), s.schedule()
+    c = s.schedule()
+    assert c is not None and c.ring_step_id == a.step_id and s.schedule() is None
+    # ... but not with a request waiting for a seat.
+    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+    _decoding(s, 4)
+    s.schedule(), s.schedule()
+    s.add_request(make_request("w", 3, max_tokens=4))
+    assert len(s.in_flight) == 2 and s.schedule() is None and s.formation_due() is None
     # A free seat but more requests waiting than seats: closed.
     s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=5)
     _decoding(s, 4)
