@@ -2,8 +2,9 @@
 
 Per regime, the default (balanced sarathi with the token ring) has a mean bubble <= the unbalanced
 formation's, a throughput >= 0.97x the best formation's and a TTFT p50 <= 1.1x the best (lowest)
-formation's, best over sarathi, sarathi-unbal, sarathi-no-ring, vllm and orca. Deterministic: seeded workloads, a simulated clock. A cell that fails
-is marked xfail(strict) here with its figures, never loosened: the formation rule is what must change.
+formation's, best over sarathi, sarathi-unbal, sarathi-no-ring, vllm and orca. Deterministic: seeded
+workloads, a simulated clock. A cell that fails is marked xfail(strict) here with its figures, never
+loosened: the formation rule is what must change.
 """
 
 from __future__ import annotations
