@@ -23,9 +23,10 @@ group the pairs by expert and run each expert once over all its tokens, never a 
   In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: ppserve's panel GEMM (csrc/gemm_amx.c,
   csrc/gemm_avx512.c; `native.panel_gemm`), each expert's weights prepacked once at load (`PanelExperts`),
   SiLU-and-mul in the gate/up GEMM's epilogue as the dense MLP does, and every expert's projection in one
-  call (`PanelGemm.grouped`; on AMX a loop over the experts): one call per expert cost about what a decode
-  step's few rows multiply (tiny Qwen3-MoE, 16 decodes, bf16, Zen 4: a step's experts 1.46 -> 0.76 ms at
-  H = I = 128, 6.5 -> 5.5-5.7 ms at H 512, I 1024; `bench_moe.py --parts breakdown --dtype bfloat16`). oneDNN's bf16 GEMM repacks a weight on every call, which
+  call (`PanelGemm.grouped`): one call per expert cost about what a decode step's few rows multiply (tiny
+  Qwen3-MoE, 16 decodes, bf16, `bench_moe.py --parts breakdown --dtype bfloat16`: a step's experts 1.46 ->
+  0.76 ms at H = I = 128 and 6.5 -> 5.5-5.7 ms at H 512, I 1024 on a Zen 4; 1.11 -> 0.52 ms at H = I = 128
+  on a Xeon with AMX). oneDNN's bf16 GEMM repacks a weight on every call, which
   at an expert's few rows is a large part of the product (one layer, 64 tokens, H 512, I 256, 8 experts
   top-2, one thread on a Xeon with AMX: the AMX loop 1.4x faster than grouped_mm, 20x the loop over
   tokens; `benchmarks/bench_moe.py --parts grouped --dtype bfloat16`). Its sums may run in another order

@@ -8,7 +8,6 @@ library cannot be built or the kernel cannot run (no AMX, switched off by the se
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 from collections.abc import Callable
 from typing import TypeVar
@@ -186,9 +185,8 @@ class PanelGemm:
     Both take the same layout and arguments and round the same way."""
 
     KERNELS = {"amx": "gemm_bf16_amx", "avx512": "gemm_bf16_avx512"}
-    # Every expert of an MoE layer in one call (csrc/gemm_avx512.c); the AMX kernel has none, so `grouped`
-    # loops over the experts there.
-    GROUPED_KERNELS = {"avx512": "grouped_gemm_bf16_avx512"}
+    # Every expert of an MoE layer in one call (`grouped`).
+    GROUPED_KERNELS = {"amx": "grouped_gemm_bf16_amx", "avx512": "grouped_gemm_bf16_avx512"}
 
     def __init__(self, lib: ctypes.CDLL, kernel: str = "amx") -> None:
         fn = getattr(lib, self.KERNELS[kernel])
@@ -196,14 +194,12 @@ class PanelGemm:
                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self._grouped_fn = None
-        if kernel in self.GROUPED_KERNELS:
-            grouped = getattr(lib, self.GROUPED_KERNELS[kernel])
-            grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                ctypes.c_int, ctypes.c_int]
-            grouped.restype = ctypes.c_int
-            self._grouped_fn = grouped
+        grouped = getattr(lib, self.GROUPED_KERNELS[kernel])
+        grouped.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int, ctypes.c_int]
+        grouped.restype = ctypes.c_int
+        self._grouped_fn = grouped
         self.kernel = kernel
 
     @staticmethod
@@ -250,7 +246,7 @@ class PanelGemm:
         """Rows of x [P, K] sorted by expert, expert e's rows ending at ends[e] (int32 [E], non-decreasing,
         ends[-1] = P), each times its expert's packed weight packed[e] ([E, ...] of `pack` or, with
         `silu_mul`, of `pack_gate_up`) -> [P, N] (or [P, N/2]): what calling this GEMM per expert gives, bit
-        for bit, in one call where the kernel has a grouped entry (experts with no rows cost nothing)."""
+        for bit, in one call (experts with no rows cost nothing)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         p, k = x.shape
@@ -263,15 +259,6 @@ class PanelGemm:
             raise ValueError(f"{self.kernel} grouped GEMM: the experts' rows end at {int(ends[-1])}, not at {p}")
         if not packed.is_contiguous():  # the kernel finds expert e's weight e strides in
             raise ValueError(f"{self.kernel} grouped GEMM: the packed weights must be one contiguous tensor")
-        if self._grouped_fn is None:
-            out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
-            bounds = [0, *ends.tolist()]
-            if any(end < start for start, end in itertools.pairwise(bounds)):
-                raise RuntimeError(f"{self.kernel} grouped GEMM refused: ends not non-decreasing")
-            for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
-                if end > start:
-                    out[start:end] = self(x[start:end], packed[expert], None, silu_mul=silu_mul)
-            return out
         ends = ends.contiguous()
         out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
         if p == 0:
