@@ -236,16 +236,22 @@ def hf_and_ours(family: str, router_rows: torch.Tensor | None = None):
     return hf.eval(), ours
 
 
+def router_edge_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Router rows [8, 32] for two edge cases: every token to expert 6 (and its second choice, expert 1),
+    the other six experts getting no token; and exact ties, experts 2, 3 and 5 having the same row, so
+    their logits are bitwise equal."""
+    crowded = torch.zeros(8, 32)
+    crowded[6, 0], crowded[1, 0] = 50.0, 25.0
+    tied = torch.randn(8, 32) * 0.1
+    tied[3] = tied[5] = tied[2] = tied[2] * 30
+    return crowded, tied
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_router_edge_cases_match_transformers(family):
     x = torch.randn(12, 32)
     x[:, 0] = x[:, 0].abs() + 1.0
-    # Every token to expert 6 (and its second choice, expert 1): the other six experts get no token.
-    crowded = torch.zeros(8, 32)
-    crowded[6, 0], crowded[1, 0] = 50.0, 25.0
-    # Exact ties: experts 2, 3 and 5 have the same router row, so their logits are bitwise equal.
-    tied = torch.randn(8, 32) * 0.1
-    tied[3] = tied[5] = tied[2] = tied[2] * 30
+    crowded, tied = router_edge_rows()
     for rows in (None, crowded, tied):
         hf, ours = hf_and_ours(family, rows)
         with torch.no_grad():
@@ -261,6 +267,26 @@ def test_router_edge_cases_match_transformers(family):
             torch.testing.assert_close(weights, hf_weights, atol=0, rtol=0)
             assert weights.dtype == hf_weights.dtype
             torch.testing.assert_close(ours(x), hf(x[None])[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_bf16_router_on_cpu_takes_float32_logits_rounded_as_the_bf16_gemm_rounds(family):
+    """`TopKRouter.prepack` keeps a float32 copy of a bf16 router for CPU (oneDNN's bf16 GEMM costs 4x at a
+    router's shape); the logits are rounded to bf16, so the choices and weights are the bf16 GEMM's, ties
+    included."""
+    x = torch.randn(64, 32).bfloat16()
+    x[:, 0] = x[:, 0].abs() + 1.0
+    for rows in (None, *router_edge_rows()):
+        _, ours = hf_and_ours(family, rows)
+        gate = ours.gate.to(torch.bfloat16)  # in place
+        want_weights, want_ids = gate(x)  # before prepack: F.linear in bf16
+        gate.prepack()
+        assert gate.weight_f32 is not None and gate.weight_f32.dtype == torch.float32
+        weights, ids = gate(x)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    _, ours = hf_and_ours(family, None)
+    ours.gate.prepack()  # float32 models keep the one path
+    assert ours.gate.weight_f32 is None
 
 
 # ---- CUDA graphs -----------------------------------------------------------------------------------------
