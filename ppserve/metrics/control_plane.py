@@ -7,7 +7,17 @@ Three gaps per microbatch, all on the engine's clock (spans of TP rank 0):
   the stage's wake-up; a gap that a busy stage s+1 would have anyway is not the link's: a hop is
   counted from max(stage s end, stage s+1 free));
 - turnaround: the last stage ends computing it -> the engine's next `schedule` span starts (the result
-  travelling back, the scheduler's update, and whatever the engine did before scheduling again).
+  travelling back, the scheduler's update, and whatever the engine did before scheduling again);
+- ring: with the token ring (scheduler.async_scheduling), a microbatch formed while the one that last
+  carried its decodes was still in flight takes their tokens from that one's last stage, not from the
+  engine. Where stage 0 starts it after those tokens were sampled and they came after the dispatch
+  could have let it start, the gap is the ring's (last stage's compute end -> stage 0 starts), not the
+  dispatch's. Such microbatches are left out of `dispatch`, and a `turnaround` is counted only where the
+  engine's next schedule forms a microbatch that needed a result (not one formed ahead, on the ring or
+  as a prompt's next chunk following its previous one): under the ring the engine forms the next
+  microbatch just in time for stage 0, whenever the last result came, so that gap is not a latency
+  (a formation that needed a result may still be deferred by the ring's clock, and then counts whole).
+  Which requests a microbatch carries is in the compute spans; no other record is needed.
 
 Pure Python over `Span` records; medians and p90s in seconds.
 """
@@ -22,11 +32,14 @@ from typing import Any
 from ppserve.metrics.latency import percentile
 from ppserve.metrics.spans import ENGINE_STAGE, Span
 
-__all__ = ["control_plane_latency"]
+__all__ = ["FIGURES", "control_plane_latency"]
+
+FIGURES = ("dispatch", "hop", "turnaround", "ring")
 
 
 def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
-    """{"dispatch", "hop", "turnaround"}: each {"count", "p50_s", "p90_s"} (None when nothing was seen)."""
+    """{"dispatch", "hop", "turnaround", "ring"}: each {"count", "p50_s", "p90_s"} (None when nothing was
+    seen)."""
     compute: dict[int, dict[int, Span]] = defaultdict(dict)  # step -> stage -> compute span (tp rank 0)
     schedule: dict[int, Span] = {}
     first_prepare: dict[int, int] = {}  # step -> stage 0's prepare start (the step has arrived)
@@ -38,7 +51,7 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
         elif s.kind == "schedule" and s.stage == ENGINE_STAGE:
             schedule[s.step_id] = s
     if not compute:
-        return {k: _stats([]) for k in ("dispatch", "hop", "turnaround")}
+        return {k: _stats([]) for k in FIGURES}
     last = max(st for stages in compute.values() for st in stages)
     # When each stage became free for a step: the end of the previous step it computed.
     by_stage: dict[int, list[Span]] = defaultdict(list)
@@ -53,13 +66,20 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
             if prev_end is not None:
                 free_before[(st, sp.step_id)] = prev_end
             prev_end = sp.end_ns
-    starts = sorted(s.start_ns for s in schedule.values())
-    dispatch, hop, turnaround = [], [], []
+    ahead, ring_ready = _formed_ahead(compute, schedule, first_prepare, last)
+    by_start = sorted((s.start_ns, step) for step, s in schedule.items())
+    starts = [start for start, _ in by_start]
+    dispatch, hop, turnaround, ring = [], [], [], []
     for step, stages in compute.items():
         sched = schedule.get(step)
         if sched is not None and 0 in stages:
             ready = max(sched.end_ns, free_before.get((0, step), sched.end_ns))
-            dispatch.append(max(0, first_prepare.get(step, stages[0].start_ns) - ready))
+            start = first_prepare.get(step, stages[0].start_ns)
+            tokens = ring_ready.get(step)
+            if tokens is not None and tokens >= ready:
+                ring.append(start - tokens)
+            else:
+                dispatch.append(max(0, start - ready))
         for st in range(last):
             if st in stages and st + 1 in stages:
                 ready = max(stages[st].end_ns, free_before.get((st + 1, step), stages[st].end_ns))
@@ -67,9 +87,36 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
         if last in stages:
             end = stages[last].end_ns
             i = bisect.bisect_left(starts, end)
-            if i < len(starts):
+            if i < len(starts) and by_start[i][1] not in ahead:
                 turnaround.append(starts[i] - end)
-    return {"dispatch": _stats(dispatch), "hop": _stats(hop), "turnaround": _stats(turnaround)}
+    return {"dispatch": _stats(dispatch), "hop": _stats(hop), "turnaround": _stats(turnaround), "ring": _stats(ring)}
+
+
+def _formed_ahead(compute: dict[int, dict[int, Span]], schedule: dict[int, Span], first_prepare: dict[int, int],
+                  last: int) -> tuple[set[int], dict[int, int]]:
+    """(the steps formed while the step that last carried one of their requests was still in flight: on
+    the token ring, or a prompt's next chunk; for those that stage 0 started no earlier than that step's
+    last stage ended, when the last of it ended: their ring tokens' time). A next chunk that follows its
+    previous one down the pipeline starts on stage 0 before that one reaches the last stage, so it has
+    no ring time."""
+    ahead: set[int] = set()
+    ring_ready: dict[int, int] = {}
+    latest: dict[str, int] = {}  # request -> the latest step that carried it (steps in formation order)
+    for step in sorted(schedule):
+        stages = compute.get(step, {})
+        first = stages.get(0)
+        if first is None:
+            continue
+        formed, start = schedule[step].end_ns, first_prepare.get(step, first.start_ns)
+        for rid in first.request_ids:
+            source = compute.get(latest.get(rid, -1), {}).get(last)
+            latest[rid] = step
+            if source is None or source.end_ns <= formed:
+                continue  # its token (or its chunk) was back before this step was formed
+            ahead.add(step)
+            if source.end_ns <= start:
+                ring_ready[step] = max(ring_ready.get(step, 0), source.end_ns)
+    return ahead, ring_ready
 
 
 def _stats(values_ns: list[int]) -> dict[str, Any]:

@@ -157,8 +157,9 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
     print("\n" + report.format_text())
     control = control_plane_latency(spans)
     print("control plane per microbatch (medians): " + ", ".join(
-        f"{name} {ms(control[name]['p50_s'])}" for name in ("dispatch", "hop", "turnaround")
-    ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule)")
+        f"{name} {ms(control[name]['p50_s'])}" for name in ("dispatch", "hop", "turnaround", "ring")
+    ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule; on the token ring, last stage ->"
+        " stage 0)")
 
     trace_path = out_dir / "trace.json"
     save_chrome_trace(trace_path, spans, work_intervals=work, counters=engine.engine.cache_counters)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ppserve.metrics import control_plane_latency
+from ppserve.metrics.control_plane import FIGURES
 from ppserve.metrics.spans import ENGINE_STAGE, Span
 
 MS = 1_000_000
@@ -34,4 +35,42 @@ def test_gaps_on_a_hand_built_two_stage_timeline():
 
 def test_no_spans_gives_empty_figures():
     got = control_plane_latency([])
-    assert got == {k: {"count": 0, "p50_s": None, "p90_s": None} for k in ("dispatch", "hop", "turnaround")}
+    assert got == {k: {"count": 0, "p50_s": None, "p90_s": None} for k in FIGURES}
+
+
+def test_a_microbatch_on_the_token_ring_waits_for_its_tokens_not_for_the_dispatch():
+    """Two stages, two decode groups (a, b) and the ring's third microbatch: step 2 carries group a's next
+    token, formed (3-4) while step 0 was still on stage 1. Stage 0 is free at 20 and starts step 2 at
+    25.5, 0.5 ms after step 0 left stage 1 at 25: a ring gap of 0.5 ms, not a 5.5 ms dispatch; and the
+    engine's schedule at 26 forms step 3 ahead, on the ring (group b's tokens from step 1), so it is no
+    turnaround of step 0. A prompt's next chunk that follows its previous one (step 5 after step 4, both
+    carrying p) starts on stage 0 before step 4 leaves stage 1: formed ahead, no ring time, dispatch."""
+    a, b, p = ("a1", "a2"), ("b1",), ("p",)
+    spans = [
+        Span("schedule", 0, 1 * MS, ENGINE_STAGE, 0, 0),
+        Span("schedule", 1 * MS, 2 * MS, ENGINE_STAGE, 0, 1),
+        Span("schedule", 3 * MS, 4 * MS, ENGINE_STAGE, 0, 2),
+        Span("compute", 1 * MS, 11 * MS, 0, 0, 0, request_ids=a),
+        Span("compute", 11 * MS, 20 * MS, 0, 0, 1, request_ids=b),
+        Span("compute", 12 * MS, 25 * MS, 1, 0, 0, request_ids=a),
+        Span("compute", 25 * MS + MS // 2, 35 * MS, 0, 0, 2, request_ids=a),
+        Span("compute", 25 * MS + MS // 5, 38 * MS, 1, 0, 1, request_ids=b),
+        Span("schedule", 26 * MS, 27 * MS, ENGINE_STAGE, 0, 3),
+        Span("compute", 38 * MS + MS // 2, 48 * MS, 0, 0, 3, request_ids=b),
+        Span("compute", 38 * MS, 50 * MS, 1, 0, 2, request_ids=a),
+        Span("compute", 50 * MS, 60 * MS, 1, 0, 3, request_ids=b),
+        Span("schedule", 47 * MS, 48 * MS, ENGINE_STAGE, 0, 4),
+        Span("compute", 48 * MS, 58 * MS, 0, 0, 4, request_ids=p),
+        Span("schedule", 49 * MS, 50 * MS, ENGINE_STAGE, 0, 5),
+        Span("compute", 60 * MS, 70 * MS, 1, 0, 4, request_ids=p),
+        Span("compute", 58 * MS, 68 * MS, 0, 0, 5, request_ids=p),
+        Span("compute", 70 * MS, 80 * MS, 1, 0, 5, request_ids=p),
+    ]
+    got = control_plane_latency(spans)
+    assert got["ring"]["count"] == 2  # steps 2 and 3
+    assert got["ring"]["p50_s"] == pytest.approx(0.0005)  # 25 -> 25.5 and 38 -> 38.5
+    # dispatch: step 0 (0), step 1 (stage 0 free at 11: 0), step 4 (0), step 5 (stage 0 free at 58: 0)
+    assert got["dispatch"]["count"] == 4 and got["dispatch"]["p50_s"] == 0
+    # turnaround: step 0 leaves stage 1 at 25 -> schedule 26 forms step 3 ahead: not counted; step 1 at 38
+    # -> 47 (step 4, a new prompt: counted, 9 ms); steps 2-5 end at 50, 60, 70, 80: nothing after 49
+    assert got["turnaround"]["count"] == 1 and got["turnaround"]["p50_s"] == pytest.approx(0.009)
