@@ -3,7 +3,8 @@
 Each builds the default model's PP=2 pipeline (embedded Ray, `parallel.dispatch=<plane>`), warms up,
 runs the same eight chat requests (48 tokens each) offline, and reports throughput, the mean bubble
 (active window), the control-plane gaps from the stages' own spans (engine dispatch -> stage 0,
-stage 0 -> stage 1, last stage -> next schedule; medians) and what the idle stage actors burn: their
+stage 0 -> stage 1, last stage -> next schedule, and on the token ring last stage -> stage 0; medians;
+metrics/control_plane.py) and what the idle stage actors burn: their
 processes' CPU seconds per second over two idle seconds (a compiled graph's channel readers poll).
 
     python benchmarks/bench_control_plane.py [--planes connections,compiled,classic] [--rounds 2]
@@ -75,14 +76,17 @@ def main() -> None:
     for _ in range(args.rounds):
         for plane in planes:
             runs[plane].append(run(plane, args.partition, args.max_tokens))
-    print("| control plane | out tok/s | bubble (active) | dispatch ms | stage->stage ms | turnaround ms | idle actor CPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| control plane | out tok/s | bubble (active) | dispatch ms | stage->stage ms | turnaround ms | ring ms "
+          "| idle actor CPU |")
+    print("|---|---|---|---|---|---|---|---|")
     for plane, rs in runs.items():
-        def med(key: str, rs: list[dict[str, Any]] = rs) -> float:
-            return statistics.median(r["control_plane"][key]["p50_s"] * 1e3 for r in rs)
+        def med(key: str, rs: list[dict[str, Any]] = rs) -> str:
+            # Under the token ring a figure may have no sample in a run (every formation ahead: no turnaround).
+            got = [r["control_plane"][key]["p50_s"] * 1e3 for r in rs if r["control_plane"][key]["p50_s"] is not None]
+            return f"{statistics.median(got):.2f}" if got else "-"
         print(f"| {plane} | {statistics.median(r['tokens_per_s'] for r in rs):.1f} | "
-              f"{100 * statistics.median(r['bubble'] for r in rs):.1f}% | {med('dispatch'):.2f} | {med('hop'):.2f} | "
-              f"{med('turnaround'):.2f} | {statistics.median(r['idle_actor_cpu_per_s'] for r in rs):.2f} cores |")
+              f"{100 * statistics.median(r['bubble'] for r in rs):.1f}% | {med('dispatch')} | {med('hop')} | "
+              f"{med('turnaround')} | {med('ring')} | {statistics.median(r['idle_actor_cpu_per_s'] for r in rs):.2f} cores |")
     write_json(args.out, {"args": vars(args), "runs": runs})
     print(f"wrote {args.out} (medians over {args.rounds} round(s))")
 
