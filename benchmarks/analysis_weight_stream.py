@@ -30,10 +30,12 @@ from pathlib import Path
 
 from ppserve.bench.report import write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemm import HIDDEN, INTER, LAYERS, PROJECTIONS, VOCAB  # noqa: E402  (the default model's linears)
+
 REPO = Path(__file__).resolve().parents[1]
-# The default model's linears (SmolLM2-135M): per layer qkv, o, gate/up (SiLU-and-mul epilogue), down.
-LAYERS, HIDDEN, INTER, QKV, VOCAB = 30, 576, 1536, 960, 49152
-LAYER_SHAPES = ((QKV, HIDDEN, False), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, True), (HIDDEN, INTER, False))
+# Per layer (out, in, SiLU-and-mul epilogue): qkv, o, gate/up, down.
+LAYER_SHAPES = tuple((out, inp, name == "gate_up") for name, (out, inp) in PROJECTIONS.items())
 
 WORKER = """
 import json, statistics, sys, time, torch

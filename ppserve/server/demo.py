@@ -126,7 +126,7 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
 
 def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, out_dir: Path) -> None:
     from ppserve.metrics.bubbles import bubble_report
-    from ppserve.metrics.control_plane import control_plane_latency
+    from ppserve.metrics.control_plane import FIGURES, control_plane_latency
     from ppserve.metrics.latency import RequestTiming, summarize
     from ppserve.metrics.trace import save_chrome_trace
 
@@ -157,7 +157,7 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
     print("\n" + report.format_text())
     control = control_plane_latency(spans)
     print("control plane per microbatch (medians): " + ", ".join(
-        f"{name} {ms(control[name]['p50_s'])}" for name in ("dispatch", "hop", "turnaround", "ring")
+        f"{name} {ms(control[name]['p50_s'])}" for name in FIGURES
     ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule; on the token ring, last stage ->"
         " stage 0)")
 

@@ -13,8 +13,6 @@
  * once) and walk every 32-row block of A, which stays in L2 (see COL_BLOCKS_PER_SWEEP). */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "amx.h"
 #include "vec_bf16.h"
