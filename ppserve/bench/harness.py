@@ -3,7 +3,8 @@
 Offline mode (the main one) drives `ppserve.engine.llm_engine.LLMEngine` directly, as a server would but
 single-threaded: add every request whose arrival time has passed (relative to the run start on
 `time.perf_counter`, the engine clock), step the engine while it has work, sleep until the next
-arrival when it has none. Each request's arrival time is its *scheduled* arrival, so the time it
+arrival when it has none. The engine core's intake adds arrivals mid-step too, just before it schedules,
+as a server's engine thread does. Each request's arrival time is its *scheduled* arrival, so the time it
 spent waiting for a step to finish before being added counts as queueing. Token times come from the
 engine's TokenDelta, first-schedule times from the scheduler's Request objects.
 
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppserve.metrics.bubbles import bubble_report
+from ppserve.metrics.bubbles import bubble_fraction_within, bubble_report, resolve_window, short_handed, total
 from ppserve.metrics.latency import RequestTiming, stats, summarize
 from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.sim.workload import WorkloadRequest
@@ -94,9 +95,13 @@ class RunResult:
     num_preemptions: int = 0
     aborted: bool = False  # stopped at the time limit; unfinished requests left out
     meta: dict[str, Any] = field(default_factory=dict)
+    # Whether the request timings read the spans' clock (offline replay, the simulator): the bubble can then
+    # be cut by how many requests were in the system. Not through gRPC: the client stamps Unix time.
+    timings_on_span_clock: bool = True
 
     def summary(self, window: str = "active") -> dict[str, Any]:
-        s = summarize_run(self.timings, self.spans, self.work_intervals, window)
+        s = summarize_run(self.timings, self.spans, self.work_intervals, window,
+                          num_stages=self.num_stages if self.timings_on_span_clock else None)
         s.update(name=self.name, num_preemptions=self.num_preemptions, aborted=self.aborted,
                  num_prompt_tokens=self.num_prompt_tokens, **self.meta)
         return s
@@ -107,8 +112,11 @@ def summarize_run(
     spans: Sequence[Span],
     work_intervals: Sequence[WorkInterval] | None,
     window: str = "active",
+    num_stages: int | None = None,
 ) -> dict[str, Any]:
-    """Latency, throughput and bubble figures of one run (seconds; fractions in [0, 1])."""
+    """Latency, throughput and bubble figures of one run (seconds; fractions in [0, 1]). With `num_stages`
+    (the timings on the spans' clock), the bubble's part that fell while fewer than that many requests
+    were in the system too (`short_handed_bubble_fraction`, metrics/bubbles.py `short_handed`)."""
     out: dict[str, Any] = {"latency": summarize(timings.values())}
     done = [t for t in timings.values() if t.token_times_s]
     if done:
@@ -138,6 +146,12 @@ def summarize_run(
             "microbatch_token_mean": rep.microbatch_token_mean,
             "microbatch_token_cv": rep.microbatch_token_cv,
         }
+        if num_stages is not None:
+            lifetimes = [(round(t.arrival_s * 1e9), round(t.token_times_s[-1] * 1e9)) for t in done]
+            _, win = resolve_window(list(spans), None if work_intervals is None else list(work_intervals), window)
+            few = short_handed(lifetimes, num_stages, win)
+            out["bubbles"]["short_handed_bubble_fraction"] = bubble_fraction_within(spans, work_intervals, window, few)
+            out["bubbles"]["short_handed_time_fraction"] = total(few) / total(win) if total(win) else 0.0
     return out
 
 
@@ -235,22 +249,34 @@ def replay(
     nxt = 0
     bar = _progress(len(requests), name, progress)
     t0 = clock()
+
+    def admit_arrivals() -> None:
+        """Add every request whose arrival time has passed. Also the engine core's intake: called mid-step,
+        just before it schedules, as a server's engine thread takes the requests queued meanwhile
+        (AsyncEngine._intake), so a request that arrives while the engine waits for a result or for the
+        token ring's formation time joins the next microbatch, not the one after."""
+        nonlocal nxt
+        now = clock()
+        while nxt < len(order) and requests[order[nxt]].arrival_s <= now - t0:
+            k = order[nxt]
+            w = requests[k]
+            rid = f"r{k}"
+            arrivals[rid] = t0 + w.arrival_s
+            engine.add_request(prompts[k], SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                               request_id=rid, arrival_time=arrivals[rid])
+            states[rid] = engine.request_state(rid).request
+            token_times[rid] = []
+            nxt += 1
+
+    core = engine.core
+    intake, core.intake = core.intake, admit_arrivals
     try:
         while nxt < len(order) or engine.has_unfinished:
             now = clock()
             if max_duration_s is not None and now - t0 > max_duration_s:
                 aborted = True
                 break
-            while nxt < len(order) and requests[order[nxt]].arrival_s <= now - t0:
-                k = order[nxt]
-                w = requests[k]
-                rid = f"r{k}"
-                arrivals[rid] = t0 + w.arrival_s
-                engine.add_request(prompts[k], SamplingParams(max_tokens=w.output_len, ignore_eos=True),
-                                   request_id=rid, arrival_time=arrivals[rid])
-                states[rid] = engine.request_state(rid).request
-                token_times[rid] = []
-                nxt += 1
+            admit_arrivals()
             if engine.has_unfinished:
                 for d in engine.step():
                     token_times[d.request_id].extend(d.token_times)
@@ -260,6 +286,7 @@ def replay(
             elif nxt < len(order):
                 time.sleep(max(0.0, min(0.05, t0 + requests[order[nxt]].arrival_s - clock())))
     finally:
+        core.intake = intake
         bar.close()
     if aborted:
         for rid in list(states):
@@ -351,6 +378,7 @@ def replay_grpc(
         logger.warning("the server wrote no trace at %s: no bubble figures for %s", trace_path, name)
     return RunResult(name=name, timings=timings, spans=spans, work_intervals=work or [],
                      num_stages=spec.pp, num_prompt_tokens=sum(r.prompt_len for r in requests),
+                     timings_on_span_clock=False,
                      meta={"mode": "grpc", "server": address, "trace": str(trace_path)})
 
 
