@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.bench.regimes import Formation, Regime, regimes, sim_setup
-from ppserve.metrics.bubbles import intersect, subtract, total, union
+from ppserve.metrics.bubbles import intersect, short_handed, subtract, total, union
 from ppserve.metrics.spans import ENGINE_STAGE, Span
 from ppserve.sim import SimResult, simulate
 
@@ -98,21 +98,11 @@ def first_stage_idle(res: SimResult, dispatch_s: float) -> dict[str, int]:
 
 def under_p_requests(res: SimResult) -> int:
     """Stage 0's bubble, in ns, while fewer than p requests were in the system (see the module doc)."""
-    p = res.num_stages
-    events = sorted([(round(t.arrival_s * 1e9), 1) for t in res.timings.values()]
-                    + [(round(t.token_times_s[-1] * 1e9), -1) for t in res.timings.values() if t.token_times_s])
-    few: list[tuple[int, int]] = []
-    count, since = 0, 0
-    for at, step in events:
-        if count < p and at > since:
-            few.append((since, at))
-        count += step
-        since = at
-    if count < p:  # after the last token: the engine may still be handing the last microbatch back
-        few.append((since, max(end for _, end in res.work_intervals) if res.work_intervals else since))
+    lifetimes = [(round(t.arrival_s * 1e9), round(t.token_times_s[-1] * 1e9))
+                 for t in res.timings.values() if t.token_times_s]
+    work = union(res.work_intervals)
     busy = union((sp.start_ns, sp.end_ns) for sp in res.spans if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0)
-    idle = subtract(union(res.work_intervals), busy)
-    return total(intersect(idle, union(few)))
+    return total(intersect(subtract(work, busy), short_handed(lifetimes, res.num_stages, work)))
 
 
 FORMATIONS = (Formation("balanced", "sarathi", True, False), Formation("balanced + ring", "sarathi", True, True),

@@ -71,7 +71,8 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
     head = (
         "| run | reqs | TTFT p50 (s) | TTFT p99 (s) | TBT p50 (ms) | TBT p99 (ms) | TPOT mean (ms) "
         "| sched delay p50 (s) | out tok/s | req/s "
-        f"| bubble frac mean ({window}) | bubble frac per stage | per-req bubble p50 (ms) | microbatches | preempt "
+        f"| bubble frac mean ({window}) | of it, < p requests in system | bubble frac per stage "
+        "| per-req bubble p50 (ms) | microbatches | preempt "
         "| prefix hit |"
     )
     ncols = head.count("|") - 1
@@ -84,7 +85,8 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"| {_f(lat['ttft_s']['p50'], 1, 2)} | {_f(lat['ttft_s']['p99'], 1, 2)} "
             f"| {_f(lat['tbt_s']['p50'], 1e3)} | {_f(lat['tbt_s']['p99'], 1e3)} | {_f(lat['tpot_s']['mean'], 1e3)} "
             f"| {_f(lat['scheduling_delay_s']['p50'], 1, 2)} | {_f(thr['output_tokens_per_s'], 1, 2)} "
-            f"| {_f(thr['requests_per_s'], 1, 3)} | {_pct(bub.get('mean_bubble_fraction'))} | {stages} "
+            f"| {_f(thr['requests_per_s'], 1, 3)} | {_pct(bub.get('mean_bubble_fraction'))} "
+            f"| {_pct(bub.get('short_handed_bubble_fraction'))} | {stages} "
             f"| {_f(bub.get('per_request_bubble_s', {}).get('p50'), 1e3)} | {bub.get('num_microbatches', '-')} "
             f"| {s.get('num_preemptions', '-')} | {_pct(s.get('prefix_cache_hit_rate'))} |"
         )

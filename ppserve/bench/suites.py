@@ -246,7 +246,7 @@ def simulate_summary(ctx: BenchContext, policy: str, reqs: Sequence[WorkloadRequ
     from ppserve.sim.simulator import simulate
 
     res = simulate(reqs, ProfileCostModel(profile), sim_config(ctx, policy, overhead_s, num_blocks))
-    s = summarize_run(res.timings, res.spans, res.work_intervals)
+    s = summarize_run(res.timings, res.spans, res.work_intervals, num_stages=res.num_stages)
     s.update(name=f"sim/{policy}", num_preemptions=res.num_preemptions, aborted=False)
     return s, res
 

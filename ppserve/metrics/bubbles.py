@@ -49,6 +49,8 @@ __all__ = [
     "total",
     "resolve_window",
     "idle_intervals",
+    "short_handed",
+    "bubble_fraction_within",
     "per_request_bubble_ns",
     "bubble_report",
     "gpipe_bubble_fraction",
@@ -188,6 +190,44 @@ def idle_intervals(
         idle = subtract(win, _busy(track))
         out[key] = (intersect(idle, work), subtract(idle, work))
     return out
+
+
+def short_handed(lifetimes: Iterable[Interval], num_stages: int, within: Sequence[Interval]) -> list[Interval]:
+    """The parts of normalized `within` where fewer than `num_stages` requests were in the system, given
+    each request's lifetime (arrival, last token; ns on the spans' clock).
+
+    Each request's decodes ride in one microbatch at a time (the next token needs the last one), so
+    with fewer than p requests and only decodes left, p stages cannot all be busy whatever the
+    formation: the bubble there is the load's shape more than the scheduler's (a prompt's chunks can
+    still follow each other down the pipeline, so some of it is formation's to fill)."""
+    events = sorted([(start, 1) for start, _ in lifetimes] + [(end, -1) for _, end in lifetimes])
+    full: list[Interval] = []
+    count, since = 0, 0
+    for at, step in events:
+        if count >= num_stages and at > since:
+            full.append((since, at))
+        count += step
+        since = at
+    return subtract(within, union(full))
+
+
+def bubble_fraction_within(
+    spans: Sequence[Span],
+    work_intervals: Iterable[WorkInterval] | None,
+    window: Window,
+    where: Sequence[Interval],
+) -> float:
+    """The pipeline's mean bubble fraction as `bubble_report` computes it (over the window; a stage's
+    ranks averaged, then the stages), counting only the bubble that fell inside normalized `where`."""
+    _, win = resolve_window(spans, None if work_intervals is None else list(work_intervals), window)
+    win_ns = total(win)
+    per_stage: dict[int, list[int]] = defaultdict(list)
+    for (stage, _rank), (bubbles, _starved) in idle_intervals(spans, work_intervals, window).items():
+        per_stage[stage].append(total(intersect(bubbles, where)))
+    if not per_stage or not win_ns:
+        return 0.0
+    mean = sum(Fraction(sum(ranks), len(ranks)) for ranks in per_stage.values()) / len(per_stage)
+    return float(mean / win_ns)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppserve.metrics.bubbles import (
+    bubble_fraction_within,
     bubble_report,
     gpipe_bubble_fraction,
     idle_intervals,
     intersect,
     per_request_bubble_ns,
+    short_handed,
     subtract,
     total,
     union,
@@ -345,3 +347,30 @@ def test_jsonl_round_trip(tmp_path):
 def test_import_pulls_in_no_heavy_dependencies():
     assert_imports_without("ppserve.metrics, ppserve.metrics.trace, ppserve.metrics.latency",
                            ("torch", "ray", "grpc", "matplotlib"))
+
+
+def test_short_handed_is_where_fewer_than_p_requests_were_in_the_system():
+    # Three requests over [0, 100): two overlap in [20, 50) and [60, 70) only.
+    lifetimes = [(0, 50), (20, 70), (60, 90)]
+    assert short_handed(lifetimes, 2, [(0, 100)]) == [(0, 20), (50, 60), (70, 100)]
+    assert short_handed(lifetimes, 1, [(0, 100)]) == [(90, 100)]
+    assert short_handed(lifetimes, 2, [(30, 40), (55, 80)]) == [(55, 60), (70, 80)]
+    assert short_handed([], 2, [(0, 10)]) == [(0, 10)]
+    # A request ending where the next one starts leaves no gap of "fewer" between them at p = 1.
+    assert short_handed([(0, 10), (10, 20)], 1, [(0, 20)]) == []
+
+
+def test_bubble_within_splits_the_bubble_report_exactly():
+    # Two stages, one lone request decoding in [0, 40), two requests in [40, 100): the lone request's
+    # microbatch leaves each stage idle half of its time; the crowded part has one gap on stage 1.
+    spans = [compute(0, 0, 10), compute(1, 10, 20), compute(0, 20, 30), compute(1, 30, 40),
+             compute(0, 40, 100), compute(1, 50, 80), compute(1, 90, 100)]
+    work = [(0, 100)]
+    few = short_handed([(0, 100), (40, 100)], 2, [(0, 100)])
+    assert few == [(0, 40)]
+    rep = bubble_report(spans, work)
+    within = bubble_fraction_within(spans, work, "active", few)
+    rest = bubble_fraction_within(spans, work, "active", subtract([(0, 100)], few))
+    assert within == pytest.approx((20 + 20) / 2 / 100)  # stage 0: 10-20, 30-40; stage 1: 0-10, 20-30
+    assert rest == pytest.approx((0 + 20) / 2 / 100)  # stage 1: 40-50, 80-90
+    assert within + rest == pytest.approx(rep.mean_bubble_fraction)

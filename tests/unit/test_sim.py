@@ -359,3 +359,16 @@ def test_a_trace_of_token_counts_only_takes_synthetic_arrivals(tmp_path):
     assert [r.prompt_len for r in build_workload(spec)] == [100, 200, 300]
     with pytest.raises(ValueError, match="no arrived_at column"):
         build_workload(WorkloadSpec(source=f"trace:{path}", num_requests=3, arrival="trace"))
+
+
+def test_a_lone_decoding_request_leaves_only_short_handed_bubble():
+    from ppserve.bench.harness import summarize_run
+
+    res = simulate([WorkloadRequest(0.0, 16, 20)], ConstantCostModel(2, 0.01), sim_cfg())
+    bub = summarize_run(res.timings, res.spans, res.work_intervals, num_stages=2)["bubbles"]
+    # One request's decodes ride one microbatch at a time: each of the two stages idles half the run,
+    # all of it while fewer than p requests were in the system.
+    assert bub["mean_bubble_fraction"] > 0.4
+    assert bub["short_handed_time_fraction"] == 1.0
+    assert bub["short_handed_bubble_fraction"] == pytest.approx(bub["mean_bubble_fraction"])
+    assert "short_handed_bubble_fraction" not in summarize_run(res.timings, res.spans, res.work_intervals)["bubbles"]
