@@ -125,7 +125,7 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
 
 
 def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, out_dir: Path) -> None:
-    from ppserve.metrics.bubbles import bubble_report
+    from ppserve.metrics.bubbles import bubble_fraction_within, bubble_report, resolve_window, short_handed
     from ppserve.metrics.control_plane import FIGURES, control_plane_latency
     from ppserve.metrics.latency import RequestTiming, summarize
     from ppserve.metrics.trace import save_chrome_trace
@@ -155,6 +155,15 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
     work = engine.engine.work.intervals(time.perf_counter_ns())
     report = bubble_report(spans, work, window="active")
     print("\n" + report.format_text())
+    # Token times are Unix seconds, spans read perf_counter: one offset, read now, puts them on one clock.
+    offset_s = time.time() - time.perf_counter()
+    lifetimes = [(round((t.arrival_s - offset_s) * 1e9), round((t.token_times_s[-1] - offset_s) * 1e9))
+                 for t in timings if t.token_times_s]
+    p = engine.engine.config.parallel.pipeline_parallel_size
+    few = short_handed(lifetimes, p, resolve_window(spans, work, "active")[1])
+    short = bubble_fraction_within(spans, work, "active", few)
+    print(f"of the mean bubble, {100 * short:.1f} points fell while fewer than {p} requests were in the system "
+          "(their decodes cannot fill every stage, whatever the formation)")
     control = control_plane_latency(spans)
     print("control plane per microbatch (medians): " + ", ".join(
         f"{name} {ms(control[name]['p50_s'])}" for name in FIGURES
@@ -169,6 +178,7 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
         "output_tokens_per_s": ntok / wall,
         "latency": lat,
         "bubbles_active": report.to_dict(),
+        "short_handed_bubble_fraction": short,
         "control_plane": control,
         "stats": stats.to_dict(),
         "outputs": [
