@@ -493,3 +493,30 @@ def test_the_decode_only_piece_prices_with_the_chunk_piece_until_it_has_samples(
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError, match="decode_only_weight"):
             OnlinePipelineCost(1, decode_only_weight=bad)
+
+
+def test_decode_only_microbatches_do_not_wear_out_the_chunk_pieces_memory():
+    """A sample forgets the history by the forgetting factor raised to its weight: a decode-only
+    microbatch, which counts `DECODE_ONLY_WEIGHT` in the chunk piece, forgets that much. Forgotten at the
+    full rate, the few chunks of a conversation trace (one microbatch in ten, or fewer, between runs of
+    decodes) wore out in a few hundred decodes, and the chunk piece fitted what was left: a handful of
+    chunks and the decodes' weak pull (in the simulator's conversation trace it read 11 us a token and
+    7 ns a prefill key where the chunks cost 35 us and 1 ns, and priced a 491-token chunk at 11 ms that
+    ran 24 ms)."""
+    rng = random.Random(5)
+    cost = OnlinePipelineCost(1)
+    for _ in range(300):
+        shape = _serving_shape(rng, with_chunk=True)
+        cost.observe(shape, [_knee_seconds(shape)])
+    for _ in range(3000):  # fifteen memories' worth of decode-only microbatches, at the default forgetting
+        shape = _serving_shape(rng, with_chunk=False)
+        cost.observe(shape, [_knee_seconds(shape)])
+    assert cost.current.stages[0].token_s == pytest.approx(40e-6, rel=0.1)
+    shapes = [_serving_shape(rng, with_chunk=True) for _ in range(200)]
+    assert max(abs(cost.current.pace(s) - _knee_seconds(s)) / _knee_seconds(s) for s in shapes) < 0.08
+    # Full-weight samples forget at the full rate, as before: the fit still follows drift.
+    fit = StepCostFit(forgetting=0.9)
+    x = (1.0, 100.0, 0.0, 0.0, 0.0)
+    for seconds in [0.01] * 200 + [0.02] * 200:
+        fit.observe(x, seconds)
+    assert sum(c * f for c, f in zip(fit.cost.coefficients, x, strict=True)) == pytest.approx(0.02, rel=1e-3)
