@@ -46,6 +46,7 @@ from typing import Any
 
 from ppserve.bench.regimes import Formation, Regime, regimes, sim_setup
 from ppserve.metrics.bubbles import intersect, short_handed, subtract, total, union
+from ppserve.metrics.latency import lifetimes_ns
 from ppserve.metrics.spans import ENGINE_STAGE, Span
 from ppserve.sim import SimResult, simulate
 
@@ -98,11 +99,9 @@ def first_stage_idle(res: SimResult, dispatch_s: float) -> dict[str, int]:
 
 def under_p_requests(res: SimResult) -> int:
     """Stage 0's bubble, in ns, while fewer than p requests were in the system (see the module doc)."""
-    lifetimes = [(round(t.arrival_s * 1e9), round(t.token_times_s[-1] * 1e9))
-                 for t in res.timings.values() if t.token_times_s]
     work = union(res.work_intervals)
     busy = union((sp.start_ns, sp.end_ns) for sp in res.spans if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0)
-    return total(intersect(subtract(work, busy), short_handed(lifetimes, res.num_stages, work)))
+    return total(intersect(subtract(work, busy), short_handed(lifetimes_ns(res.timings.values()), res.num_stages, work)))
 
 
 FORMATIONS = (Formation("balanced", "sarathi", True, False), Formation("balanced + ring", "sarathi", True, True),

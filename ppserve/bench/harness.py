@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppserve.metrics.bubbles import bubble_fraction_within, bubble_report, resolve_window, short_handed, total
-from ppserve.metrics.latency import RequestTiming, stats, summarize
+from ppserve.metrics.bubbles import bubble_report, short_handed_fractions
+from ppserve.metrics.latency import RequestTiming, lifetimes_ns, stats, summarize
 from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.sim.workload import WorkloadRequest
 
@@ -147,11 +147,9 @@ def summarize_run(
             "microbatch_token_cv": rep.microbatch_token_cv,
         }
         if num_stages is not None:
-            lifetimes = [(round(t.arrival_s * 1e9), round(t.token_times_s[-1] * 1e9)) for t in done]
-            _, win = resolve_window(list(spans), None if work_intervals is None else list(work_intervals), window)
-            few = short_handed(lifetimes, num_stages, win)
-            out["bubbles"]["short_handed_bubble_fraction"] = bubble_fraction_within(spans, work_intervals, window, few)
-            out["bubbles"]["short_handed_time_fraction"] = total(few) / total(win) if total(win) else 0.0
+            bub, when = short_handed_fractions(spans, work_intervals, window, lifetimes_ns(done), num_stages)
+            out["bubbles"]["short_handed_bubble_fraction"] = bub
+            out["bubbles"]["short_handed_time_fraction"] = when
     return out
 
 

@@ -65,6 +65,8 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.config import SchedulerConfig
+from ppserve.metrics.bubbles import short_handed_fractions
+from ppserve.metrics.latency import lifetimes_ns
 from ppserve.sim.cost_model import RooflineCostModel, kv_cache_blocks, load_hardware, load_model_spec
 from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.workload import (
@@ -252,6 +254,9 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
         "num_microbatches": s["num_microbatches"],
         "num_preemptions": s["num_preemptions"],
         "mean_bubble": bub["mean_bubble_fraction"],
+        # The part of it that fell while fewer than p requests were in the system (metrics/bubbles.py).
+        "short_handed_bubble": short_handed_fractions(res.spans, res.work_intervals, "active",
+                                                      lifetimes_ns(res.timings.values()), res.num_stages)[0],
         "stage_bubble": [st.bubble_fraction for st in rep.stages],
         "requests_per_s": thr["requests_per_s"],
         "output_tokens_per_s": thr["output_tokens_per_s"],
@@ -361,14 +366,15 @@ def _x(x: float | None) -> str:
 
 def cells_table(suite: Mapping[str, Any]) -> str:
     """One row per (regime, formation)."""
-    head = ("| regime | formation | reqs | bubble mean | bubble per stage | req/s | out tok/s | TTFT p50 (ms) "
-            "| TTFT p99 (ms) | TBT p99 (ms) | per-req bubble p50 (ms) |")
+    head = ("| regime | formation | reqs | bubble mean | of it, < p requests | bubble per stage | req/s | out tok/s "
+            "| TTFT p50 (ms) | TTFT p99 (ms) | TBT p99 (ms) | per-req bubble p50 (ms) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in suite["regimes"].items():
         for c in r["cells"]:
             stages = " / ".join(f"{100 * b:.0f}" for b in c["stage_bubble"])
             lines.append(
-                f"| {name} | {c['formation']} | {c['num_requests']} | {_pct(c['mean_bubble'])} | {stages} "
+                f"| {name} | {c['formation']} | {c['num_requests']} | {_pct(c['mean_bubble'])} "
+                f"| {_pct(c.get('short_handed_bubble'))} | {stages} "
                 f"| {c['requests_per_s']:.3f} | {c['output_tokens_per_s']:.0f} | {_ms(c['ttft_p50_s'])} "
                 f"| {_ms(c['ttft_p99_s'])} | {_ms(c['tbt_p99_s'])} | {_ms(c['per_request_bubble_p50_s'])} |"
             )

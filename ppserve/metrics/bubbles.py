@@ -51,6 +51,7 @@ __all__ = [
     "idle_intervals",
     "short_handed",
     "bubble_fraction_within",
+    "short_handed_fractions",
     "per_request_bubble_ns",
     "bubble_report",
     "gpipe_bubble_fraction",
@@ -228,6 +229,22 @@ def bubble_fraction_within(
         return 0.0
     mean = sum(Fraction(sum(ranks), len(ranks)) for ranks in per_stage.values()) / len(per_stage)
     return float(mean / win_ns)
+
+
+def short_handed_fractions(
+    spans: Sequence[Span],
+    work_intervals: Iterable[WorkInterval] | None,
+    window: Window,
+    lifetimes: Iterable[Interval],
+    num_stages: int,
+) -> tuple[float, float]:
+    """(the mean bubble fraction that fell while fewer than `num_stages` requests were in the system, the
+    part of the window that was so), from each request's lifetime (arrival, last token) on the spans' clock."""
+    work = None if work_intervals is None else list(work_intervals)
+    _, win = resolve_window(spans, work, window)
+    few = short_handed(lifetimes, num_stages, win)
+    win_ns = total(win)
+    return bubble_fraction_within(spans, work, window, few), (total(few) / win_ns if win_ns else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

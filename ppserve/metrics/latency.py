@@ -53,6 +53,13 @@ class RequestTiming:
         return self.token_times_s[-1] - self.arrival_s if self.token_times_s else None
 
 
+def lifetimes_ns(timings: Iterable[RequestTiming], offset_s: float = 0.0) -> list[tuple[int, int]]:
+    """Each request's time in the system, arrival to last token, in integer ns on a span clock that reads
+    the timings' clock minus `offset_s`; requests with no token are left out."""
+    return [(round((t.arrival_s - offset_s) * 1e9), round((t.token_times_s[-1] - offset_s) * 1e9))
+            for t in timings if t.token_times_s]
+
+
 def percentile(values: Iterable[float], q: float) -> float:
     """The q-th percentile (q in [0, 100]) by linear interpolation between closest ranks.
 

@@ -125,9 +125,9 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
 
 
 def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, out_dir: Path) -> None:
-    from ppserve.metrics.bubbles import bubble_fraction_within, bubble_report, resolve_window, short_handed
+    from ppserve.metrics.bubbles import bubble_report, short_handed_fractions
     from ppserve.metrics.control_plane import FIGURES, control_plane_latency
-    from ppserve.metrics.latency import RequestTiming, summarize
+    from ppserve.metrics.latency import RequestTiming, lifetimes_ns, summarize
     from ppserve.metrics.trace import save_chrome_trace
 
     timings = []
@@ -156,12 +156,9 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
     report = bubble_report(spans, work, window="active")
     print("\n" + report.format_text())
     # Token times are Unix seconds, spans read perf_counter: one offset, read now, puts them on one clock.
-    offset_s = time.time() - time.perf_counter()
-    lifetimes = [(round((t.arrival_s - offset_s) * 1e9), round((t.token_times_s[-1] - offset_s) * 1e9))
-                 for t in timings if t.token_times_s]
     p = engine.engine.config.parallel.pipeline_parallel_size
-    few = short_handed(lifetimes, p, resolve_window(spans, work, "active")[1])
-    short = bubble_fraction_within(spans, work, "active", few)
+    lifetimes = lifetimes_ns(timings, offset_s=time.time() - time.perf_counter())
+    short, _ = short_handed_fractions(spans, work, "active", lifetimes, p)
     print(f"of the mean bubble, {100 * short:.1f} points fell while fewer than {p} requests were in the system "
           "(their decodes cannot fill every stage, whatever the formation)")
     control = control_plane_latency(spans)
