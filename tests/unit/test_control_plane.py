@@ -72,5 +72,28 @@ def test_a_microbatch_on_the_token_ring_waits_for_its_tokens_not_for_the_dispatc
     # dispatch: step 0 (0), step 1 (stage 0 free at 11: 0), step 4 (0), step 5 (stage 0 free at 58: 0)
     assert got["dispatch"]["count"] == 4 and got["dispatch"]["p50_s"] == 0
     # turnaround: step 0 leaves stage 1 at 25 -> schedule 26 forms step 3 ahead: not counted; step 1 at 38
-    # -> 47 (step 4, a new prompt: counted, 9 ms); steps 2-5 end at 50, 60, 70, 80: nothing after 49
-    assert got["turnaround"]["count"] == 1 and got["turnaround"]["p50_s"] == pytest.approx(0.009)
+    # -> 47 forms step 4, a new prompt, while steps 2 and 3 are on the stages: the ring's extra slot, which
+    # the ring's clock formed when stage 0 was about to be free (48), not a turnaround; steps 2-5 end at 50,
+    # 60, 70, 80: nothing scheduled after 49
+    assert got["turnaround"]["count"] == 0
+
+
+def test_a_formation_after_a_result_with_a_free_stage_slot_is_a_turnaround_under_the_ring_too():
+    """The same two stages with one decode group on the ring: when step 0 leaves stage 1 at 20, only step 1
+    (its next step, formed ahead) is on the stages, so the schedule at 21 for a new prompt's step 2 used a
+    free slot: its 1 ms is the turnaround."""
+    a, p = ("a",), ("p",)
+    spans = [
+        Span("schedule", 0, 1 * MS, ENGINE_STAGE, 0, 0),
+        Span("compute", 1 * MS, 10 * MS, 0, 0, 0, request_ids=a),
+        Span("compute", 10 * MS, 20 * MS, 1, 0, 0, request_ids=a),
+        Span("schedule", 5 * MS, 6 * MS, ENGINE_STAGE, 0, 1),
+        Span("compute", 20 * MS + MS // 2, 30 * MS, 0, 0, 1, request_ids=a),
+        Span("compute", 30 * MS, 40 * MS, 1, 0, 1, request_ids=a),
+        Span("schedule", 21 * MS, 22 * MS, ENGINE_STAGE, 0, 2),
+        Span("compute", 30 * MS, 40 * MS, 0, 0, 2, request_ids=p),
+        Span("compute", 40 * MS, 50 * MS, 1, 0, 2, request_ids=p),
+    ]
+    got = control_plane_latency(spans)
+    assert got["ring"]["count"] == 1  # step 1: 20 -> 20.5
+    assert got["turnaround"]["count"] == 1 and got["turnaround"]["p50_s"] == pytest.approx(0.001)
