@@ -73,11 +73,12 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
     by_start = sorted((s.start_ns, step) for step, s in schedule.items())
     starts = [start for start, _ in by_start]
     # Microbatches on the stages when a schedule starts: scheduled before it, not yet out of the last stage.
-    timed = sorted(schedule[step].start_ns for step, stages in compute.items() if step in schedule and last in stages)
-    leaves = sorted(stages[last].end_ns for step, stages in compute.items() if step in schedule and last in stages)
+    whole = [step for step, stages in compute.items() if step in schedule and last in stages]
+    scheduled_at = sorted(schedule[step].start_ns for step in whole)
+    left_at = sorted(compute[step][last].end_ns for step in whole)
 
     def on_stages(t: int) -> int:
-        return bisect.bisect_left(timed, t) - bisect.bisect_right(leaves, t)
+        return bisect.bisect_left(scheduled_at, t) - bisect.bisect_right(left_at, t)
 
     dispatch, hop, turnaround, ring = [], [], [], []
     for step, stages in compute.items():
