@@ -17,9 +17,10 @@ Three gaps per microbatch, all on the engine's clock (spans of TP rank 0):
   as a prompt's next chunk following its previous one): under the ring the engine forms the next
   microbatch just in time for stage 0, whenever the last result came, so that gap is not a latency.
   Nor is it where the next schedule forms the ring's extra microbatch (p others still on the stages when
-  it starts): the ring's clock defers that formation until stage 0 is about to need it (a new prompt's
-  first chunk there waited up to a microbatch's time, counted as turnaround before: `ppserve demo`
-  reported 14.7 ms).
+  it starts), or comes only after another microbatch left the last stage (that result, or the ring's
+  clock, set it off): the ring's clock defers that formation until stage 0 is about to need it (a new
+  prompt's first chunk there waited up to a microbatch's time, counted as turnaround before: `ppserve
+  demo` reported 14.7 ms).
   Which requests a microbatch carries is in the compute spans; no other record is needed.
 
 Pure Python over `Span` records; medians and p90s in seconds.
@@ -98,7 +99,9 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
         if last in stages:
             end = stages[last].end_ns
             i = bisect.bisect_left(starts, end)
-            if i < len(starts) and by_start[i][1] not in ahead and on_stages(starts[i]) <= last:
+            j = bisect.bisect_right(left_at, end)  # the next microbatch out of the last stage, if any
+            if (i < len(starts) and by_start[i][1] not in ahead and on_stages(starts[i]) <= last
+                    and (j == len(left_at) or starts[i] <= left_at[j])):
                 turnaround.append(starts[i] - end)
     return {"dispatch": _stats(dispatch), "hop": _stats(hop), "turnaround": _stats(turnaround), "ring": _stats(ring)}
 

@@ -97,3 +97,22 @@ def test_a_formation_after_a_result_with_a_free_stage_slot_is_a_turnaround_under
     got = control_plane_latency(spans)
     assert got["ring"]["count"] == 1  # step 1: 20 -> 20.5
     assert got["turnaround"]["count"] == 1 and got["turnaround"]["p50_s"] == pytest.approx(0.001)
+
+
+def test_a_schedule_that_comes_after_a_later_result_is_not_the_earlier_results_turnaround():
+    """Step 0 leaves stage 1 at 20 and step 1 at 30; the engine schedules step 2 at 31. That schedule
+    followed step 1's result (1 ms), not step 0's (11 ms): an engine waiting on the ring's clock or on
+    step 1 formed it, whatever step 0's result did."""
+    spans = [
+        Span("schedule", 0, 1 * MS, ENGINE_STAGE, 0, 0),
+        Span("schedule", 1 * MS, 2 * MS, ENGINE_STAGE, 0, 1),
+        Span("compute", 1 * MS, 10 * MS, 0, 0, 0),
+        Span("compute", 10 * MS, 20 * MS, 1, 0, 0),
+        Span("compute", 10 * MS, 20 * MS, 0, 0, 1),
+        Span("compute", 20 * MS, 30 * MS, 1, 0, 1),
+        Span("schedule", 31 * MS, 32 * MS, ENGINE_STAGE, 0, 2),
+        Span("compute", 32 * MS, 40 * MS, 0, 0, 2),
+        Span("compute", 40 * MS, 50 * MS, 1, 0, 2),
+    ]
+    got = control_plane_latency(spans)
+    assert got["turnaround"]["count"] == 1 and got["turnaround"]["p50_s"] == pytest.approx(0.001)
