@@ -93,14 +93,19 @@ class TimeBudget(TokenBudget):
     the time a soft limit for the end of a prompt: a chunk that starts never leaves its request fewer than
     `min_rest` tokens, it takes them all if the token budget allows (a rest that small would cost a
     whole microbatch of its own later, and the request's first token a round of the pipeline).
+    `even_chunks` cuts a prompt that does not fit whole into equal chunks: of the rest's tokens, the
+    chunk takes an equal part of as many chunks as the time granted now would need, at most one token
+    over the grant (a rest of 463 tokens at a grant of 217 goes as 155 now, not as 217 now and 246
+    later). The balanced share sets it (sched/balance.py, "Equal chunks").
     """
 
     def __init__(self, token_budget: int | None, max_seqs: int | None, cost: PipelineCost,
-                 time_budget_s: float, min_rest: int = 0) -> None:
+                 time_budget_s: float, min_rest: int = 0, even_chunks: bool = False) -> None:
         super().__init__(token_budget, max_seqs)
         self.cost = cost
         self.time_budget_s = time_budget_s
         self.min_rest = min_rest
+        self.even_chunks = even_chunks
         self.stage_used_s = [s.floor_s for s in cost.stages]
 
     @property
@@ -120,7 +125,14 @@ class TimeBudget(TokenBudget):
         # Only a chunk that starts would leave a rest: a request the time leaves out (timed == 0) waits
         # whole for the next microbatch. Taken whole instead, every prompt shorter than min_rest ignored
         # the time budget (the demo's eight ~24-token prompts: one 194-token microbatch, not two halves).
-        return n if n == wanted and 0 < timed and wanted - timed < self.min_rest else timed
+        if n == wanted and 0 < timed and wanted - timed < self.min_rest:
+            return n
+        if self.even_chunks and 0 < timed < wanted:
+            # As many chunks as the grant needs, at one token over it each: the grant is a share rounded
+            # down to whole tokens, and a prompt of exactly two shares (113 tokens at 56) would go in three.
+            pieces = -(-wanted // (timed + 1))
+            return min(n, -(-wanted // pieces))
+        return timed
 
     def _timed_chunk(self, wanted: int, n: int, context: int) -> int:
         budget_s = self.time_budget_s

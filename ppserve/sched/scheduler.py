@@ -427,7 +427,7 @@ class Scheduler:
             budget.limit(budget.token_budget or 0, share_s)
             return budget
         min_rest = math.ceil((budget.token_budget or 0) * MIN_REST_OF_BUDGET)
-        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest)
+        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest, even_chunks=True)
 
     def _min_chunk(self, cost: PipelineCost, token_budget: int) -> int:
         """`min_chunk_tokens`, solved again only when the fit or the budget changed (a refit makes a new

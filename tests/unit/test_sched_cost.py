@@ -246,6 +246,25 @@ def test_time_budget_grants_fewer_tokens_to_long_context_chunks_on_the_slowest_s
     assert not TimeBudget(100, 1, PIPE, time_s).can_fit(200)
 
 
+def test_even_chunks_cut_a_prompt_into_equal_chunks_at_most_a_token_over_the_grant():
+    """`even_chunks`: a prompt that does not fit whole takes the rest divided by the chunks the grant needs."""
+    time_s = PIPE.pace(BatchShape(((100, 0),), 0))
+    grant = TimeBudget(4096, None, PIPE, time_s).chunk(4000, context=0)
+    assert 90 < grant <= 100
+
+    def even(wanted: int) -> int:
+        return TimeBudget(4096, None, PIPE, time_s, min_rest=8, even_chunks=True).chunk(wanted, context=0)
+
+    assert even(250) == -(-250 // 3) == 84  # 84 + 83 + 83, not grant + grant + the rest
+    assert even(grant + 20) == -(-(grant + 20) // 2)  # a rest a little over the grant: two halves
+    assert even(2 * grant + 2) == grant + 1  # two grants and a token each: two chunks, not three
+    assert even(grant + 5) == grant + 5  # a rest under min_rest is still taken whole
+    assert even(grant) == grant and even(30) == 30  # what fits is taken whole
+    for wanted in range(1, 1200, 7):  # at most a token over the grant, and the chunks it implies are level
+        n, plain = even(wanted), TimeBudget(4096, None, PIPE, time_s, min_rest=8).chunk(wanted, context=0)
+        assert n == plain or (n <= plain + 1 and -(-wanted // n) == -(-wanted // (plain + 1)))
+
+
 def test_a_decode_is_priced_by_the_fast_path_exactly_as_by_the_general_chunk():
     """`decode_fits` / `spend_decode` (the decode path of `BatchBuilder.add_decodes`) give what
     `chunk(1, ctx) == 1` / `spend(1, ctx, sampled=True)` give, float for float: seats, the token cap, an
