@@ -9,8 +9,8 @@ Part 1 times `sample()` on 64 rows of a 49,152-token vocabulary (the default mod
 request (best of --repeats, every kind in one run; with --compare-with, another sampler.py interleaved
 call by call). Part 2 runs the default model offline on 64
 prompts of 256 tokens, 32 sampled outputs each, and measures the time inside `sample()` against the wall
-time of every engine step (budget 512): the share of a step that sampling takes, top-k/top-p unset and
-set, side by side.
+time of every engine step (budget 512): the share of a step that sampling takes, top-k/top-p unset, top-p
+alone (what an OpenAI client can send: its API has no top-k) and both set, side by side.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
                               "alone_ms": sampler_alone(args.rows, args.vocab, args.repeats, args.compare_with)}
     if not args.skip_engine:
         report["engine"] = {}
-        for label in ("temperature 1", "top_k 50 + top_p 0.9"):
+        for label in ("temperature 1", "top_p 0.9", "top_k 50 + top_p 0.9"):
             r = share_of_step(KINDS[label], args.num_prompts, args.prompt_len, args.output_len)
             report["engine"][label] = r
             print(f"  engine, {label:22s}: {r['steps']} steps of {r['mean_step_ms']:.0f} ms, sampling "

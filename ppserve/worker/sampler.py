@@ -8,8 +8,9 @@ Each step pays only for what its requests ask (ARCHITECTURE.md §2):
   noise is drawn over the vocabulary;
 - top-k (with or without top-p): torch.topk of the largest k the batch asks for, then top-p over
   those survivors only;
-- top-p without top-k: the nucleus threshold found without sorting, by a two-level radix search
-  over the probabilities' float bits (a histogram of mass per bit pattern prefix);
+- top-p without top-k: the nucleus threshold from a histogram of mass over the probabilities' float
+  bits; on a GPU a radix search of three such rounds, with no sort; on a CPU one round, then a sort of
+  the one bin's tokens the threshold falls in;
 - min-p: a mask of the tokens below min_p times the most likely one's probability.
 Rows are grouped by what they ask (a host-side decision on their parameters); within a group every
 row's parameters are tensors, so there is no Python loop over rows and no host sync until the one
@@ -140,7 +141,51 @@ def _min_p_mask_(weights: Tensor, min_p: Tensor | None) -> Tensor:
 
 def nucleus_threshold(weights: Tensor, top_p: Tensor) -> Tensor:
     """[n] float32: the smallest weight of each row's nucleus (the most likely tokens whose mass first
-    reaches top_p of the row's total; the token crossing it stays), found without sorting.
+    reaches top_p of the row's total; the token crossing it stays). On a CPU, by sorting only the tokens
+    of the one coarse bin the threshold falls in (`_nucleus_threshold_cpu`); elsewhere by the radix
+    search (`_nucleus_threshold_radix`), which needs no host sync."""
+    if weights.device.type == "cpu":
+        return _nucleus_threshold_cpu(weights, top_p)
+    return _nucleus_threshold_radix(weights, top_p)
+
+
+def _nucleus_threshold_cpu(weights: Tensor, top_p: Tensor) -> Tensor:
+    """The nucleus threshold on a CPU: one histogram of mass over the weights' top 10 float bits (the
+    radix search's first round) finds the bin the threshold falls in and the mass above it; then only
+    that bin's tokens (weights within 12.5 % of each other, typically a few hundred of a row's 49,152) are sorted, all
+    rows in one sort keyed by (row, weight), and summed in float64 from the mass above. On a CPU the
+    radix search's second and third rounds are slow: nearly every token falls in the bin below the prefix,
+    and a scatter-add into one address runs at its latency (64 rows of 49,152 tokens: 27-32 ms against
+    4-11 ms, `benchmarks/bench_sampler.py`). A sort on the host needs the subset's size, a sync a GPU
+    should not pay. A row whose bin came out empty (NaN weights) takes the radix search's answer."""
+    n = weights.shape[0]
+    bits = weights.contiguous().view(torch.int32)
+    coarse = (bits >> 20).long()  # [n, V]: the exponent and 3 mantissa bits; 0..1016 for weights in [0, 1]
+    hist = torch.zeros(n, 1024, dtype=weights.dtype).scatter_add_(1, coarse.clamp_(0, 1023), weights).double()
+    target = top_p.double() * hist.sum(-1)
+    above = hist.flip(-1).cumsum(-1).flip(-1)  # above[d]: the mass of bins >= d
+    digit = ((above >= target[:, None]).sum(-1) - 1).clamp_(min=0)  # the bin the threshold falls in
+    carried = torch.where(digit < 1023, above.gather(1, (digit + 1).clamp(max=1023)[:, None])[:, 0], 0.0)
+    rows, cols = (coarse == digit[:, None]).nonzero(as_tuple=True)
+    order = (rows * (1 << 31) + (0x7FFFFFFF - bits[rows, cols].long())).argsort()  # by row, heaviest first
+    rows, cols = rows[order], cols[order]
+    vals = weights[rows, cols]
+    counts = torch.bincount(rows, minlength=n)
+    starts = counts.cumsum(0) - counts
+    cum = vals.double().cumsum(0)
+    base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0.0)  # the rows before, in the running sum
+    before = cum - vals.double() - base[rows] + carried[rows]  # each token's row mass from above, excluding it
+    kept = torch.bincount(rows, weights=(before < target[rows]).double(), minlength=n).long().clamp_(min=1)
+    threshold = vals[(starts + kept - 1).clamp(max=max(0, vals.numel() - 1))] if vals.numel() else weights[:, 0]
+    empty = counts == 0
+    if bool(empty.any()):
+        threshold = threshold.clone()
+        threshold[empty] = _nucleus_threshold_radix(weights[empty], top_p[empty])
+    return threshold
+
+
+def _nucleus_threshold_radix(weights: Tensor, top_p: Tensor) -> Tensor:
+    """The nucleus threshold found without sorting (for devices where a host sync costs).
 
     Weights >= 0 have float bit patterns ordered like their values, and weights <= 1.0 (0x3F800000) use
     30 bits. Three rounds of a radix search, 10 bits each: every token's bits above this round's digit

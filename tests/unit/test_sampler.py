@@ -93,17 +93,55 @@ def test_the_full_vocabulary_draw_over_many_blocks():
                          torch.cat([expected[top], 1 - expected[top].sum()[None]]) * draws) > 1e-3
 
 
-def test_nucleus_threshold_equals_the_sorted_prefix():
+def _sorted_nucleus_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The reference: probabilities in float64, sorted, the prefix whose mass before each token is under top_p."""
+    probs = weights.double() / weights.double().sum(-1, keepdim=True)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    last = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None].double()).sum(-1) - 1
+    return weights.gather(1, order).gather(1, last[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("find", [nucleus_threshold, sampler._nucleus_threshold_radix, sampler._nucleus_threshold_cpu])
+def test_nucleus_threshold_equals_the_sorted_prefix(find):
+    """Both ways of finding the threshold (the radix search a GPU runs, the bin-then-sort a CPU runs)."""
     torch.manual_seed(2)
     for vocab in (2, 37, 700, 5000):
         logits = torch.randn(16, vocab) * torch.linspace(0.1, 8, 16)[:, None]
         top_p = torch.rand(16) * 0.98 + 0.01
         weights = torch.exp(logits - logits.amax(-1, keepdim=True))
-        probs = weights.double() / weights.double().sum(-1, keepdim=True)
-        sorted_probs, order = probs.sort(-1, descending=True)
-        last = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None].double()).sum(-1) - 1
-        expected = weights.gather(1, order).gather(1, last[:, None])[:, 0]
-        assert torch.equal(nucleus_threshold(weights, top_p), expected)
+        assert torch.equal(find(weights, top_p), _sorted_nucleus_threshold(weights, top_p))
+
+
+def _kept(weights: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many tokens a threshold keeps per row, and their mass."""
+    mask = weights >= threshold[:, None]
+    return mask.sum(-1), torch.where(mask, weights, 0.0).double().sum(-1)
+
+
+@pytest.mark.parametrize("find", [sampler._nucleus_threshold_radix, sampler._nucleus_threshold_cpu])
+def test_nucleus_threshold_over_the_default_vocabulary(find):
+    """At 49,152 tokens the float32 histogram's rounding may move the nucleus's edge by one token, in a
+    rare row where the mass up to that token is within ~1e-5 of top_p. Ties and a NaN row stay in range."""
+    torch.manual_seed(5)
+    for scale in (0.5, 1.0, 3.0, 6.0):
+        weights = torch.exp(torch.randn(64, 49_152) * scale)
+        weights /= weights.amax(-1, keepdim=True)
+        top_p = torch.rand(64) * 0.98 + 0.01
+        got, expected = find(weights, top_p), _sorted_nucleus_threshold(weights, top_p)
+        moved = got != expected
+        assert moved.float().mean() <= 0.1
+
+        (n_got, mass_got), (n_expected, mass_expected) = _kept(weights, got), _kept(weights, expected)
+        assert ((n_got - n_expected).abs() <= 1).all()
+        total, target = weights.double().sum(-1), top_p.double() * weights.double().sum(-1)
+        near = torch.minimum((mass_got - target).abs(), (mass_expected - target).abs()) <= 1e-5 * total
+        assert near[moved].all()
+    tied = torch.ones(3, 1000)
+    assert torch.equal(find(tied, torch.tensor([0.5, 0.999, 0.01])), torch.ones(3))  # every tie stays in
+    nan = torch.rand(2, 1000)
+    nan[1, 7] = float("nan")
+    got = find(nan, torch.tensor([0.9, 0.9]))
+    assert got[0] == _sorted_nucleus_threshold(nan[:1], torch.tensor([0.9]))[0]
 
 
 def test_top_k_and_top_p_edges():
