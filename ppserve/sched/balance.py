@@ -59,7 +59,8 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
 - **Equal chunks.** A share in predicted time cuts a prompt that does not fit whole into equal chunks
   (`TimeBudget(even_chunks=True)`): the chunk takes the rest's tokens divided by the number of chunks
   the time granted now would need, at most one token over that grant (the grant is a share rounded down,
-  and a prompt of exactly two shares would go in three). Cut greedily, a prompt's chunks were full
+  and a prompt of exactly two shares would go in three; not with a token budget of 16 or less, whose
+  share lets no rest past it). Cut greedily, a prompt's chunks were full
   grants and then its rest, which either took a microbatch of its own or, a little over a grant, went
   whole past the share (`MIN_REST_OF_BUDGET`). A 1,123-token prompt beside three decodes went as chunks
   of 217-221 tokens and a last one of 246 (12.3 ms against ~10.9, its share), followed by decode-only

@@ -95,8 +95,8 @@ class TimeBudget(TokenBudget):
     whole microbatch of its own later, and the request's first token a round of the pipeline).
     `even_chunks` cuts a prompt that does not fit whole into equal chunks: of the rest's tokens, the
     chunk takes an equal part of as many chunks as the time granted now would need, at most one token
-    over the grant (a rest of 463 tokens at a grant of 217 goes as 155 now, not as 217 now and 246
-    later). The balanced share sets it (sched/balance.py, "Equal chunks").
+    over the grant where `min_rest` > 1 (a rest of 463 tokens at a grant of 217 goes as 155 now, not as
+    217 now and 246 later). The balanced share sets it (sched/balance.py, "Equal chunks").
     """
 
     def __init__(self, token_budget: int | None, max_seqs: int | None, cost: PipelineCost,
@@ -130,7 +130,9 @@ class TimeBudget(TokenBudget):
         if self.even_chunks and 0 < timed < wanted:
             # As many chunks as the grant needs, at one token over it each: the grant is a share rounded
             # down to whole tokens, and a prompt of exactly two shares (113 tokens at 56) would go in three.
-            pieces = -(-wanted // (timed + 1))
+            # Not where the share lets no rest past it (min_rest <= 1, a token budget of 16 or less): a
+            # prompt of 3 tokens at a grant of 1 went as 2 + 1 there, twice the time granted.
+            pieces = -(-wanted // (timed + (1 if self.min_rest > 1 else 0)))
             return min(n, -(-wanted // pieces))
         return timed
 

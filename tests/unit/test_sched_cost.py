@@ -258,6 +258,8 @@ def test_even_chunks_cut_a_prompt_into_equal_chunks_at_most_a_token_over_the_gra
     assert even(250) == -(-250 // 3) == 84  # 84 + 83 + 83, not grant + grant + the rest
     assert even(grant + 20) == -(-(grant + 20) // 2)  # a rest a little over the grant: two halves
     assert even(2 * grant + 2) == grant + 1  # two grants and a token each: two chunks, not three
+    tight = TimeBudget(4096, None, PIPE, time_s, min_rest=1, even_chunks=True)  # a share that lets no rest past it
+    assert tight.chunk(2 * grant + 2, context=0) == -(-(2 * grant + 2) // 3)  # ... gets no token over the grant
     assert even(grant + 5) == grant + 5  # a rest under min_rest is still taken whole
     assert even(grant) == grant and even(30) == 30  # what fits is taken whole
     for wanted in range(1, 1200, 7):  # at most a token over the grant, and the chunks it implies are level
