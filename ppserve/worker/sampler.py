@@ -150,14 +150,16 @@ def nucleus_threshold(weights: Tensor, top_p: Tensor) -> Tensor:
 
 
 def _nucleus_threshold_cpu(weights: Tensor, top_p: Tensor) -> Tensor:
-    """The nucleus threshold on a CPU: one histogram of mass over the weights' top 10 float bits (the
-    radix search's first round) finds the bin the threshold falls in and the mass above it; then only
-    that bin's tokens (weights within 12.5 % of each other, typically a few hundred of a row's 49,152) are sorted, all
-    rows in one sort keyed by (row, weight), and summed in float64 from the mass above. On a CPU the
-    radix search's second and third rounds are slow: nearly every token falls in the bin below the prefix,
-    and a scatter-add into one address runs at its latency (64 rows of 49,152 tokens: 27-32 ms against
-    4-11 ms, `benchmarks/bench_sampler.py`). A sort on the host needs the subset's size, a sync a GPU
-    should not pay. A row whose bin came out empty (NaN weights) takes the radix search's answer."""
+    """The nucleus threshold on a CPU: one histogram of mass over the weights' exponent and top 3
+    mantissa bits (the radix search's first round) finds the bin the threshold falls in and the mass
+    above it; then only that bin's tokens (weights within 12.5 % of each other) are sorted, all rows in
+    one sort keyed by (row, weight), and summed in float64 from the mass above. Of a row's 49,152
+    random logits of standard deviation 6 / 3 / 1 / 0.5, the bin held a median 1 / 141 / 1,539 / 2,793
+    tokens (scratch count). On a CPU the radix search's second and third rounds are slow: nearly every
+    token falls in the bin below the prefix, and a scatter-add into one address runs at its latency (64
+    rows at those four scales: 17-34 ms against 3.6-13 ms, scratch timing of the threshold alone). A sort
+    needs the subset's size on the host, a sync a GPU should not pay. A row whose bin came out empty
+    (NaN weights) takes the radix search's answer."""
     n = weights.shape[0]
     bits = weights.contiguous().view(torch.int32)
     coarse = (bits >> 20).long()  # [n, V]: the exponent and 3 mantissa bits; 0..1016 for weights in [0, 1]
