@@ -174,14 +174,15 @@ def _nucleus_threshold_cpu(weights: Tensor, top_p: Tensor) -> Tensor:
     vals = weights[rows, cols]
     counts = torch.bincount(rows, minlength=n)
     starts = counts.cumsum(0) - counts
-    cum = vals.double().cumsum(0)
+    mass = vals.double()
+    cum = mass.cumsum(0)
     base = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], 0.0)  # the rows before, in the running sum
-    before = cum - vals.double() - base[rows] + carried[rows]  # each token's row mass from above, excluding it
+    before = cum - mass - base[rows] + carried[rows]  # each token's row mass from above, excluding it
     kept = torch.bincount(rows, weights=(before < target[rows]).double(), minlength=n).long().clamp_(min=1)
-    threshold = vals[(starts + kept - 1).clamp(max=max(0, vals.numel() - 1))] if vals.numel() else weights[:, 0]
+    # Indexing copies, so the empty rows below are filled in a tensor of this function's own.
+    threshold = vals[(starts + kept - 1).clamp(max=max(0, vals.numel() - 1))] if vals.numel() else weights.new_empty(n)
     empty = counts == 0
     if bool(empty.any()):
-        threshold = threshold.clone()
         threshold[empty] = _nucleus_threshold_radix(weights[empty], top_p[empty])
     return threshold
 
