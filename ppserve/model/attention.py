@@ -7,6 +7,7 @@ a sequence's tokens live in the blocks listed in its row of the block table.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
@@ -49,6 +50,23 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.cu_query_lens[-1]
+
+    @functools.cached_property
+    def prefill_runs(self) -> list[tuple[int, int]]:
+        """The prefill chunks as runs (first sequence, number of sequences), in batch order: consecutive
+        sequences that are whole prompts (no earlier context) of one length make one run, which attention
+        takes in one batched call; any other chunk is a run of one. Derived once per step, on first use."""
+        runs: list[tuple[int, int]] = []
+        for i in self.prefill_seqs:
+            ql = self.query_lens[i]
+            fresh = self.context_lens[i] == ql
+            if runs and fresh:
+                first, n = runs[-1]
+                if (first + n == i and self.query_lens[first] == ql and self.context_lens[first] == ql):
+                    runs[-1] = (first, n + 1)
+                    continue
+            runs.append((i, 1))
+        return runs
 
     @property
     def num_seqs(self) -> int:
@@ -220,7 +238,9 @@ class AttentionBackend(ABC):
 
 
 class SdpaBackend(AttentionBackend):
-    """torch SDPA: all decodes in one padded call with a key-padding mask, prefill chunks one by one.
+    """torch SDPA: all decodes in one padded call with a key-padding mask; whole prompts of one length
+    side by side in the batch in one batched call (`AttentionMetadata.prefill_runs`), other prefill
+    chunks one by one.
 
     Cached context is gathered block by block with one `index_select` per K and V over the flattened
     block table (a contiguous copy of whole blocks, ~2.5x faster than advanced indexing). Grouped-query
@@ -239,10 +259,31 @@ class SdpaBackend(AttentionBackend):
         if meta.decode_seqs:
             out.index_copy_(0, meta.decode_token_idx, self._decodes(q.index_select(0, meta.decode_token_idx),
                                                                     kv_cache, meta, scale))
-        for i in meta.prefill_seqs:
-            start, end = meta.cu_query_lens[i], meta.cu_query_lens[i + 1]
-            out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, i, scale)
+        batch_prompts = self._batches_whole_prompts(q, kv_cache)
+        for first, n in meta.prefill_runs if batch_prompts else [(i, 1) for i in meta.prefill_seqs]:
+            start, end = meta.cu_query_lens[first], meta.cu_query_lens[first + n]
+            if n == 1:
+                out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, first, scale)
+            else:
+                out[start:end] = self._whole_prompts(q[start:end], k[start:end], v[start:end], n, scale)
         return out
+
+    def _batches_whole_prompts(self, q: Tensor, kv_cache: Tensor) -> bool:
+        """Whether a run of whole prompts of one length goes in one batched call (`_whole_prompts`)."""
+        return True
+
+    @staticmethod
+    def _whole_prompts(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> Tensor:
+        """n whole prompts of one length, back to back: q [n L, Hq, D], k/v [n L, Hkv, D] -> [n L, Hq, D] in
+        one batched causal call. Each row's arithmetic is what one call per prompt does (the same output,
+        bit for bit), without a call's fixed cost per prompt: 64 prompts of 16 tokens, one layer of the
+        tiny Qwen3-MoE, 1.58 -> 0.35 ms in bf16."""
+        def heads_first(x: Tensor) -> Tensor:
+            return x.unflatten(0, (n, -1)).transpose(1, 2)  # [n, H, L, D]
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).flatten(0, 1)
 
     def _decodes(self, query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
         """query [Nd, Hq, D] (the decodes' tokens, in decode order) -> [Nd, Hq, D]."""
@@ -315,6 +356,12 @@ class CpuPagedBackend(SdpaBackend):
     def __init__(self, kernel: PagedDecode, prefill: PrefillAttention | None = None) -> None:
         self._kernel = kernel
         self._prefill = prefill
+
+    def _batches_whole_prompts(self, q: Tensor, kv_cache: Tensor) -> bool:
+        """Not where the prefill kernel takes the chunks: one call per prompt of it beat one batched SDPA
+        call from 64 tokens a prompt (8 prompts of 64 / 256 tokens, 9 heads of 64, bf16: 0.49 / 2.3 ms against
+        SDPA's 0.99 / 8.8 ms on a Zen 5), and matched it at 16."""
+        return self._prefill is None or not self._prefill.accepts(q, kv_cache)
 
     def _chunk(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,
                scale: float) -> Tensor:

@@ -177,6 +177,28 @@ def test_metadata_slot_mapping_follows_block_table() -> None:
     assert meta.context_slots().tolist() == [28, 29, 30, 31, 8, 9, 16, 17, 18]
 
 
+def test_whole_prompts_of_one_length_side_by_side_take_one_batched_call() -> None:
+    from ppserve.model.attention import SdpaBackend
+
+    # seqs: a decode, three whole 4-token prompts, a chunk with earlier context, two whole 2-token prompts,
+    # a whole 3-token prompt
+    query_lens, context_lens = [1, 4, 4, 4, 2, 2, 2, 3], [5, 4, 4, 4, 6, 2, 2, 3]
+    tables = [[i * 2, i * 2 + 1] for i in range(len(query_lens))]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size=4)
+    assert meta.prefill_runs == [(1, 3), (4, 1), (5, 2), (7, 1)]
+
+    g = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = sum(query_lens), 4, 2, 8
+    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
+    cache = torch.randn(2, 2 * len(query_lens), 4, hkv, d, generator=g)
+    backend = SdpaBackend()
+    batched = backend.forward(q, k, v, cache.clone(), meta, d ** -0.5)
+    one_by_one = AttentionMetadata.build(query_lens, context_lens, tables, block_size=4)
+    one_by_one.__dict__["prefill_runs"] = [(i, 1) for i in one_by_one.prefill_seqs]
+    # bit for bit what one call per prompt gives
+    assert torch.equal(batched, backend.forward(q, k, v, cache.clone(), one_by_one, d ** -0.5))
+
+
 def test_attention_backend_choice_on_cpu():
     """On CPU `auto` is the native paged kernel when it builds (SDPA otherwise); `sdpa` forces SDPA. The exact
     type is checked: the paged backend is an SDPA subclass, so isinstance would pass whatever was picked."""
