@@ -16,9 +16,8 @@ from torch import Tensor, nn
 from ppserve.model import ops
 from ppserve.model.arch import ModelArch, common_fields, require_silu
 from ppserve.model.attention import AttentionBackend, AttentionMetadata
-from ppserve.model.layers import RMSNorm, RotaryEmbedding
+from ppserve.model.layers import RMSNorm
 from ppserve.model.llama import LLAMA_WEIGHTS, LlamaAttention, LlamaDecoderLayer
-from ppserve.model.ops import native
 from ppserve.model.parallel import TPContext
 from ppserve.model.stage_model import StageModel, WeightMap
 
@@ -48,26 +47,13 @@ class Qwen3Attention(LlamaAttention):
         proj = self.qkv_proj
         qkv = proj(x)  # [T, (Hq + 2 Hkv) D]
         t, hq, hkv, d = qkv.shape[0], proj.num_heads_local, proj.num_kv_heads_local, proj.head_dim
-        qk = self._normed_qk(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), hq)  # per head, before the rotation
-        qk = RotaryEmbedding.apply(qk, *rope, inplace=True)
+        # Each q and k head normed, before the rotation; in place in the fused output where the kernel takes it.
+        qk = ops.qk_norm_rope_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), self.q_norm.weight, self.k_norm.weight,
+                               hq, *rope, self.q_norm.eps)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1))
-
-    def _normed_qk(self, qk: Tensor, hq: int) -> Tensor:
-        """q and k heads [T, Hq + Hkv, D] -> each head through its RMSNorm, in a new tensor. In torch ops
-        (float32) one norm over both, the two weights stacked per head: elementwise the same arithmetic as
-        two norms and a cat (bit for bit), in half the ops, which is what a decode step of a small model
-        pays for. The bf16 kernel takes one weight per call, so there q and k are normed apart."""
-        t, heads, d = qk.shape
-        kernel = native.elementwise()
-        if kernel is not None and kernel.accepts(qk):
-            q = self.q_norm(qk[:, :hq].reshape(t * hq, d))
-            k = self.k_norm(qk[:, hq:].reshape(t * (heads - hq), d))
-            return torch.cat((q.view(t, hq, d), k.view(t, heads - hq, d)), dim=1)
-        weight = torch.cat((self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(heads - hq, d)))
-        return ops.rms_norm(qk, weight, self.q_norm.eps)
 
 
 def qwen3_layer(arch: ModelArch, tp: TPContext, dtype: torch.dtype, device: torch.device | str,

@@ -151,17 +151,24 @@ def test_both_layouts_give_each_tp_rank_the_same_expert_slices(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_q_and_k_norms_in_one_pass_equal_two_norms(qwen3_moe_dir, dtype):
-    """Qwen3's q and k head norms, one norm over both heads groups (float32's torch ops) or two (the bf16
-    kernel), equal each head through its own RMSNorm bit for bit."""
+def test_qwen3_q_and_k_norms_in_one_pass_equal_two_norms_then_the_rotation(qwen3_moe_dir, dtype):
+    """Qwen3's q and k head norms and the rotation after them in one op (float32: one norm over both head
+    groups in torch ops; bf16: the fused kernel, in place) equal each head through its own RMSNorm and then
+    the rotation, bit for bit."""
     from ppserve.model import ops
+    from ppserve.model.layers import RotaryEmbedding
 
     attn = load_stage_model(qwen3_moe_dir, 0, 1).layers[0].self_attn.to(dtype)
-    hq, hkv, d = 4, 2, 32
-    qkv = torch.randn(5, (hq + 2 * hkv) * d).to(dtype)
-    qk = qkv[:, :(hq + hkv) * d].view(5, hq + hkv, d)  # a strided view, as the forward pass hands it
-    expected = torch.cat((ops.rms_norm(qk[:, :hq].reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps).view(5, hq, d),
-                          ops.rms_norm(qk[:, hq:].reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps).view(5, hkv, d)),
-                         dim=1)
+    hq, hkv, d, t = 4, 2, 32, 5
+    cos, sin = RotaryEmbedding(d, 10000.0).cos_sin(torch.arange(7, 7 + t), dtype)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
+    qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)  # a strided view, as the forward pass hands it
+    normed = torch.cat((ops.rms_norm(qk[:, :hq].reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps).view(t, hq, d),
+                        ops.rms_norm(qk[:, hq:].reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps).view(t, hkv, d)),
+                       dim=1)
+    expected = RotaryEmbedding.apply(normed, cos, sin, inplace=True)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
     assert not torch.equal(attn.q_norm.weight, attn.k_norm.weight)  # the two weights really differ
-    assert torch.equal(attn._normed_qk(qk, hq), expected)
+    got = ops.qk_norm_rope_(qk, attn.q_norm.weight, attn.k_norm.weight, hq, cos, sin, attn.q_norm.eps)
+    assert torch.equal(got, expected)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)  # the V heads untouched

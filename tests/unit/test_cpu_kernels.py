@@ -209,6 +209,32 @@ def test_fused_rope_in_place_matches_eager_bf16(d: int) -> None:
 
 
 @needs_compiler
+@pytest.mark.parametrize("d", [128, 40])  # 40: half a head (20) is not a whole 16-lane vector
+def test_fused_qk_norm_rope_equals_the_norm_and_rotation_kernels(d: int) -> None:
+    from ppserve.model.layers import RotaryEmbedding
+
+    fused = native.elementwise()
+    assert fused is not None
+    torch.manual_seed(4)
+    hq, hk, t = 8, 2, 23
+    cos, sin = RotaryEmbedding(d, 10000.0).cos_sin(torch.arange(50, 50 + t), torch.bfloat16)
+    q_w, k_w = torch.randn(d, dtype=torch.bfloat16), torch.randn(d, dtype=torch.bfloat16)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=torch.bfloat16) * 5
+    qk = qkv[:, :(hq + hk) * d].view(t, hq + hk, d)  # rows strided, as in a fused QKV output
+    normed = torch.cat((fused.rms_norm(qk[:, :hq].reshape(-1, d), q_w, 1e-6).view(t, hq, d),
+                        fused.rms_norm(qk[:, hq:].reshape(-1, d), k_w, 1e-6).view(t, hk, d)), dim=1)
+    fused.rope_(normed, cos, sin)
+    v_before = qkv[:, (hq + hk) * d:].clone()
+    fused.qk_norm_rope_(qk, q_w, k_w, hq, cos, sin, 1e-6)
+    assert torch.equal(qk, normed)  # the two kernels' arithmetic, bit for bit
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before)
+    with pytest.raises(ValueError, match="weights"):
+        fused.qk_norm_rope_(qk, q_w[:-2], k_w, hq, cos, sin, 1e-6)
+    with pytest.raises(ValueError, match="layout"):
+        fused.qk_norm_rope_(qk, q_w, k_w, hq + hk + 1, cos, sin, 1e-6)
+
+
+@needs_compiler
 def test_greedy_argmax_matches_torch() -> None:
     kernel = native.greedy_argmax()
     assert kernel is not None

@@ -1,5 +1,5 @@
 /* Fused bfloat16 element-wise kernels for CPUs: RMSNorm (optionally fused with the residual add),
- * SiLU(gate) * up and rotary embedding.
+ * SiLU(gate) * up, rotary embedding, and Qwen3's per-head q/k norm with the rotation after it.
  *
  * Each replaces a chain of eager torch ops that each read and write the whole activation (RMSNorm was
  * eight passes: cast, pow, mean, add, rsqrt, mul, cast, mul). Arithmetic follows the torch reference
@@ -100,40 +100,56 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, in
     }
 }
 
-/* Rotate `heads` heads of every token in place ("rotate_half" layout):
+/* Rotate one head of d values in place ("rotate_half" layout):
  * x[i] <- bf16(bf16(x[i] * cos[i]) + bf16(-x[i + D/2] * sin[i])) for i < D/2, and
- * x[i] <- bf16(bf16(x[i] * cos[i]) + bf16(x[i - D/2] * sin[i])) for i >= D/2.
- * x: token rows `x_stride` apart, heads contiguous within a row; cos/sin [T, D] contiguous bf16. */
+ * x[i] <- bf16(bf16(x[i] * cos[i]) + bf16(x[i - D/2] * sin[i])) for i >= D/2. */
+static void rope_head(uint16_t *xh, const uint16_t *c, const uint16_t *s, int64_t d) {
+    const int64_t half = d / 2;
+#ifdef VEC_BF16
+    for (int64_t i = 0; i < half; i += 16) {
+        const __mmask16 m = tail_mask(half - i);
+        const __m512 lo = vload(xh + i, m), hi = vload(xh + half + i, m);
+        const __m512 c_lo = vload(c + i, m), c_hi = vload(c + half + i, m);
+        const __m512 s_lo = vload(s + i, m), s_hi = vload(s + half + i, m);
+        const __m512 neg_hi = _mm512_xor_ps(hi, _mm512_set1_ps(-0.f)); /* exact negation, like torch's */
+        vstore(xh + i, m, _mm512_add_ps(vround_f32(_mm512_mul_ps(lo, c_lo)), vround_f32(_mm512_mul_ps(neg_hi, s_lo))));
+        vstore(xh + half + i, m, _mm512_add_ps(vround_f32(_mm512_mul_ps(hi, c_hi)), vround_f32(_mm512_mul_ps(lo, s_hi))));
+    }
+#else
+    float lo[512], hi[512];
+    for (int64_t i = 0; i < half; i++) {
+        lo[i] = bf16_to_f32(xh[i]);
+        hi[i] = bf16_to_f32(xh[i + half]);
+    }
+    for (int64_t i = 0; i < half; i++) {
+        xh[i] = f32_to_bf16(round_bf16(lo[i] * bf16_to_f32(c[i])) + round_bf16(-hi[i] * bf16_to_f32(s[i])));
+        xh[i + half] = f32_to_bf16(round_bf16(hi[i] * bf16_to_f32(c[i + half])) +
+                                   round_bf16(lo[i] * bf16_to_f32(s[i + half])));
+    }
+#endif
+}
+
+/* Rotate `heads` heads of every token in place. x: token rows `x_stride` apart, heads contiguous within
+ * a row; cos/sin [T, D] contiguous bf16. */
 void rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos_t, const uint16_t *sin_t, int64_t tokens,
                int64_t heads, int64_t d, int num_threads) {
-    const int64_t half = d / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *c = cos_t + t * d, *s = sin_t + t * d;
-        for (int64_t h = 0; h < heads; h++) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) rope_head(x + t * x_stride + h * d, cos_t + t * d, sin_t + t * d, d);
+}
+
+/* Qwen3's query and key heads: each head through its RMSNorm (q_w for the first q_heads heads of a token,
+ * k_w for the k_heads after them), then rotated, all in place: what rms_norm_bf16 per head and then
+ * rope_bf16 compute, bit for bit, in one call instead of the chain of ops a small model's decode step
+ * pays for per call. x: token rows `x_stride` apart, heads contiguous within a row. */
+void qk_norm_rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *q_w, const uint16_t *k_w,
+                       const uint16_t *cos_t, const uint16_t *sin_t, int64_t tokens, int64_t q_heads,
+                       int64_t k_heads, int64_t d, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < q_heads + k_heads; h++) {
             uint16_t *xh = x + t * x_stride + h * d;
-#ifdef VEC_BF16
-            for (int64_t i = 0; i < half; i += 16) {
-                const __mmask16 m = tail_mask(half - i);
-                const __m512 lo = vload(xh + i, m), hi = vload(xh + half + i, m);
-                const __m512 c_lo = vload(c + i, m), c_hi = vload(c + half + i, m);
-                const __m512 s_lo = vload(s + i, m), s_hi = vload(s + half + i, m);
-                const __m512 neg_hi = _mm512_xor_ps(hi, _mm512_set1_ps(-0.f)); /* exact negation, like torch's */
-                vstore(xh + i, m, _mm512_add_ps(vround_f32(_mm512_mul_ps(lo, c_lo)), vround_f32(_mm512_mul_ps(neg_hi, s_lo))));
-                vstore(xh + half + i, m, _mm512_add_ps(vround_f32(_mm512_mul_ps(hi, c_hi)), vround_f32(_mm512_mul_ps(lo, s_hi))));
-            }
-#else
-            float lo[512], hi[512];
-            for (int64_t i = 0; i < half; i++) {
-                lo[i] = bf16_to_f32(xh[i]);
-                hi[i] = bf16_to_f32(xh[i + half]);
-            }
-            for (int64_t i = 0; i < half; i++) {
-                xh[i] = f32_to_bf16(round_bf16(lo[i] * bf16_to_f32(c[i])) + round_bf16(-hi[i] * bf16_to_f32(s[i])));
-                xh[i + half] = f32_to_bf16(round_bf16(hi[i] * bf16_to_f32(c[i + half])) +
-                                           round_bf16(lo[i] * bf16_to_f32(s[i + half])));
-            }
-#endif
+            norm_row(xh, h < q_heads ? q_w : k_w, xh, d, eps); /* in place: each value is read before written */
+            rope_head(xh, cos_t + t * d, sin_t + t * d, d);
         }
-    }
 }

@@ -5,6 +5,7 @@
 | `rms_norm`, `add_rms_norm` | elementwise_bf16.c (bf16: one pass, residual add fused) | torch, in float32 like the reference |
 | `silu_mul` | elementwise_bf16.c (bf16) | `F.silu(gate) * up` |
 | `rope_` (in place), `rope` | elementwise_bf16.c (bf16, heads contiguous) | `x * cos + rotate_half(x) * sin` |
+| `qk_norm_rope_` (Qwen3's q/k heads) | elementwise_bf16.c (bf16: per-head norm and rotation in place, one call) | `rms_norm` over the heads, then `rope` |
 | `argmax` | argmax.c (float32 logits) | `torch.argmax` (same indices: first maximum, NaN wins) |
 | linear (`gemm.PackedWeight`) | gemm_amx.c (bf16, AMX) | oneDNN prepacked or plain `F.linear`, timed per shape |
 | attention (`model/attention.py`) | paged_attention.c (decode), prefill_attention_amx.c (bf16 chunks, AMX) | SDPA; flash-attn on CUDA |
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from ppserve.model.ops import native
 
-__all__ = ["add_rms_norm", "argmax", "rms_norm", "rope", "rope_", "silu_mul"]
+__all__ = ["add_rms_norm", "argmax", "qk_norm_rope_", "rms_norm", "rope", "rope_", "silu_mul"]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -67,6 +68,22 @@ def rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         k.rope_(x, cos, sin)
         return x
     return rope(x, cos, sin)
+
+
+def qk_norm_rope_(qk: Tensor, q_weight: Tensor, k_weight: Tensor, q_heads: int, cos: Tensor, sin: Tensor,
+                  eps: float) -> Tensor:
+    """Qwen3's query and key heads qk [T, Hq + Hk, D]: each head through its RMSNorm (q_weight [D] for the
+    first q_heads, k_weight [D] for the rest), then rotated; in place where the native kernel takes qk (the
+    rotated tensor is returned either way). In torch ops (float32) one norm over all heads with the two
+    weights stacked per head: elementwise the same arithmetic as two norms and a cat, bit for bit, in
+    half the ops."""
+    k = native.elementwise()
+    if k is not None and k.accepts(qk):
+        k.qk_norm_rope_(qk, q_weight, k_weight, q_heads, cos, sin, eps)  # one call, not ~10 ops
+        return qk
+    heads, d = qk.shape[1], qk.shape[2]
+    weight = torch.cat((q_weight.expand(q_heads, d), k_weight.expand(heads - q_heads, d)))
+    return rope(rms_norm(qk, weight, eps), cos, sin)
 
 
 def argmax(logits: Tensor) -> list[int]:

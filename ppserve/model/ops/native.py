@@ -63,8 +63,8 @@ class PagedDecode:
 
 
 class Elementwise:
-    """Fused bfloat16 RMSNorm (alone or after the residual add), SiLU-and-mul and in-place rotary
-    (see csrc/elementwise_bf16.c)."""
+    """Fused bfloat16 RMSNorm (alone or after the residual add), SiLU-and-mul, in-place rotary and Qwen3's
+    per-head q/k norm fused with the rotation (see csrc/elementwise_bf16.c)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, f32, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -72,6 +72,7 @@ class Elementwise:
         self._add_rms = self._bind(lib.add_rms_norm_bf16, [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, nt])
         self._silu = self._bind(lib.silu_mul_bf16, [ptr, i64, ptr, i64, i64, nt])
         self._rope = self._bind(lib.rope_bf16, [ptr, i64, ptr, ptr, i64, i64, i64, nt])
+        self._qk_norm_rope = self._bind(lib.qk_norm_rope_bf16, [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 4 + [f32, nt])
 
     @staticmethod
     def _bind(fn, args):
@@ -118,6 +119,22 @@ class Elementwise:
             raise ValueError(f"rope: unsupported layout shape={tuple(x.shape)} stride={x.stride()}")
         cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
+
+    def qk_norm_rope_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor, q_heads: int, cos: Tensor, sin: Tensor,
+                      eps: float) -> None:
+        """In place, qk [T, Hq + Hk, D] (token rows may be strided, heads contiguous): each of the first
+        `q_heads` heads of a token through RMSNorm with q_weight [D], the others with k_weight [D], then every
+        head rotated with cos/sin [T, 1, D]: `rms_norm` per head and then `rope_`, bit for bit, in one call."""
+        t, h, d = qk.shape
+        if d > 1024 or d % 2 or qk.stride(2) != 1 or qk.stride(1) != d or not 0 <= q_heads <= h:
+            raise ValueError(f"qk_norm_rope: unsupported layout shape={tuple(qk.shape)} stride={qk.stride()} "
+                             f"q_heads={q_heads}")
+        if q_weight.shape != (d,) or k_weight.shape != (d,):
+            raise ValueError(f"qk_norm_rope: weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} are not [{d}]")
+        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+        self._qk_norm_rope(qk.data_ptr(), qk.stride(0), q_weight.contiguous().data_ptr(),
+                           k_weight.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), t, q_heads, h - q_heads,
+                           d, eps, torch.get_num_threads())
 
 
 class PrefillAttention:
