@@ -72,6 +72,19 @@ def test_grouped_mm_equals_the_per_expert_loop_bit_for_bit(dtype, routing):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_weighted_sum_of_a_tokens_experts_is_the_sum_in_top_k_order(dtype, k):
+    """Top-2 takes one add instead of a sum over the pair: a sum of two rounded once either way, equal bit
+    for bit (scales from 1e-3 to 1e30)."""
+    g = torch.Generator().manual_seed(k)
+    for scale in (1e-3, 1.0, 1e30):
+        out = (torch.randn(64 * k, 96, generator=g) * scale).to(dtype)
+        w = torch.rand(64, k, generator=g).to(dtype)
+        got = moe_ops._weighted_sum(out, w, 64, k, dtype)
+        assert torch.equal(got, (out * w.reshape(-1, 1)).view(64, k, 96).sum(dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("panels", [False, True])
 def test_one_token_takes_its_experts_directly_with_the_grouped_paths_numbers(dtype, panels):
     """A batch-1 decode step skips the sort, gathers and scatter: each of its experts' groups is its one

@@ -112,11 +112,13 @@ def uses_grouped_mm(num_pairs: int, num_experts: int, x: Tensor, w13: Tensor, w2
 class PanelExperts:
     """Every expert's weights in the panel GEMM's layout: gate_up [E, 2I/16, H/32, 16, 16, 2] (panels
     alternating gate and up, for the SiLU-and-mul epilogue), down [E, H/16, I/32, 16, 16, 2]; `kernel`
-    is the panel kernel that packed them ('amx' | 'avx512')."""
+    is the panel kernel that packed them ('amx' | 'avx512'); `each` holds (gate_up[e], down[e]) per expert,
+    views taken once, not per call (a batch-1 decode step's experts index them four times a layer)."""
 
     gate_up: Tensor
     down: Tensor
     kernel: str
+    each: tuple[tuple[Tensor, Tensor], ...]
 
 
 def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
@@ -129,8 +131,8 @@ def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
     hidden, inter = w2.shape[1], w2.shape[2]
     if hidden % 32 or inter % 32:
         return None
-    return PanelExperts(torch.stack([kernel.pack_gate_up(w) for w in w13]), torch.stack([kernel.pack(w) for w in w2]),
-                        kernel.kernel)
+    gate_up, down = torch.stack([kernel.pack_gate_up(w) for w in w13]), torch.stack([kernel.pack(w) for w in w2])
+    return PanelExperts(gate_up, down, kernel.kernel, tuple(zip(gate_up.unbind(), down.unbind(), strict=True)))
 
 
 def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -163,7 +165,12 @@ def _weighted_sum(out: Tensor, topk_weights: Tensor, t: int, k: int, dtype: torc
     """Pair-order expert outputs [T k, H] weighted in the routing weights' dtype (float32 for Mixtral, as
     transformers does), then each token's k results summed in top-k order -> [T, H]."""
     weighted = out * topk_weights.reshape(-1, 1)
-    return weighted.view(t, k, weighted.shape[1]).sum(dim=1).to(dtype)  # shape spelled out: t may be 0
+    per_token = weighted.view(t, k, weighted.shape[1])  # shape spelled out: t may be 0
+    if k == 2:
+        # One add: a sum of two values rounded once, what `sum` gives (but for the sign of a zero made of two
+        # negative zeros), ~3.5x faster than bf16's `sum` over a middle dim (64 tokens of 128: 4.4 / 15 us).
+        return (per_token[:, 0] + per_token[:, 1]).to(dtype)
+    return per_token.sum(dim=1).to(dtype)
 
 
 def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
@@ -177,7 +184,8 @@ def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
         assert gemm is not None  # it packed the experts
 
         def expert_out(e: int) -> Tensor:
-            return gemm(gemm(x, packed.gate_up[e], None, silu_mul=True), packed.down[e], None)
+            gate_up, down = packed.each[e]
+            return gemm(gemm(x, gate_up, None, silu_mul=True), down, None)
     else:
         def expert_out(e: int) -> Tensor:
             return F.linear(silu_mul(F.linear(x, w13[e])), w2[e])

@@ -53,8 +53,9 @@ class PagedDecode:
                              "block tables and context lengths int64 with unit column stride")
         context_lens = context_lens.contiguous()
         out = torch.empty_like(query)
+        keys = kv_cache.data_ptr()  # the V plane one plane's bytes after it (pointers, not two index ops)
         status = self._fns[query.dtype](
-            query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+            query.data_ptr(), keys, keys + kv_cache.stride(0) * kv_cache.element_size(), block_tables.data_ptr(),
             block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
             torch.get_num_threads())
         if status != 0:
