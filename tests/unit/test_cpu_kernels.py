@@ -446,3 +446,25 @@ def test_prefill_attention_refuses_what_it_cannot_do(kind: str) -> None:
         kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)  # 3 heads over 2 KV heads
     with pytest.raises(ValueError, match="unknown PrefillAttention kernel"):
         native.prefill_attention("avx2")
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["amx", "avx512"])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_whole_prompts_batch_only_where_the_prefill_kernel_does_not_take_them(kind: str, head_dim: int,
+                                                                             monkeypatch) -> None:
+    """Three whole 5-token prompts side by side: one batched SDPA call where the prefill kernel cannot take
+    them (head dim 32), one kernel call per prompt where it can (its calls beat a batched bf16 SDPA call)."""
+    backend = CpuPagedBackend(native.paged_decode(), _prefill_or_skip(kind))
+    meta = AttentionMetadata.build([5, 5, 5], [5, 5, 5], [[0], [1], [2]], block_size=8)
+    assert meta.prefill_runs == [(0, 3)]
+    q, k, v = (torch.randn(15, 4, head_dim).bfloat16() for _ in range(3))
+    cache = torch.zeros(2, 3, 8, 4, head_dim, dtype=torch.bfloat16)
+    calls = {"batched": 0, "chunk": 0}
+    whole, chunk = backend._whole_prompts, backend._chunk
+    monkeypatch.setattr(backend, "_whole_prompts", lambda *a: calls.__setitem__("batched", calls["batched"] + 1) or whole(*a))
+    monkeypatch.setattr(backend, "_chunk", lambda *a: calls.__setitem__("chunk", calls["chunk"] + 1) or chunk(*a))
+    out = backend.forward(q, k, v, cache, meta, head_dim ** -0.5)
+    assert calls == ({"batched": 0, "chunk": 3} if head_dim == 64 else {"batched": 1, "chunk": 0})
+    torch.testing.assert_close(out.float(), SdpaBackend().forward(q, k, v, cache.clone(), meta, head_dim ** -0.5).float(),
+                               atol=2e-2, rtol=2e-2)
