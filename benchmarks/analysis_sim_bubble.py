@@ -32,6 +32,11 @@ and with none (the bound on what taking the control plane off the decode ring ca
 balanced formation, the balanced formation with the token ring (`scheduler.async_scheduling`, which
 takes it off) and the unbalanced one.
 
+A second table cuts every stage's idle time, not only stage 0's, three ways (`every_stage_idle`): fewer than p
+requests in the system; short full-handed gaps between two decode-only microbatches, where with the token
+ring the p decode groups go round at the slowest stage's pace (the last stage's LM head makes it slower);
+and the rest, what a rule of formation can act on.
+
     python benchmarks/analysis_sim_bubble.py [--regimes conv-2,conv-4,conv-8] [--reduced] [--out FILE]
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -104,6 +110,37 @@ def under_p_requests(res: SimResult) -> int:
     return total(intersect(subtract(work, busy), short_handed(lifetimes_ns(res.timings.values()), res.num_stages, work)))
 
 
+# A gap between two decode-only microbatches shorter than this is a stage waiting on a slower one's pace.
+PACE_GAP_S = 0.0005
+
+
+def every_stage_idle(res: SimResult) -> dict[str, float]:
+    """Every stage's idle time while the engine had work, as a fraction of the active window averaged over
+    the stages, cut three ways: `under_p` (fewer than p requests in the system), `pace` (full-handed gaps
+    under PACE_GAP_S between two decode-only microbatches: with the token ring, the p decode groups go
+    round at the slowest stage's pace, and a faster stage waits for its tokens each step) and `rest`."""
+    p = res.num_stages
+    work = union(res.work_intervals)
+    window = total(work)
+    short = short_handed(lifetimes_ns(res.timings.values()), p, work)
+    parts = {"under_p": 0, "pace": 0, "rest": 0}
+    pace_ns = round(PACE_GAP_S * 1e9)
+    for stage in range(p):
+        spans = sorted((sp for sp in res.spans if sp.kind == "compute" and sp.stage == stage and sp.tp_rank == 0),
+                       key=lambda sp: sp.start_ns)
+        idle = subtract(work, union((sp.start_ns, sp.end_ns) for sp in spans))
+        under = total(intersect(idle, short))
+        pace = 0
+        for a, b in itertools.pairwise(spans):
+            gap = subtract(intersect([(a.end_ns, b.start_ns)], work), short) if b.start_ns > a.end_ns else []
+            if 0 < total(gap) < pace_ns and not a.num_prefill_tokens and not b.num_prefill_tokens:
+                pace += total(gap)
+        parts["under_p"] += under
+        parts["pace"] += pace
+        parts["rest"] += total(idle) - under - pace
+    return {name: ns / p / window for name, ns in parts.items()} if window else dict.fromkeys(parts, 0.0)
+
+
 FORMATIONS = (Formation("balanced", "sarathi", True, False), Formation("balanced + ring", "sarathi", True, True),
               Formation("balance=False", "sarathi", False, False))
 
@@ -125,6 +162,7 @@ def run(regime: Regime, formation: Formation, control_plane: bool) -> dict[str, 
         "stage_bubbles": [float(s.bubble_fraction) for s in rep.stages],
         "stage0_parts": {name: ns / rep.window_ns for name, ns in parts.items()},
         "stage0_under_p_requests": under_p_requests(res) / rep.window_ns,
+        "every_stage": every_stage_idle(res),
         "output_tokens_per_s": res.throughput()["output_tokens_per_s"],
         "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],
     }
@@ -157,6 +195,14 @@ def main() -> None:
                       f"{pct['ring_decode']} | {pct['ring_tokens']} | {pct['few']} | {pct['turnaround']} | "
                       f"{pct['dispatch']} | {100 * r['stage0_under_p_requests']:.1f}% | {r['output_tokens_per_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
                       f"{1e3 * r['ttft_p50_s']:.0f} |")
+    print("\nEvery stage's idle time (mean over the stages): fewer than p requests in the system, full-handed gaps "
+          f"under {1e3 * PACE_GAP_S:g} ms between decode-only microbatches (a slower stage's pace), the rest\n")
+    print("| regime | formation | control plane | mean bubble | under p requests | slower stage's pace | rest |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        e = r["every_stage"]
+        print(f"| {r['regime']} | {r['formation']} | {'measured' if r['control_plane'] else 'none'} | "
+              f"{100 * r['mean_bubble']:.2f}% | {100 * e['under_p']:.2f}% | {100 * e['pace']:.2f}% | {100 * e['rest']:.2f}% |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(f"wrote {args.out}")

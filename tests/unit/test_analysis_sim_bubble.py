@@ -91,3 +91,36 @@ def test_with_more_requests_than_stages_only_the_tail_is_under_p_requests():
     under, bubble = _under_p([WorkloadRequest(0.0, 4, 12)] * 4, 2)
     assert under == 1 * MS
     assert bubble > 40 * MS  # the turnarounds and dispatches of the decode ring, with four requests in
+
+
+@dataclass(frozen=True)
+class SlowLastStageCost:
+    """Every microbatch costs `step_s` on each stage but the last, which takes `extra_s` more (its LM head)."""
+
+    num_stages: int
+    step_s: float
+    extra_s: float
+
+    def stage_time(self, stage: int, shape: BatchShape) -> float:
+        return self.step_s + (self.extra_s if stage == self.num_stages - 1 else 0.0)
+
+    def transfer_time(self, shape: BatchShape) -> float:
+        return 0.0
+
+
+def test_the_token_ring_paces_the_faster_stages_at_the_slowest_ones_step():
+    # Eight decoding requests on four stages, the last 0.1 ms slower a step, no control plane: with the ring
+    # every faster stage waits 0.1 ms for its tokens each step; the last stage never waits in the steady state.
+    mod = load_benchmark("analysis_sim_bubble")
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, async_scheduling=True)
+    cuts = {}
+    for extra_s in (0.0, 0.0001):
+        res = simulate([WorkloadRequest(0.0, 4, 40)] * 8, SlowLastStageCost(4, 0.005, extra_s),
+                       SimConfig(cfg, 256, 16, 512, 0.0, 0.0))
+        cuts[extra_s] = cut = mod.every_stage_idle(res)
+        # the three parts are all of the bubble
+        assert sum(cut.values()) == pytest.approx(res.bubble_report("active").mean_bubble_fraction, abs=1e-6)
+    assert cuts[0.0]["pace"] == 0  # equal stages: no stage waits on another's pace
+    # ~0.1 ms of every ~5.1 ms step on three stages of four: about 1.5 % of the window; nothing else moves
+    assert 0.010 < cuts[0.0001]["pace"] < 0.016
+    assert cuts[0.0001]["rest"] == pytest.approx(cuts[0.0]["rest"], abs=1e-3)
