@@ -62,7 +62,7 @@ class AttentionMetadata:
             fresh = self.context_lens[i] == ql
             if runs and fresh:
                 first, n = runs[-1]
-                if (first + n == i and self.query_lens[first] == ql and self.context_lens[first] == ql):
+                if first + n == i and self.query_lens[first] == ql and self.context_lens[first] == ql:
                     runs[-1] = (first, n + 1)
                     continue
             runs.append((i, 1))

@@ -113,12 +113,18 @@ class Elementwise:
         self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
         return out
 
-    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
-        """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous); cos/sin [T, 1, D]."""
+    @staticmethod
+    def _rotation_operands(what: str, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, int, int, Tensor, Tensor]:
+        """The rotation kernels' checks: x [T, H, D] with heads contiguous (token rows may be strided), D even
+        and at most 1024 -> (T, H, D, cos, sin as contiguous [T, D])."""
         t, h, d = x.shape
         if d > 1024 or d % 2 or x.stride(2) != 1 or x.stride(1) != d:
-            raise ValueError(f"rope: unsupported layout shape={tuple(x.shape)} stride={x.stride()}")
-        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+            raise ValueError(f"{what}: unsupported layout shape={tuple(x.shape)} stride={x.stride()}")
+        return t, h, d, cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+
+    def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous); cos/sin [T, 1, D]."""
+        t, h, d, cos, sin = self._rotation_operands("rope", x, cos, sin)
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
 
     def qk_norm_rope_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor, q_heads: int, cos: Tensor, sin: Tensor,
@@ -126,13 +132,11 @@ class Elementwise:
         """In place, qk [T, Hq + Hk, D] (token rows may be strided, heads contiguous): each of the first
         `q_heads` heads of a token through RMSNorm with q_weight [D], the others with k_weight [D], then every
         head rotated with cos/sin [T, 1, D]: `rms_norm` per head and then `rope_`, bit for bit, in one call."""
-        t, h, d = qk.shape
-        if d > 1024 or d % 2 or qk.stride(2) != 1 or qk.stride(1) != d or not 0 <= q_heads <= h:
-            raise ValueError(f"qk_norm_rope: unsupported layout shape={tuple(qk.shape)} stride={qk.stride()} "
-                             f"q_heads={q_heads}")
+        t, h, d, cos, sin = self._rotation_operands("qk_norm_rope", qk, cos, sin)
+        if not 0 <= q_heads <= h:
+            raise ValueError(f"qk_norm_rope: unsupported layout: {q_heads} query heads of {h} heads")
         if q_weight.shape != (d,) or k_weight.shape != (d,):
             raise ValueError(f"qk_norm_rope: weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} are not [{d}]")
-        cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
         self._qk_norm_rope(qk.data_ptr(), qk.stride(0), q_weight.contiguous().data_ptr(),
                            k_weight.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), t, q_heads, h - q_heads,
                            d, eps, torch.get_num_threads())
