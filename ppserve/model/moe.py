@@ -4,6 +4,10 @@ A token's router logits (one replicated linear layer) go through a softmax in fl
 probable experts are chosen with `torch.topk`, so exact ties are decided as transformers decides them,
 and their probabilities are optionally renormalized (Qwen3-MoE's `norm_topk_prob`; Mixtral always,
 which is the softmax over the chosen logits). The experts run grouped by expert (`ops.moe.experts`).
+A bf16 router on CPU runs that chain as one native call (`native.MoeRouting.route`, csrc/moe_route.c): the
+same experts, weights within one rounding of the chain's; a batch where a row's best k + 1 hold an exact
+tie takes torch.topk's ids, and one with a near tie or a NaN the chain itself, so ties still fall as
+transformers decides them.
 
 Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermediate dimension (gate and
 up rows, down columns), read straight from the checkpoint's slices; the router is replicated; the block
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 from ppserve.model.arch import MoeSpec
 from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
 from ppserve.model.ops import moe as moe_ops
-from ppserve.model.ops import settings
+from ppserve.model.ops import native, settings
 from ppserve.model.parallel import TPContext
 from ppserve.model.stage_model import SelfCheckedShard, WeightMap
 
@@ -78,7 +82,8 @@ class TopKRouter(nn.Module):
         self.weight_f32: Tensor | None = None  # set by prepack() for bf16 on CPU
 
     def prepack(self) -> None:
-        """After every load: for bf16 on CPU, a float32 copy of the router's small [E, H] weight. oneDNN's
+        """After every load: for bf16 on CPU, a float32 copy of the router's small [E, H] weight, stored
+        transposed ([H, E] contiguous, the routing kernel's layout; `weight_f32` is its [E, H] view). oneDNN's
         bf16 GEMM at a router's shape took 19 us a call on a Xeon with AMX ([16, 128] x [8, 128]), float32 5;
         the tiny Qwen3-MoE's routers over 4 layers, 16 decodes, 0.33 -> 0.22 ms of a 2.3 ms step
         (`benchmarks/bench_moe.py --parts breakdown --breakdown 128x128x16 --dtype bfloat16`). Products of
@@ -89,9 +94,18 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.weight_f32 is not None and x.dtype == torch.bfloat16:
+            kernel = native.moe_routing()
+            if kernel is not None and kernel.routes(x, self.weight_f32):
+                # One call for the chain `choose` runs; a batch with a near tie goes back to it (moe_route.c).
+                return kernel.route(x, self.weight_f32, self.spec.top_k, self.spec.normalize_topk,
+                                    not self.spec.weights_in_model_dtype, self.choose)
             logits = F.linear(x.float(), self.weight_f32).to(x.dtype)  # [T, E]
         else:
             logits = F.linear(x, self.weight)
+        return self.choose(logits)
+
+    def choose(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Router logits [T, E] -> (routing weights [T, k], expert ids [T, k]), in torch ops."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top, ids = torch.topk(probs, self.spec.top_k, dim=-1)
         if self.spec.normalize_topk:

@@ -4,6 +4,8 @@ conftest.py sets it before triton is imported; tests/gpu would run it compiled).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,15 +257,18 @@ def router_edge_rows() -> tuple[torch.Tensor, torch.Tensor]:
     their logits are bitwise equal."""
     crowded = torch.zeros(8, 32)
     crowded[6, 0], crowded[1, 0] = 50.0, 25.0
-    tied = torch.randn(8, 32) * 0.1
+    tied = torch.randn(8, 32, generator=torch.Generator().manual_seed(8)) * 0.1
+    tied[2, 0] = 0.5  # with x[:, 0] >= 1, their logits lead
     tied[3] = tied[5] = tied[2] = tied[2] * 30
     return crowded, tied
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_router_edge_cases_match_transformers(family):
-    x = torch.randn(12, 32)
-    x[:, 0] = x[:, 0].abs() + 1.0
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(12))
+    # In [1, 2.5]: the crowded rows' second choice, 25 x[0] below the first, keeps a float32 probability
+    # (at x[0] = 4.2 it underflowed to 0, tied with the six idle experts' and torch.topk chose among them).
+    x[:, 0] = x[:, 0].abs().clamp(max=1.5) + 1.0
     crowded, tied = router_edge_rows()
     for rows in (None, crowded, tied):
         hf, ours = hf_and_ours(family, rows)
@@ -283,12 +288,13 @@ def test_router_edge_cases_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_the_bf16_router_on_cpu_takes_float32_logits_rounded_as_the_bf16_gemm_rounds(family):
+def test_the_bf16_router_on_cpu_takes_float32_logits_rounded_as_the_bf16_gemm_rounds(family, monkeypatch):
     """`TopKRouter.prepack` keeps a float32 copy of a bf16 router for CPU (oneDNN's bf16 GEMM costs 4x at a
     router's shape); the logits are rounded to bf16, so the choices and weights are the bf16 GEMM's, ties
-    included."""
-    x = torch.randn(64, 32).bfloat16()
-    x[:, 0] = x[:, 0].abs() + 1.0
+    included. (The routing kernel, switched off here, is checked against this chain below.)"""
+    monkeypatch.setattr(native, "moe_routing", lambda: None)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(64)).bfloat16()
+    x[:, 0] = x[:, 0].abs().clamp(max=1.5) + 1.0
     for rows in (None, *router_edge_rows()):
         _, ours = hf_and_ours(family, rows)
         gate = ours.gate.to(torch.bfloat16)  # in place
@@ -300,6 +306,144 @@ def test_the_bf16_router_on_cpu_takes_float32_logits_rounded_as_the_bf16_gemm_ro
     _, ours = hf_and_ours(family, None)
     ours.gate.prepack()  # float32 models keep the one path
     assert ours.gate.weight_f32 is None
+
+
+# ---- the native routing kernels (csrc/moe_route.c) ----------------------------------------------------------
+
+def routing_or_skip() -> native.MoeRouting:
+    kernel = native.moe_routing()
+    if kernel is None:
+        pytest.skip("no native kernel library here (no C compiler, or switched off)")
+    return kernel
+
+
+def bf16_router(family: str, logits: torch.Tensor | None = None, tokens: int = 64):
+    """A prepacked bf16 router and its input. With `logits` [T, E] (bf16 values): one-hot token rows and
+    router columns holding those logits, so that the router's logits are exactly them."""
+    _, ours = hf_and_ours(family, None)
+    gate = ours.gate.to(torch.bfloat16)
+    if logits is None:
+        x = torch.randn(tokens, 32).bfloat16()
+    else:
+        x = torch.zeros(logits.shape[0], 32, dtype=torch.bfloat16)
+        x[torch.arange(logits.shape[0]), torch.arange(logits.shape[0])] = 1.0
+        with torch.no_grad():
+            gate.weight.zero_()
+            gate.weight[:, :logits.shape[0]] = logits.T.bfloat16()
+    gate.prepack()
+    return gate, x
+
+
+def kernel_routing(kernel, gate, x) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The routing kernel on the router's input: (weights, ids, how many times it handed the batch back)."""
+    handed_back: list[torch.Tensor] = []
+
+    def in_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        handed_back.append(logits)
+        return gate.choose(logits)
+
+    weights, ids = kernel.route(x, gate.weight_f32, gate.spec.top_k, gate.spec.normalize_topk,
+                                not gate.spec.weights_in_model_dtype, in_torch)
+    return weights, ids, len(handed_back)
+
+
+def torch_routing(gate, x):
+    """What the torch chain gives for the bf16 router: its logits' choices and weights."""
+    return gate.choose(F.linear(x.float(), gate.weight_f32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("family", "normalize"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+@pytest.mark.parametrize("logits_in", ["kernel", "torch"])
+def test_the_routing_kernel_chooses_as_the_torch_chain(family, normalize, logits_in, monkeypatch):
+    """The same experts in the same order, and the same weights to within one rounding of the weights' dtype
+    (its e^x is not torch's): bf16 weights (Qwen3-MoE, renormalized or not) and float32 ones (Mixtral). Up to
+    ROUTE_MAX_MACS the kernel computes the logits itself; above, torch's GEMM does."""
+    kernel = routing_or_skip()
+    if logits_in == "torch":
+        monkeypatch.setattr(native.MoeRouting, "ROUTE_MAX_MACS", 0)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        gate, x = bf16_router(family)
+        gate.spec = dataclasses.replace(gate.spec, normalize_topk=normalize)
+        weights, ids, _ = kernel_routing(kernel, gate, x)
+        want_weights, want_ids = torch_routing(gate, x)
+        assert torch.equal(ids, want_ids) and weights.dtype == want_weights.dtype
+        tol = 2 ** -8 if weights.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(weights, want_weights, atol=0, rtol=tol)
+        assert torch.equal(*(gate(x)[1], want_ids))  # the router's forward takes the kernel
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_exact_ties_take_torch_topks_ids_and_the_kernels_weights(family):
+    """torch.topk breaks exact ties by its selection algorithm's visiting order, which the kernel does not
+    imitate: a batch with equal logits among a row's k + 1 best takes its ids from torch.topk over the
+    logits. The weights of tied experts are equal, so the kernel's stand."""
+    kernel = routing_or_skip()
+    logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, -1.0, 0.0, 1.0, 0.25],  # three tied at the top
+                           [1.0, 0.5, 0.75, 0.5, 0.5, -2.0, 0.0, 0.25],  # tied second choice and beyond
+                           [0.125] * 8,  # all tied
+                           [3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]])  # no tie in its best three
+    gate, x = bf16_router(family, logits)
+    weights, ids, handed_back = kernel_routing(kernel, gate, x)
+    want_weights, want_ids = torch_routing(gate, x)
+    assert handed_back == 0 and torch.equal(ids, want_ids)
+    assert torch.equal(ids[3], torch.tensor([0, 2]))
+    torch.testing.assert_close(weights, want_weights, atol=0, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_near_ties_and_nan_logits_go_back_to_the_torch_chain(family):
+    """Distinct logits whose probabilities come within a few float32 ulps (torch's e^x may make them equal),
+    and a NaN logit, are torch's to decide: the kernel hands the batch back and the result is the chain's."""
+    kernel = routing_or_skip()
+    tiny = torch.tensor([1e-7, 1.0039e-7, 0.0, -1e-7, -2e-7, -3e-7, -4e-7, -5e-7]).bfloat16()
+    assert tiny[0] != tiny[1]
+    for bad in (tiny, torch.tensor([0.5, float("nan"), 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])):
+        logits = torch.stack([bad.float(), torch.arange(8.0) / 4])
+        gate, x = bf16_router(family, logits)
+        weights, ids, handed_back = kernel_routing(kernel, gate, x)
+        want_weights, want_ids = torch_routing(gate, x)
+        assert handed_back == 1 and torch.equal(ids, want_ids)
+        assert torch.equal(weights, want_weights) or bool(torch.isnan(want_weights).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("routing", ["random", "one expert", "idle experts", "top-1", "top-8 of 64"])
+def test_the_native_dispatch_is_the_stable_sort_by_expert(dtype, routing):
+    """One call for the torch chain's sort, searchsorted and gather (`moe._dispatch`): the same rows, run ends
+    and positions, bit for bit, in any dtype (it moves bytes)."""
+    kernel = routing_or_skip()
+    e, k = (64, 8) if routing == "top-8 of 64" else (8, 1 if routing == "top-1" else 2)
+    x, ids, _, _, _ = random_experts(24, 40, 16, e, k, dtype, seed=7)
+    if routing == "one expert":
+        ids[:] = 5
+    elif routing == "idle experts":
+        ids = torch.tensor([[1, 2], [6, 5], [2, 6], [5, 1]]).repeat(6, 1)
+    got, want = kernel.dispatch(x, ids, e), moe_ops._dispatch(x, ids, e)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    strided = torch.randn(24, 64).to(dtype)[:, :40]  # rows with a stride beyond H
+    assert torch.equal(kernel.dispatch(strided, ids, e)[0], moe_ops._dispatch(strided, ids, e)[0])
+    with pytest.raises(ValueError, match="expert id"):
+        kernel.dispatch(x, torch.full_like(ids, e), e)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("h", [96, 100])  # 100: a row that ends inside a 16-lane vector
+def test_the_native_combine_equals_the_weighted_sum_bit_for_bit(weights_dtype, k, h):
+    """The experts' outputs back to pair order, weighted and summed in top-k order in one pass: the torch
+    chain's arithmetic (bf16 weights round each product, float32 ones do not; one rounding of the sum), at
+    scales from 1e-3 to 1e30."""
+    kernel = routing_or_skip()
+    g = torch.Generator().manual_seed(k)
+    for scale in (1e-3, 1.0, 1e30):
+        down = (torch.randn(64 * k, h, generator=g) * scale).bfloat16()
+        pos = torch.randperm(64 * k, generator=g)
+        w = torch.rand(64, k, generator=g).to(weights_dtype)
+        want = moe_ops._weighted_sum(down.index_select(0, pos), w, 64, k, torch.bfloat16)
+        got = kernel.combine(down, pos, w)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 # ---- CUDA graphs -----------------------------------------------------------------------------------------

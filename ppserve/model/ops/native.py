@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ppserve.model.ops.build import load_library
@@ -201,6 +202,95 @@ class GreedyArgmax:
         return out.tolist()
 
 
+class MoeRouting:
+    """The data movements around an MoE layer's grouped expert matmuls (see csrc/moe_route.c): the pairs
+    sorted by expert with their token rows gathered (any dtype, a permutation), and the experts' outputs
+    weighted and summed back per token (bf16)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        i64, ptr, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        self._dispatch = lib.moe_dispatch
+        self._dispatch.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, nt]
+        self._dispatch.restype = ctypes.c_int
+        self._combine = lib.moe_combine_bf16
+        self._combine.argtypes = [ptr, ptr, ptr, nt, i64, i64, i64, ptr, nt]
+        self._combine.restype = None
+        self._route = lib.moe_route_bf16
+        self._route.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, nt, nt, ptr, ptr, nt]
+        self._route.restype = ctypes.c_int
+
+    # Above this many multiply-adds a router's logits GEMM goes to torch (MKL), not the kernel's loop.
+    ROUTE_MAX_MACS = 1 << 20
+    ROUTE_MAX_EXPERTS = 1024  # csrc/moe_route.c's per-row buffers
+
+    @classmethod
+    def routes(cls, x: Tensor, weight: Tensor) -> bool:
+        """bf16 token rows [T, H] on CPU with unit inner stride; the router's float32 weight [E, H] contiguous."""
+        return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+                and weight.dtype == torch.float32 and weight.is_contiguous()
+                and weight.shape[0] <= cls.ROUTE_MAX_EXPERTS)
+
+    def route(self, x: Tensor, weight: Tensor, top_k: int, normalize: bool, weights_f32: bool,
+              in_torch: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """x [T, H] bf16, weight [E, H] float32 -> (routing weights [T, k], float32 where `weights_f32` else
+        bf16; expert ids [T, k]). Where the kernel hands the batch back (a near tie, a NaN), `in_torch` routes
+        it from the bf16 logits as the torch router does."""
+        t, h = x.shape
+        experts = weight.shape[0]
+        ids = torch.empty((t, top_k), dtype=torch.int64)
+        weights = torch.empty((t, top_k), dtype=torch.float32 if weights_f32 else torch.bfloat16)
+        if t * experts * h <= self.ROUTE_MAX_MACS:
+            logits, rows = torch.empty((t, experts), dtype=torch.bfloat16), x.data_ptr()
+        else:  # a GEMM of real size: torch's, the rest here
+            logits, rows = F.linear(x.float(), weight).to(torch.bfloat16), None
+        status = self._route(rows, x.stride(0), weight.data_ptr(), logits.data_ptr(), t, h, experts, top_k,
+                             int(normalize), int(weights_f32), weights.data_ptr(), ids.data_ptr(),
+                             torch.get_num_threads())
+        if status < 0:
+            raise ValueError(f"MoE route: top-{top_k} of {experts} experts is outside what the kernel takes")
+        if status == 1:  # exact ties: the weights stand, torch.topk breaks the ties (see csrc/moe_route.c)
+            return weights, torch.topk(logits, top_k, dim=-1).indices
+        return in_torch(logits) if status else (weights, ids)
+
+    @staticmethod
+    def accepts(x: Tensor, topk_ids: Tensor) -> bool:
+        """Token rows [T, H] on CPU with unit inner stride, int64 ids [T, k] contiguous."""
+        return (x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1 and topk_ids.dtype == torch.int64
+                and topk_ids.is_contiguous())
+
+    def dispatch(self, x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+        """x [T, H], topk_ids [T, k] -> (rows [T k, H]: each pair's token row in expert order, stable;
+        ends [E] int32: where each expert's run ends; pos [T k] int64: each pair's row in `rows`)."""
+        t, k = topk_ids.shape
+        h = x.shape[1]
+        rows = torch.empty((t * k, h), dtype=x.dtype)
+        ends = torch.empty(num_experts, dtype=torch.int32)
+        pos = torch.empty(t * k, dtype=torch.int64)
+        size = x.element_size()
+        status = self._dispatch(x.data_ptr(), x.stride(0) * size, topk_ids.data_ptr(), t, k, num_experts, h * size,
+                                rows.data_ptr(), pos.data_ptr(), ends.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            raise ValueError(f"MoE dispatch: an expert id outside [0, {num_experts})")
+        if status != 0:
+            raise RuntimeError(f"MoE dispatch failed (status {status}: 2 = out of memory)")
+        return rows, ends, pos
+
+    @staticmethod
+    def combines(down: Tensor, topk_weights: Tensor) -> bool:
+        """bf16 expert outputs [P, H] contiguous; weights [T, k] bf16 or float32, contiguous."""
+        return (down.dtype == torch.bfloat16 and down.is_contiguous() and topk_weights.is_contiguous()
+                and topk_weights.dtype in (torch.bfloat16, torch.float32))
+
+    def combine(self, down: Tensor, pos: Tensor, topk_weights: Tensor) -> Tensor:
+        """down [T k, H] in expert order, pos from `dispatch`, weights [T, k] -> [T, H] bf16."""
+        t, k = topk_weights.shape
+        h = down.shape[1]
+        out = torch.empty((t, h), dtype=torch.bfloat16)
+        self._combine(down.data_ptr(), pos.data_ptr(), topk_weights.data_ptr(),
+                      int(topk_weights.dtype == torch.float32), t, k, h, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 class PanelGemm:
     """bf16 GEMM against a weight prepacked by `pack` into 16-column pair-interleaved panels: on Intel AMX
     tiles (csrc/gemm_amx.c) or with AVX512-BF16 dot products where there is no AMX (csrc/gemm_avx512.c).
@@ -338,6 +428,10 @@ def elementwise() -> Elementwise | None:
 
 def greedy_argmax() -> GreedyArgmax | None:
     return _bound("greedy_argmax", GreedyArgmax)
+
+
+def moe_routing() -> MoeRouting | None:
+    return _bound("moe_routing", MoeRouting)
 
 
 def panel_gemm(kernel: str | None = None) -> PanelGemm | None:
