@@ -4,10 +4,10 @@ A token's router logits (one replicated linear layer) go through a softmax in fl
 probable experts are chosen with `torch.topk`, so exact ties are decided as transformers decides them,
 and their probabilities are optionally renormalized (Qwen3-MoE's `norm_topk_prob`; Mixtral always,
 which is the softmax over the chosen logits). The experts run grouped by expert (`ops.moe.experts`).
-A bf16 router on CPU runs that chain as one native call (`native.MoeRouting.route`, csrc/moe_route.c): the
-same experts, weights within one rounding of the chain's; a batch where a row's best k + 1 hold an exact
-tie takes torch.topk's ids, and one with a near tie or a NaN the chain itself, so ties still fall as
-transformers decides them.
+A bf16 router of up to 16 experts on CPU runs that chain as one native call (`native.MoeRouting.route`,
+csrc/moe_route.c): the same experts, weights within one rounding of the chain's; a row whose best k + 1
+hold an exact tie takes torch.topk's ids, and a batch with a near tie or a NaN the chain itself, so ties
+still fall as transformers decides them.
 
 Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermediate dimension (gate and
 up rows, down columns), read straight from the checkpoint's slices; the router is replicated; the block

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ppserve.model.arch import MoeSpec
-from ppserve.model.moe import ExpertShard, SparseMoeBlock
+from ppserve.model.moe import ExpertShard, SparseMoeBlock, TopKRouter
 from ppserve.model.ops import moe as moe_ops
 from ppserve.model.ops import native
 from ppserve.model.ops.moe import experts, grouped_experts, grouped_mm_runs, pack_experts, uses_grouped_mm
@@ -371,6 +371,26 @@ def test_the_routing_kernel_chooses_as_the_torch_chain(family, normalize, logits
         tol = 2 ** -8 if weights.dtype == torch.bfloat16 else 1e-6
         torch.testing.assert_close(weights, want_weights, atol=0, rtol=tol)
         assert torch.equal(*(gate(x)[1], want_ids))  # the router's forward takes the kernel
+
+
+@pytest.mark.parametrize(("experts", "top_k"), [(32, 4), (128, 8)])
+def test_the_routing_kernel_is_right_for_wide_routers_too(experts, top_k):
+    """Routers of more than 16 experts stay on torch's chain (`MoeRouting.routes`: no faster there), but the
+    kernel's general row path (one pass keeping the k + 1 best) chooses as the chain does, ties included:
+    rows of bf16 logits in a narrow range, where equal logits among the best k + 1 are common (a few of 384
+    rows at 32 experts, whose ids are then fixed row by row; most rows at 128, one topk over all)."""
+    kernel = routing_or_skip()
+    torch.manual_seed(experts)
+    gate = TopKRouter(64, MoeSpec(experts, top_k, 16, True, True, (0,)), torch.bfloat16, "cpu")
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(experts, 64) * 0.02)
+    gate.prepack()
+    assert not kernel.routes(torch.zeros(1, 64, dtype=torch.bfloat16), gate.weight_f32)
+    x = torch.randn(384, 64).bfloat16()  # 32 experts: some tied rows among many, fixed one by one
+    weights, ids, _ = kernel_routing(kernel, gate, x)
+    want_weights, want_ids = torch_routing(gate, x)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, atol=0, rtol=2 ** -8)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

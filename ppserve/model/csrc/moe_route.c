@@ -12,8 +12,8 @@
  * renormalized or not, as bf16 or float32 weights; eight torch ops and their temporaries before. Exact
  * ties are where this cannot promise torch's answer: torch.topk breaks them by the order its selection
  * algorithm happens to visit, not by a rule. Where two of a row's k + 1 most probable experts have equal
- * logits, the weights are right whichever is chosen, and the kernel asks the caller for torch.topk's ids
- * over the logits (the same comparisons as over the probabilities: one op); where probabilities come within
+ * logits, the weights are right whichever is chosen, and the kernel names the row for the caller to take
+ * its ids from torch.topk over its logits (the same comparisons as over the probabilities); where probabilities come within
  * a few ulps without equal logits (or a logit is NaN) it hands the batch back to the torch chain. Otherwise
  * every row's choice is unique and the same as torch's. Its probabilities come from this file's e^x, within
  * a few float32 ulps of torch's, so a weight may differ from the torch chain's by one bf16 rounding.
@@ -129,15 +129,20 @@ static int route_row(const uint16_t *logits, int64_t experts, int64_t k, int nor
     float sum = 0.f;
     for (int64_t e = 0; e < experts; e++) sum += p[e];
     for (int64_t e = 0; e < experts; e++) p[e] /= sum;
-    /* The k + 1 largest, by selection; a chosen expert's probability is set to -1 (all are >= 0). */
+    /* The k + 1 largest in one pass, kept in descending order by insertion: most experts fall below the
+     * smallest kept and cost one comparison (k passes over 128 experts cost more than torch's chain). An
+     * expert goes after the kept ones it equals, so ties keep the lower index first. */
     const int64_t picks = k < experts ? k + 1 : k;
-    for (int64_t i = 0; i < picks; i++) {
-        int64_t best = 0;
-        for (int64_t e = 1; e < experts; e++)
-            if (p[e] > p[best]) best = e;
-        top[i] = p[best];
-        chosen[i] = best;
-        p[best] = -1.f;
+    int64_t kept = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        if (kept == picks && !(p[e] > top[picks - 1])) continue;
+        int64_t i = kept < picks ? kept++ : picks - 1;
+        for (; i > 0 && p[e] > top[i - 1]; i--) {
+            top[i] = top[i - 1];
+            chosen[i] = chosen[i - 1];
+        }
+        top[i] = p[e];
+        chosen[i] = e;
     }
     return finish_row(top, chosen, logits, picks, k, normalize, weights_f32, weights, ids);
 }
@@ -164,24 +169,32 @@ static int finish_row(const float *top, const int64_t *chosen, const uint16_t *l
 
 /* x [tokens, h] bf16 (row stride x_stride) against the router's float32 weight w [experts, h] into bf16
  * logits [tokens, experts]; or x NULL: the logits are given. Then ids [tokens, k] and weights [tokens, k]
- * (float32 where weights_f32, else bf16). Returns the worst row's status (route_row): ROUTED; EXACT_TIE,
- * for the caller to take the ids from torch.topk over the logits; TORCH, for the caller to route every
- * row from the logits (which are complete either way); -1 for more experts than the kernel holds. */
-int moe_route_bf16(const uint16_t *x, int64_t x_stride, const float *w, uint16_t *logits, int64_t tokens,
-                   int64_t h, int64_t experts, int64_t k, int normalize, int weights_f32, void *weights,
-                   int64_t *ids, int nthreads) {
+ * (float32 where weights_f32, else bf16). Returns how many rows hold an exact tie (route_row's EXACT_TIE),
+ * their indices in `tied_rows` in order, for the caller to take their ids from torch.topk over their
+ * logits; -2 where some row is torch's to route whole (TORCH: the caller routes every row from the
+ * logits, which are complete either way); -1 for more experts than the kernel holds, or no memory. */
+int64_t moe_route_bf16(const uint16_t *x, int64_t x_stride, const float *w, uint16_t *logits, int64_t tokens,
+                       int64_t h, int64_t experts, int64_t k, int normalize, int weights_f32, void *weights,
+                       int64_t *ids, int64_t *tied_rows, int nthreads) {
     if (experts > ROUTE_MAX_EXPERTS || k > experts || k < 1) return -1;
     const int64_t wsize = weights_f32 ? 4 : 2;
+    char *status = malloc((size_t)tokens + 1);
+    if (!status) return -1;
     int worst = ROUTED;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (tokens * experts * (h + 64) >= (1 << 20)) \
     reduction(max : worst)
     for (int64_t t = 0; t < tokens; t++) {
         if (x) router_logits(x + t * x_stride, w, h, experts, logits + t * experts);
-        const int status = route_row(logits + t * experts, experts, k, normalize, weights_f32,
-                                     (char *)weights + t * k * wsize, ids + t * k);
-        if (status > worst) worst = status;
+        status[t] = (char)route_row(logits + t * experts, experts, k, normalize, weights_f32,
+                                    (char *)weights + t * k * wsize, ids + t * k);
+        if (status[t] > worst) worst = status[t];
     }
-    return worst;
+    int64_t tied = 0;
+    if (worst == EXACT_TIE)
+        for (int64_t t = 0; t < tokens; t++)
+            if (status[t] == EXACT_TIE) tied_rows[tied++] = t;
+    free(status);
+    return worst == TORCH ? -2 : tied;
 }
 
 /* Returns 0, or 1 where an expert id is outside [0, experts), 2 where memory ran out. */

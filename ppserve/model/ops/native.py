@@ -216,12 +216,16 @@ class MoeRouting:
         self._combine.argtypes = [ptr, ptr, ptr, nt, i64, i64, i64, ptr, nt]
         self._combine.restype = None
         self._route = lib.moe_route_bf16
-        self._route.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, nt, nt, ptr, ptr, nt]
-        self._route.restype = ctypes.c_int
+        self._route.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, nt, nt, ptr, ptr, ptr, nt]
+        self._route.restype = i64
 
-    # Above this many multiply-adds a router's logits GEMM goes to torch (MKL), not the kernel's loop.
-    ROUTE_MAX_MACS = 1 << 20
-    ROUTE_MAX_EXPERTS = 1024  # csrc/moe_route.c's per-row buffers
+    # Above this many multiply-adds a router's logits GEMM goes to torch (MKL), not the kernel's loop: at
+    # 64 experts of 1024 and 16 tokens (1M) the loop took 52 us where torch's whole chain took 40.
+    ROUTE_MAX_MACS = 1 << 17
+    # A row of up to 16 experts is one register in the kernel (Mixtral's 8, the tests' 8). Beyond that torch's
+    # chain was as fast (Zen 5, one thread, 64 experts top-8 at H 1024 and 128 top-8 at H 2048, 1-512 tokens:
+    # the kernel 0.88-0.95x), so wider routers keep it.
+    ROUTE_MAX_EXPERTS = 16
 
     @classmethod
     def routes(cls, x: Tensor, weight: Tensor) -> bool:
@@ -233,24 +237,34 @@ class MoeRouting:
     def route(self, x: Tensor, weight: Tensor, top_k: int, normalize: bool, weights_f32: bool,
               in_torch: Callable[[Tensor], tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """x [T, H] bf16, weight [E, H] float32 -> (routing weights [T, k], float32 where `weights_f32` else
-        bf16; expert ids [T, k]). Where the kernel hands the batch back (a near tie, a NaN), `in_torch` routes
-        it from the bf16 logits as the torch router does."""
+        bf16; expert ids [T, k]). Rows with an exact tie among their best k + 1 take their ids from
+        torch.topk over their logits (the kernel's weights stand: tied experts weigh the same); where the
+        kernel hands the batch back (a near tie, a NaN), `in_torch` routes it from the bf16 logits as the
+        torch router does (see csrc/moe_route.c)."""
         t, h = x.shape
         experts = weight.shape[0]
         ids = torch.empty((t, top_k), dtype=torch.int64)
         weights = torch.empty((t, top_k), dtype=torch.float32 if weights_f32 else torch.bfloat16)
+        tied_rows = torch.empty(t, dtype=torch.int64)
         if t * experts * h <= self.ROUTE_MAX_MACS:
             logits, rows = torch.empty((t, experts), dtype=torch.bfloat16), x.data_ptr()
         else:  # a GEMM of real size: torch's, the rest here
             logits, rows = F.linear(x.float(), weight).to(torch.bfloat16), None
-        status = self._route(rows, x.stride(0), weight.data_ptr(), logits.data_ptr(), t, h, experts, top_k,
-                             int(normalize), int(weights_f32), weights.data_ptr(), ids.data_ptr(),
-                             torch.get_num_threads())
-        if status < 0:
+        tied = self._route(rows, x.stride(0), weight.data_ptr(), logits.data_ptr(), t, h, experts, top_k,
+                           int(normalize), int(weights_f32), weights.data_ptr(), ids.data_ptr(),
+                           tied_rows.data_ptr(), torch.get_num_threads())
+        if tied == -1:
             raise ValueError(f"MoE route: top-{top_k} of {experts} experts is outside what the kernel takes")
-        if status == 1:  # exact ties: the weights stand, torch.topk breaks the ties (see csrc/moe_route.c)
-            return weights, torch.topk(logits, top_k, dim=-1).indices
-        return in_torch(logits) if status else (weights, ids)
+        if tied == -2:
+            return in_torch(logits)
+        # One topk over every row cost 2-10 us at 16-512 tokens (8-16 experts), the tied rows' three indexing
+        # ops ~5 us whatever their number: those only for long batches with few ties.
+        if tied and (t < 256 or tied * 4 >= t):
+            ids = torch.topk(logits, top_k, dim=-1).indices
+        elif tied:
+            rows_tied = tied_rows[:tied]
+            ids[rows_tied] = torch.topk(logits[rows_tied], top_k, dim=-1).indices
+        return weights, ids
 
     @staticmethod
     def accepts(x: Tensor, topk_ids: Tensor) -> bool:
