@@ -82,9 +82,9 @@ class TopKRouter(nn.Module):
         self.weight_f32: Tensor | None = None  # set by prepack() for bf16 on CPU
 
     def prepack(self) -> None:
-        """After every load: for bf16 on CPU, a float32 copy of the router's small [E, H] weight, stored
-        transposed ([H, E] contiguous, the routing kernel's layout; `weight_f32` is its [E, H] view). oneDNN's
-        bf16 GEMM at a router's shape took 19 us a call on a Xeon with AMX ([16, 128] x [8, 128]), float32 5;
+        """After every load: for bf16 on CPU, a float32 copy of the router's small [E, H] weight (the routing
+        kernel's operand too). oneDNN's bf16 GEMM at a router's shape took 19 us a call on a Xeon with AMX
+        ([16, 128] x [8, 128]), float32 5;
         the tiny Qwen3-MoE's routers over 4 layers, 16 decodes, 0.33 -> 0.22 ms of a 2.3 ms step
         (`benchmarks/bench_moe.py --parts breakdown --breakdown 128x128x16 --dtype bfloat16`). Products of
         bf16 values are exact in float32, and the logits are rounded to bf16 as the bf16 GEMM rounds them,

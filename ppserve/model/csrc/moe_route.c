@@ -1,4 +1,5 @@
-/* The two data movements around a mixture-of-experts layer's grouped expert matmuls, each one call.
+/* What a mixture-of-experts layer does around its grouped expert matmuls, in three calls: route the tokens,
+ * gather their rows by expert, and sum the experts' outputs back per token.
  *
  * moe_dispatch: a token's k routing choices make k (token, expert) pairs, pair p = t * k + j. The pairs are
  * sorted stably by expert (a counting sort: the order torch.sort(stable=True) gives), each pair's token
@@ -7,16 +8,17 @@
  * division and an index_select: five ops and their temporaries for a few hundred bytes of indices. The
  * rows are copied as bytes, so any dtype takes it and the result is the same permutation, bit for bit.
  *
- * moe_route_bf16: the router after its logits' GEMM, for bf16 models: the logits rounded to bf16 (as the bf16
- * GEMM rounds them), the softmax in float32, the k most probable experts and their probabilities,
- * renormalized or not, as bf16 or float32 weights; eight torch ops and their temporaries before. Exact
- * ties are where this cannot promise torch's answer: torch.topk breaks them by the order its selection
- * algorithm happens to visit, not by a rule. Where two of a row's k + 1 most probable experts have equal
- * logits, the weights are right whichever is chosen, and the kernel names the row for the caller to take
- * its ids from torch.topk over its logits (the same comparisons as over the probabilities); where probabilities come within
- * a few ulps without equal logits (or a logit is NaN) it hands the batch back to the torch chain. Otherwise
- * every row's choice is unique and the same as torch's. Its probabilities come from this file's e^x, within
- * a few float32 ulps of torch's, so a weight may differ from the torch chain's by one bf16 rounding.
+ * moe_route_bf16: the router of a bf16 model: the logits (computed here for small shapes, else given) rounded
+ * to bf16 as the bf16 GEMM rounds them, the softmax in float32, the k most probable experts and their
+ * probabilities, renormalized or not, as bf16 or float32 weights; eight torch ops and their temporaries
+ * before. Exact ties are where this cannot promise torch's answer: torch.topk breaks them by the order its
+ * selection algorithm happens to visit, not by a rule. Where two of a row's k + 1 most probable experts have
+ * equal logits, the weights are right whichever is chosen, and the kernel names the row for the caller to
+ * take its ids from torch.topk over its logits (the same comparisons as over the probabilities); where
+ * probabilities come within a few ulps without equal logits (or a logit is NaN) it hands the batch back to
+ * the torch chain. Otherwise every row's choice is unique and the same as torch's. Its probabilities come
+ * from this file's e^x, within a few float32 ulps of torch's, so a weight may differ from the torch chain's
+ * by one bf16 rounding.
  *
  * moe_combine_bf16: the experts' outputs, still in expert order, back to their tokens: each pair's row
  * (read through pos) times its routing weight, and a token's k products summed in top-k order. The

@@ -203,9 +203,9 @@ class GreedyArgmax:
 
 
 class MoeRouting:
-    """The data movements around an MoE layer's grouped expert matmuls (see csrc/moe_route.c): the pairs
-    sorted by expert with their token rows gathered (any dtype, a permutation), and the experts' outputs
-    weighted and summed back per token (bf16)."""
+    """What an MoE layer does around its grouped expert matmuls (see csrc/moe_route.c): the router (bf16, up
+    to 16 experts), the pairs sorted by expert with their token rows gathered (any dtype, a permutation), and
+    the experts' outputs weighted and summed back per token (bf16)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, nt = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
