@@ -45,6 +45,7 @@ from ppserve.sched.balance import (
     ArrivalWatch,
     decode_quota,
     fair_share,
+    fill_microbatches,
     min_chunk_tokens,
 )
 from ppserve.sched.batch import BatchBuilder
@@ -356,7 +357,10 @@ class Scheduler:
         rounds = self.config.balance_rounds
         shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock()) else 1)
         tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
-        limit = shares * cap  # beyond this every share is the whole budget: saturated
+        calibrated = self.cost.calibrated
+        # Beyond this every share is the whole budget: saturated. A fill in predicted time sees all of its
+        # work and decides that itself (`_time_share`).
+        limit = math.inf if filling and calibrated else shares * cap
         work: list[tuple[int, int]] = []  # per prefill in reach: (tokens it will compute, tokens before them)
         seen: set[bytes] = set()
         for req in reach:
@@ -373,9 +377,13 @@ class Scheduler:
         # only makes the first microbatch longer than the rest, and every stage behind it waits for all
         # of it (the demo's eight prompts, 194 tokens to compute: 128 + 66; an even split cuts one
         # prompt at most). A lone prompt keeps it: cut below it, its chunks pay
-        # the step's floor each (regime suite, sparse arrivals: TTFT p50 +10 % without it).
-        if self.cost.calibrated:
-            b.budget = self._time_share(b, work, shares, budget, filling)
+        # the step's floor each (regime suite, sparse arrivals: TTFT p50 +10 % without it). In predicted
+        # time the fill is cut into the number of equal microbatches that ends it soonest
+        # (`fill_microbatches`), not into p.
+        if calibrated:
+            shared = self._time_share(b, work, shares, budget, filling)
+            if shared is not None:
+                b.budget = shared
             return
         floor = 0.0 if filling else cap * MIN_SHARE_OF_BUDGET
         if shares > stages:  # over k rounds (never while filling): ROUNDS_MIN_CHUNKS floors, at most one round's share
@@ -383,11 +391,13 @@ class Scheduler:
         budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=floor)))
 
     def _time_share(self, b: BatchBuilder, prefills: list[tuple[int, int]], shares: int, budget: TokenBudget,
-                    filling: bool = False) -> TimeBudget:
+                    filling: bool = False) -> TimeBudget | None:
         """A budget for an equal share, in predicted time, of the work in reach (in flight, the ready
         decodes, the prefills in reach): on each stage its floor plus its part of that work's time, the
         slowest stage's share being the one that counts; never more tokens than the token budget.
-        `prefills`: per prefill in reach, (tokens it will compute, tokens before them)."""
+        `prefills`: per prefill in reach, (tokens it will compute, tokens before them). `filling`: an
+        empty pipeline's fill, cut into `fill_microbatches` equal parts; None where the token budget
+        cuts it finer (saturated: the whole budget, as in plain Sarathi-Serve)."""
         cost = self.cost.current
         # Every stage prices the same work with its own coefficients (the step cost is linear in the
         # features), so the work's features are summed once, not once per stage.
@@ -398,6 +408,13 @@ class Scheduler:
             work.add(1, req.num_computed_tokens, True)
         for num_tokens, context in prefills:  # each prompt's rest, as one piece: its keys add up the same in chunks
             work.add(num_tokens, context, True)
+        if filling:
+            by_budget = math.ceil(sum(n for n, _ in prefills) / (budget.token_budget or 1))
+            count = fill_microbatches([(stage.floor_s, work.seconds(stage)) for stage in cost.stages],
+                                      self.num_stages)
+            if count <= by_budget:
+                return None
+            shares = count
         share_s = max(stage.floor_s + work.seconds(stage) / shares for stage in cost.stages)
         # Never below the decodes this microbatch takes (the share must not move a decode its quota
         # admits) plus a minimum chunk (`min_chunk_tokens`): beside the decodes a stage's time is mostly

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from ppserve.sched import StepResult
-from ppserve.sched.balance import ArrivalWatch, decode_quota, fair_share, min_chunk_tokens
+from ppserve.sched.balance import ArrivalWatch, decode_quota, fair_share, fill_microbatches, min_chunk_tokens
 from ppserve.sched.budget import TimeBudgetMode
 from ppserve.sched.cost import BatchShape, PipelineCost, StepCost
 from tests.unit.sched_helpers import fake_result, make_request, make_scheduler
@@ -263,6 +263,35 @@ def test_prompts_filling_an_empty_pipeline_split_evenly():
     lone = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
     lone.add_request(make_request("p", 200, max_tokens=2))
     assert [lone.schedule().total_tokens, lone.schedule().total_tokens] == [128, 72]
+
+
+def test_a_fill_takes_the_number_of_microbatches_that_ends_it_soonest():
+    """(m + p - 1)(f + W / m) is least at m = sqrt((p - 1) W / f), rounded down; the stage that wants the
+    most decides; a stage fitted with no floor asks for one round (p)."""
+    assert fill_microbatches([(1e-3, 20.48e-3)] * 4, 4) == 7  # sqrt(3 x 20.48) = 7.8
+    assert fill_microbatches([(4.65e-3, 35.9e-3), (5.05e-3, 27.6e-3)], 2) == 2  # the demo's fill: as one round
+    assert fill_microbatches([(1e-3, 0.5e-3)] * 4, 4) == 1  # little work beside the floor: one microbatch
+    assert fill_microbatches([(1e-3, 20.48e-3), (2e-3, 20.48e-3)], 2) == 4  # sqrt(20.48) beats sqrt(10.24)
+    assert fill_microbatches([(0.0, 5e-3)] * 4, 4) == 4
+
+
+def test_a_burst_into_an_empty_pipeline_is_cut_into_equal_microbatches_by_its_own_rule():
+    """The regime suite's multi-turn bursts: 32 prompts of 64 tokens (2048) into an empty pp=4 pipeline,
+    budget 512, on a calibrated cost whose floor is worth 100 tokens. One round found them saturated
+    (2048 = p x 512) and took the whole budget, and the microbatches after it, shared over four rounds
+    while requests arrive, ~200 tokens: every later stage waited for the long first one (simulator:
+    stage 0 idle 52 ms a burst). The fill is cut into `fill_microbatches` equal parts: sqrt(3 x 20.48) ->
+    7 of ~293 tokens (whole prompts of 64)."""
+    clock = [0.0]
+    s = make_scheduler("sarathi", token_budget=512, pp=4, num_blocks=4000, balance_rounds=4, max_num_seqs=64)
+    stage = StepCost(1e-3, 1e-5)
+    s.cost.reset(PipelineCost((stage,) * 4))
+    s.clock = lambda: clock[0]
+    for i in range(32):
+        clock[0] = 0.001 * i
+        s.add_request(make_request(f"r{i}", 64, max_tokens=2))
+    first = s.schedule().total_tokens
+    assert abs(first - 2048 / 7) <= 64, first
 
 
 def test_a_shared_prefix_counts_once_in_the_work_in_reach():
