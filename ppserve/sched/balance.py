@@ -62,13 +62,15 @@ cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two nu
   W, each paying the step's floor f, keep p stages busy until about (m + p - 1)(f + W / m), least at
   m = sqrt((p - 1) W / f), rounded down (a microbatch also costs a dispatch and hops the model leaves
   out); never fewer than the token budget allows, and where only the budget bounds it, the whole budget
-  (saturated). It was one round, p shares: the regime suite's multi-turn bursts (32 prompts, 2048 tokens,
-  into an empty PP4 pipeline with a 512-token budget) went as a whole-budget microbatch (one round was
-  saturated) and then the ~160-token shares of four rounds, and stage 0 idled 52 ms a burst for the
-  first's round trip. Cut by the rule: bubble 3.42 -> 2.44 %, TTFT p50 179 -> 137 ms (the best formation
-  there now; `vllm` 165); bursty 10.36 -> 10.31 %; every other regime identical. The default model's
-  fill on two CPU stages (~150 tokens, floor ~5 ms, ~0.24 ms a token) stays one round: m = 2.
-  Uncalibrated, in tokens, the fill takes one round's share.
+  (saturated). The fill keeps that share, prompts arriving meanwhile included, until its first decode is
+  back (`Scheduler._fill_share_s`). It was one round, p shares, for its first microbatch only: the regime
+  suite's multi-turn bursts (32 prompts, 2048 tokens, into an empty PP4 pipeline with a 512-token
+  budget) went as a whole-budget microbatch (one round was saturated) and then the ~160-token shares of
+  four rounds, and stage 0 idled 52 ms a burst for the first's round trip. Cut by the rule: bubble
+  3.42 -> 2.38 %, TTFT p50 179 -> 137 ms (the best formation there now; `vllm` 165); bursty 10.36 ->
+  10.05 %, TTFT p99 -1.2 %; every other regime identical. The demo's eight prompts (194 tokens; on two
+  CPU stages a floor of ~5 ms and ~0.24 ms a token) go as three microbatches of whole prompts (81, 68,
+  45 tokens) instead of 100 + 94. Uncalibrated, in tokens, the fill takes one round's share.
 
 - **Equal chunks.** A share in predicted time cuts a prompt that does not fit whole into equal chunks
   (`TimeBudget(even_chunks=True)`): the chunk takes the rest's tokens divided by the number of chunks

@@ -89,6 +89,9 @@ class Scheduler:
         self.in_flight: deque[SchedulerOutput] = deque()
         self._in_flight_work: dict[int, WorkFeatures] = {}  # by step id: what `_time_share` prices (`_work_of`)
         self._min_chunk_memo: tuple[tuple[PipelineCost, int] | None, int] = (None, 0)
+        # An empty pipeline's fill in predicted time: the time share each of its microbatches takes, kept
+        # until its first decode is back (`_balance`), so the fill's microbatches come out equal.
+        self._fill_share_s: float | None = None
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
@@ -358,9 +361,12 @@ class Scheduler:
         shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock()) else 1)
         tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
         calibrated = self.cost.calibrated
+        if filling or num_ready or not reach or not calibrated:
+            self._fill_share_s = None  # a fill under way ends with its first decode back
         # Beyond this every share is the whole budget: saturated. A fill in predicted time sees all of its
-        # work and decides that itself (`_time_share`).
-        limit = math.inf if filling and calibrated else shares * cap
+        # work and decides that itself (`_time_share`), and keeps its share while it goes on.
+        fill_on = calibrated and (filling or self._fill_share_s is not None)
+        limit = math.inf if fill_on else shares * cap
         work: list[tuple[int, int]] = []  # per prefill in reach: (tokens it will compute, tokens before them)
         seen: set[bytes] = set()
         for req in reach:
@@ -381,6 +387,9 @@ class Scheduler:
         # time the fill is cut into the number of equal microbatches that ends it soonest
         # (`fill_microbatches`), not into p.
         if calibrated:
+            if self._fill_share_s is not None:  # the fill goes on: its microbatches stay equal
+                b.budget = self._time_budget(budget, self._fill_share_s)
+                return
             shared = self._time_share(b, work, shares, budget, filling)
             if shared is not None:
                 b.budget = shared
@@ -440,11 +449,18 @@ class Scheduler:
                 thicker = taken.plus(thick, 0, False)
                 rounds_floor_s = max(stage.floor_s + thicker.seconds(stage) for stage in cost.stages)
                 share_s = max(share_s, min(one_round_s, rounds_floor_s))
+        if filling:
+            self._fill_share_s = share_s
+        return self._time_budget(budget, share_s)
+
+    def _time_budget(self, budget: TokenBudget, share_s: float) -> TimeBudget:
+        """The microbatch's budget for a time share: the token budget, and `share_s` on every stage."""
         if isinstance(budget, TimeBudget):  # budget_mode: time caps it already
             budget.limit(budget.token_budget or 0, share_s)
             return budget
         min_rest = math.ceil((budget.token_budget or 0) * MIN_REST_OF_BUDGET)
-        return TimeBudget(budget.token_budget, budget.max_seqs, cost, share_s, min_rest=min_rest, even_chunks=True)
+        return TimeBudget(budget.token_budget, budget.max_seqs, self.cost.current, share_s, min_rest=min_rest,
+                          even_chunks=True)
 
     def _min_chunk(self, cost: PipelineCost, token_budget: int) -> int:
         """`min_chunk_tokens`, solved again only when the fit or the budget changed (a refit makes a new

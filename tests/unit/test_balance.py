@@ -281,17 +281,31 @@ def test_a_burst_into_an_empty_pipeline_is_cut_into_equal_microbatches_by_its_ow
     (2048 = p x 512) and took the whole budget, and the microbatches after it, shared over four rounds
     while requests arrive, ~200 tokens: every later stage waited for the long first one (simulator:
     stage 0 idle 52 ms a burst). The fill is cut into `fill_microbatches` equal parts: sqrt(3 x 20.48) ->
-    7 of ~293 tokens (whole prompts of 64)."""
-    clock = [0.0]
-    s = make_scheduler("sarathi", token_budget=512, pp=4, num_blocks=4000, balance_rounds=4, max_num_seqs=64)
-    stage = StepCost(1e-3, 1e-5)
-    s.cost.reset(PipelineCost((stage,) * 4))
-    s.clock = lambda: clock[0]
-    for i in range(32):
-        clock[0] = 0.001 * i
-        s.add_request(make_request(f"r{i}", 64, max_tokens=2))
-    first = s.schedule().total_tokens
-    assert abs(first - 2048 / 7) <= 64, first
+    7 of ~293 tokens (whole prompts of 64), the ones after the first too (the fill keeps its share), a
+    stream or a batch alike."""
+    for streaming in (True, False):
+        clock = [0.0]
+        s = make_scheduler("sarathi", token_budget=512, pp=4, num_blocks=4000, balance_rounds=4, max_num_seqs=64)
+        stage = StepCost(1e-3, 1e-5)
+        s.cost.reset(PipelineCost((stage,) * 4))
+        s.clock = lambda clock=clock: clock[0]
+        for i in range(32):
+            clock[0] = 0.001 * i if streaming else 0.0
+            s.add_request(make_request(f"r{i}", 64, max_tokens=2))
+        sizes = [s.schedule().num_prefill_tokens for _ in range(4)]
+        assert all(abs(n - 2048 / 7) <= 64 for n in sizes), (streaming, sizes)
+
+
+def test_the_demos_fill_stays_level_on_its_measured_costs():
+    """The demo's eight prompts (194 tokens) on the two CPU stages' measured costs (floors 4.65 / 5.05 ms,
+    241 / 185 us a token): sqrt(46.7 / 4.65) -> 3 microbatches of ~65 tokens, cut at whole prompts (none
+    leaves a rest of 32 tokens or less). Kept for the first microbatch only, the fill went as 81 + 113."""
+    s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500, max_num_seqs=8, block_size=16)
+    s.cost.reset(PipelineCost((StepCost(4.65e-3, 240.9e-6), StepCost(5.05e-3, 185.3e-6))))
+    for i, n in enumerate([37, 21, 23, 19, 24, 25, 22, 23]):
+        s.add_request(make_request(f"r{i}", n, max_tokens=4))
+    sizes = [s.schedule().num_prefill_tokens for _ in range(3)]  # the third: the token ring's slot
+    assert sum(sizes) == 194 and max(sizes) <= 81 and min(sizes) >= 37, sizes
 
 
 def test_a_shared_prefix_counts_once_in_the_work_in_reach():
