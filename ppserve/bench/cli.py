@@ -105,6 +105,8 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--results", default="results", help="results root (a dated folder is made inside)")
     r.add_argument("--out", help="exact output folder (instead of a dated one under --results)")
     r.add_argument("--no-plot", action="store_true", help="do not draw regimes.png")
+    r.add_argument("--spans", metavar="DIR",
+                   help="also write each cell's spans to DIR/<regime>--<formation>.jsonl (ppserve timeline draws them)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="processes that run the cells (default: this machine's cores, at most 8; seeded, so the "
@@ -179,7 +181,7 @@ def run_regimes(args: argparse.Namespace) -> int:
     command = " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
     progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
     suite = regimes.run_suite(args.reduced, _names(args.only) if args.only else None, progress=progress,
-                              workers=args.workers)
+                              workers=args.workers, spans_dir=args.spans)
     paths = regimes.write_suite(suite, outdir, command=command, plot=not args.no_plot)
     print(regimes.cells_table(suite))
     print()

@@ -49,7 +49,7 @@ bubble p50 (SimResult.summary(), ppserve.metrics.latency). Per regime, `criteria
 simulator can promise deterministically: balanced sarathi's mean bubble <= the unbalanced one's, its
 throughput >= 0.97x the best formation's and its TTFT p50 <= 1.1x the best (lowest) formation's.
 
-    ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR]
+    ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR] [--spans DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from typing import Any
 from ppserve.config import SchedulerConfig
 from ppserve.metrics.bubbles import short_handed_fractions
 from ppserve.metrics.latency import lifetimes_ns
+from ppserve.metrics.spans import write_jsonl
 from ppserve.sim.cost_model import RooflineCostModel, kv_cache_blocks, load_hardware, load_model_spec
 from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.workload import (
@@ -238,11 +239,16 @@ def sim_setup(regime: Regime, formation: Formation, workload: Sequence[WorkloadR
     return wl, cost, cfg
 
 
-def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None) -> dict[str, Any]:
-    """Simulate one regime under one formation; the cell's figures (seconds, fractions)."""
+def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None,
+             spans_dir: str | Path | None = None) -> dict[str, Any]:
+    """Simulate one regime under one formation; the cell's figures (seconds, fractions). With `spans_dir`
+    the cell's spans and work intervals are written there too, as `<regime>--<formation>.jsonl`
+    (`ppserve timeline` draws them)."""
     wl, cost, cfg = sim_setup(regime, formation, workload)
     t0 = time.perf_counter()
     res = simulate(wl, cost, cfg)
+    if spans_dir is not None:
+        write_jsonl(Path(spans_dir) / f"{regime.name}--{formation.name}.jsonl", res.spans, res.work_intervals)
     s = res.summary("active")
     rep = res.bubble_report("active")
     lat, thr, bub = s["latency"], s["throughput"], s["bubbles"]
@@ -301,12 +307,16 @@ def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
-              progress: Callable[[str], None] | None = None, workers: int = 1) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, workers: int = 1,
+              spans_dir: str | Path | None = None) -> dict[str, Any]:
     """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria.
     `workers` > 1 runs the cells in that many processes; every cell is seeded, so the figures are the
-    same either way (only their `sim_wall_s` moves)."""
+    same either way (only their `sim_wall_s` moves). `spans_dir`: each cell's spans written there
+    (`run_cell`)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
+    if spans_dir is not None:
+        Path(spans_dir).mkdir(parents=True, exist_ok=True)
     chosen = regimes(reduced)
     if only:
         unknown = set(only) - {r.name for r in chosen}
@@ -320,13 +330,13 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
                                 mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None)
     try:
         # Submitted all at once, read back in order: the progress lines and the cells keep the suite's order.
-        pending = {(r.name, f.name): pool.submit(_cell_by_name, reduced, r.name, f.name)
+        pending = {(r.name, f.name): pool.submit(_cell_by_name, reduced, r.name, f.name, spans_dir)
                    for r in chosen for f in FORMATIONS} if pool else {}
         for regime in chosen:
             wl = regime.workload()
             cells = []
             for f in FORMATIONS:
-                cells.append(pending[regime.name, f.name].result() if pool else run_cell(regime, f, wl))
+                cells.append(pending[regime.name, f.name].result() if pool else run_cell(regime, f, wl, spans_dir))
                 if progress:
                     c = cells[-1]
                     progress(f"{regime.name:>16} {f.name:>13}: bubble {100 * c['mean_bubble']:5.1f}% "
@@ -342,10 +352,11 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
     return out
 
 
-def _cell_by_name(reduced: bool, regime_name: str, formation_name: str) -> dict[str, Any]:
+def _cell_by_name(reduced: bool, regime_name: str, formation_name: str,
+                  spans_dir: str | Path | None = None) -> dict[str, Any]:
     """`run_cell` in a worker process: a regime's workload is a closure, so the names cross, not the objects."""
     regime = next(r for r in regimes(reduced) if r.name == regime_name)
-    return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name))
+    return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name), spans_dir=spans_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,6 +140,23 @@ def test_cli_writes_its_files(tmp_path):
     assert (out / "regimes.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cells_write_their_spans_for_the_timeline(tmp_path):
+    """`--spans DIR`: each cell's spans and work intervals as `<regime>--<formation>.jsonl`, which the
+    timeline reads back and whose bubble is the cell's."""
+    from ppserve.bench.cli import main
+    from ppserve.metrics.bubbles import bubble_report
+    from ppserve.timeline.render import load_run
+
+    spans = tmp_path / "spans"
+    assert main(["--reduced", "--only", "one-long-prompt", "--out", str(tmp_path / "out"), "--no-progress",
+                 "--no-plot", "--workers", "2", "--spans", str(spans)], "regimes") == 0
+    assert {p.name for p in spans.iterdir()} == {f"one-long-prompt--{f.name}.jsonl" for f in rg.FORMATIONS}
+    cell = json.loads((tmp_path / "out" / "regimes.json").read_text())["regimes"]["one-long-prompt"]["cells"][0]
+    run = load_run(spans / f"one-long-prompt--{cell['formation']}.jsonl")
+    assert run.work and run.spans
+    assert bubble_report(run.spans, run.work, "active").mean_bubble_fraction == pytest.approx(cell["mean_bubble"])
+
+
 def test_unknown_regime_is_refused():
     with pytest.raises(ValueError, match="unknown regime"):
         rg.run_suite(reduced=True, only=["nope"])
