@@ -191,6 +191,7 @@ class Scheduler:
         is arrival order. Returns the ids requeued.
         """
         self.in_flight.clear()
+        self._fill_share_s = None
         self._in_flight_work.clear()
         if self.ring_clock is not None:
             self.ring_clock.forget()
@@ -361,7 +362,7 @@ class Scheduler:
         shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock()) else 1)
         tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
         calibrated = self.cost.calibrated
-        if filling or num_ready or not reach or not calibrated:
+        if filling or num_ready or not reach or not self.in_flight or not calibrated:
             self._fill_share_s = None  # a fill under way ends with its first decode back
         # Beyond this every share is the whole budget: saturated. A fill in predicted time sees all of its
         # work and decides that itself (`_time_share`), and keeps its share while it goes on.
