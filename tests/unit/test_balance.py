@@ -296,6 +296,28 @@ def test_a_burst_into_an_empty_pipeline_is_cut_into_equal_microbatches_by_its_ow
         assert all(abs(n - 2048 / 7) <= 64 for n in sizes), (streaming, sizes)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_fills_keep_the_invariants_and_finish_every_request(seed):
+    """Random bursts into an empty pipeline on a calibrated cost (pp 2-4, the token ring or not): the fill's
+    kept share never breaks an invariant (no microbatch over the budget, no decode left behind a prefill),
+    and every request finishes."""
+    rng = random.Random(seed)
+    pp = rng.choice([2, 3, 4])
+    s = make_scheduler("sarathi", token_budget=rng.choice([64, 256, 512]), pp=pp, num_blocks=4000, block_size=16,
+                       max_num_seqs=rng.choice([8, 64]), async_scheduling=rng.choice([True, False]))
+    floor = rng.choice([1e-4, 1e-3, 5e-3])
+    s.cost.reset(PipelineCost(tuple(StepCost(floor, rng.choice([1e-6, 1e-5, 2e-4])) for _ in range(pp))))
+    fills = 0
+    for b in range(6):  # each burst into an empty pipeline, or into one still at work
+        fills += not s.in_flight
+        for k in range(rng.randint(2, 24)):
+            s.add_request(make_request(f"b{b}-{k}", rng.randint(1, 300), max_tokens=rng.randint(1, 12)))
+        run(s, rng.randint(1, 30))
+    while s.in_flight or s.waiting or s.running:
+        run(s, 50)
+    assert fills >= 1 and not s.running and not s.waiting and not s.in_flight
+
+
 def test_the_demos_fill_stays_level_on_its_measured_costs():
     """The demo's eight prompts (194 tokens) on the two CPU stages' measured costs (floors 4.65 / 5.05 ms,
     241 / 185 us a token): sqrt(46.7 / 4.65) -> 3 microbatches of ~65 tokens, cut at whole prompts (none
