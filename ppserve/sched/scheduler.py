@@ -364,10 +364,12 @@ class Scheduler:
         calibrated = self.cost.calibrated
         if filling or num_ready or not reach or not self.in_flight or not calibrated:
             self._fill_share_s = None  # a fill under way ends with its first decode back
+        if self._fill_share_s is not None:  # the fill goes on: its microbatches stay equal (see below)
+            b.budget = self._time_budget(budget, self._fill_share_s)
+            return
         # Beyond this every share is the whole budget: saturated. A fill in predicted time sees all of its
-        # work and decides that itself (`_time_share`), and keeps its share while it goes on.
-        fill_on = calibrated and (filling or self._fill_share_s is not None)
-        limit = math.inf if fill_on else shares * cap
+        # work and decides that itself (`_time_share`).
+        limit = math.inf if filling and calibrated else shares * cap
         work: list[tuple[int, int]] = []  # per prefill in reach: (tokens it will compute, tokens before them)
         seen: set[bytes] = set()
         for req in reach:
@@ -386,11 +388,8 @@ class Scheduler:
         # prompt at most). A lone prompt keeps it: cut below it, its chunks pay
         # the step's floor each (regime suite, sparse arrivals: TTFT p50 +10 % without it). In predicted
         # time the fill is cut into the number of equal microbatches that ends it soonest
-        # (`fill_microbatches`), not into p.
+        # (`fill_microbatches`), not into p, and keeps that share until its first decode is back.
         if calibrated:
-            if self._fill_share_s is not None:  # the fill goes on: its microbatches stay equal
-                b.budget = self._time_budget(budget, self._fill_share_s)
-                return
             shared = self._time_share(b, work, shares, budget, filling)
             if shared is not None:
                 b.budget = shared
