@@ -248,7 +248,8 @@ class StageActor:
             return None
         assert result is not None
         if self.ring_out is not None and out.sample_request_ids:
-            self._ring_send(out, result)
+            with worker.recorder.span("send", out.step_id):  # the last stage's send: its tokens to stage 0
+                self._ring_send(out, result)
         if row is None:
             return result
         return dataclasses.replace(result, stage_seconds=row.seconds, timed_step_id=row.step_id)
@@ -358,7 +359,9 @@ class StageActor:
                                   f"{traceback.format_exc()}")
             if reply is not None:
                 try:
-                    conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+                    # The last stage's send, like the others' (busy time, ARCHITECTURE.md §5): the result to the engine.
+                    with self.worker.recorder.span("send", out.step_id):
+                        conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
                 except OSError:
                     return
                 if reply[0] == "error":

@@ -71,6 +71,16 @@ def test_replay_records_every_token(ctx):
                  and x.kind in ("prepare", "compute", "send")]
         assert st.busy_ns == total(intersect(union(spans), window))
         assert st.busy_ns + st.bubble_ns + st.starvation_ns == total(window)
+    # The last stage's sends are busy like every other stage's: each sampling step's tokens down the ring to
+    # stage 0, then its result to the engine, both after its compute.
+    last = max(x.stage for x in run.spans)
+    computed = {x.step_id: x for x in run.spans if x.stage == last and x.kind == "compute" and x.num_decode_tokens}
+    sends: dict[int, list] = {}
+    for x in run.spans:
+        if x.stage == last and x.kind == "send":
+            sends.setdefault(x.step_id, []).append(x)
+    assert computed and set(computed) <= set(sends)
+    assert all(len(sends[i]) == 2 and min(x.start_ns for x in sends[i]) >= c.end_ns for i, c in computed.items())
     assert s["bubbles"]["mean_bubble_fraction"] == pytest.approx(rep.mean_bubble_fraction)
     assert 0.0 < rep.mean_bubble_fraction < 1.0
     assert len(s["bubbles"]["stages"]) == 2
