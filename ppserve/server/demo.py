@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from ppserve.config import add_config_arguments
 
 if TYPE_CHECKING:  # `ppserve --help` stays instant
     from ppserve.engine.stats import EngineStats
+    from ppserve.metrics.host_cpu import CpuUsage
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -68,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncEngine.build(config, keep_all_spans=True)
     print(f"pipeline ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        results, stats, wall = asyncio.run(_serve_and_stream(engine, args))
+        results, stats, wall, usage = asyncio.run(_serve_and_stream(engine, args))
         engine.stop()  # from here on this thread may touch the engine directly
-        _report(engine, results, stats, wall, out_dir)
+        _report(engine, results, stats, wall, usage, out_dir)
     finally:
         engine.stop()
         engine.shutdown()
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list[Any], EngineStats, float]:
+async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list[Any], EngineStats, float, CpuUsage | None]:
+    from ppserve.metrics.host_cpu import cpu_usage, snapshot
     from ppserve.server.client import AsyncPPServeClient, Completion
     from ppserve.server.server import start_server
 
@@ -110,9 +113,14 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
                 f"streaming {len(prompts)} concurrent chat requests (max_tokens={args.max_tokens}) ...",
                 flush=True,
             )
+            # The stage processes' pids, for where the machine's CPU went while the requests ran.
+            stage_pids = {w.pid for w in engine.engine.executor.describe()} - {os.getpid()}
+            cpu_before = snapshot(stage_pids)
             t0 = time.perf_counter()
             results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
             wall = time.perf_counter() - t0
+            cpu_after = snapshot(stage_pids)
+            usage = cpu_usage(cpu_before, cpu_after) if cpu_before and cpu_after else None
             for i, (p, r) in enumerate(zip(prompts, results, strict=True)):
                 print(f"--- demo-{i}: {p}\n    {r.text.strip()!s}")
             stats = await client.stats()
@@ -121,10 +129,11 @@ async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list
             print("\nGetStats:\n" + format_stats(stats))
     finally:
         await running.stop(grace_s=5.0)
-    return list(results), stats, wall
+    return list(results), stats, wall, usage
 
 
-def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, out_dir: Path) -> None:
+def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, usage: CpuUsage | None,
+            out_dir: Path) -> None:
     from ppserve.metrics.bubbles import bubble_report, short_handed_fractions
     from ppserve.metrics.control_plane import FIGURES, control_plane_latency
     from ppserve.metrics.latency import RequestTiming, lifetimes_ns, summarize
@@ -166,6 +175,10 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
         f"{name} {ms(control[name]['p50_s'])}" for name in FIGURES
     ) + "  (engine -> stage 0; stage s -> s+1; last stage -> next schedule; on the token ring, last stage ->"
         " stage 0)")
+    if usage is not None:
+        # A stage's bubble is either a core left idle (the stage waited on a token, a hop, an arrival) or a
+        # core busy with something else (the engine, the server and these clients share the machine).
+        print(usage.format_text("this process (engine, gRPC server, clients)"))
 
     trace_path = out_dir / "trace.json"
     save_chrome_trace(trace_path, spans, work_intervals=work, counters=engine.engine.cache_counters)
@@ -177,6 +190,7 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, ou
         "bubbles_active": report.to_dict(),
         "short_handed_bubble_fraction": short,
         "control_plane": control,
+        "host_cpu": usage.to_dict() if usage is not None else None,
         "stats": stats.to_dict(),
         "outputs": [
             {
