@@ -70,7 +70,7 @@ def stage(rank: int, link: str, port: int, steps: int, out: Any) -> None:
             t0 = time.perf_counter()
             hidden, times = inbound.recv(TOKENS, HIDDEN, torch.bfloat16, 1)
             waits.append((time.perf_counter() - t0) * 1e3)
-            assert hidden[0, 0].item() == float(i) and times == (0.001 * i,)
+            assert hidden[0, 0].item() == float(i) and times.get() == (0.001 * i,)
     for ch in (inbound, outbound):
         if ch is not None:
             ch.close()

@@ -90,9 +90,10 @@ class ParallelConfig:
     # Graph; its channel readers poll a core each) | classic (a Ray call per actor per microbatch)
     dispatch: str = "auto"
     # How hidden states cross between stages (comm/): auto (a TCP socket between CPU stages, torch.distributed
-    # p2p between GPUs: NCCL) | socket | torch (gloo on CPU). Gloo's receive needs the sending process's
-    # background thread to answer it, which on busy cores comes milliseconds late; a socket's data is in
-    # the receiver's kernel buffer when the send returns (comm/socket_channel.py).
+    # p2p between GPUs: NCCL) | socket | torch (gloo on CPU) | rendezvous (CPU: a socket with NCCL's strictest
+    # rules, a send blocking until its receive is posted; what CI runs pipelines under, comm/rendezvous.py).
+    # Gloo's receive needs the sending process's background thread to answer it, which on busy cores comes
+    # milliseconds late; a socket's data is in the receiver's kernel buffer when the send returns.
     stage_link: str = "auto"
 
     def __post_init__(self) -> None:
@@ -121,8 +122,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.partition_mode must be even, cost or calibrated, got {self.partition_mode!r}")
         if self.dispatch not in ("auto", "connections", "compiled", "classic"):
             raise ValueError(f"parallel.dispatch must be auto, connections, compiled or classic, got {self.dispatch!r}")
-        if self.stage_link not in ("auto", "socket", "torch"):
-            raise ValueError(f"parallel.stage_link must be auto, socket or torch, got {self.stage_link!r}")
+        if self.stage_link not in ("auto", "socket", "torch", "rendezvous"):
+            raise ValueError(f"parallel.stage_link must be auto, socket, torch or rendezvous, got {self.stage_link!r}")
         if self.executor not in ("auto", "inproc", "ray"):
             raise ValueError(f"parallel.executor must be auto, inproc or ray, got {self.executor!r}")
         if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:

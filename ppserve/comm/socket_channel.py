@@ -25,11 +25,14 @@ from __future__ import annotations
 import secrets
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from ppserve.comm.channel import Deferred, LinkValues, PostedRecv
 
 STORE_KEY = "ppserve/stage_link/{rank}"  # "token@host:port" that a rank's inbound link listens on
 RING_STORE_KEY = "ppserve/token_ring/{rank}"  # the same for stage 0's inbound token ring (scheduler.async_scheduling)
@@ -44,7 +47,7 @@ class SocketChannel:
         self._writer: threading.Thread | None = None  # finishing the previous message, when it did not fit
         self._error: BaseException | None = None
 
-    def send(self, hidden: Tensor, times: tuple[float, ...]) -> None:
+    def send(self, hidden: Tensor, times: tuple[float, ...], step: int = -1) -> None:
         self._wait_pending()  # at most one message outstanding, as over torch.distributed
         parts = [_bytes_of(hidden), np.asarray(times, dtype=np.float64).tobytes()]
         total = sum(len(p) for p in parts)
@@ -72,8 +75,12 @@ class SocketChannel:
             error, self._error = self._error, None
             raise ConnectionError(f"stage link: sending to the next stage failed: {error}") from error
 
-    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype,
-             num_times: int) -> tuple[Tensor, tuple[float, ...]]:
+    def post_recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, num_times: int,
+                  step: int = -1) -> PostedRecv:
+        return Deferred(lambda: self.recv(num_tokens, hidden_size, dtype, num_times, step))  # data waits in the buffer
+
+    def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, num_times: int,
+             step: int = -1) -> tuple[Tensor, LinkValues]:
         n_hidden = num_tokens * hidden_size * dtype.itemsize
         buf = bytearray(n_hidden + 8 * num_times)
         view = memoryview(buf)
@@ -86,7 +93,7 @@ class SocketChannel:
             got += n
         hidden = torch.frombuffer(buf, dtype=dtype, count=num_tokens * hidden_size).view(num_tokens, hidden_size)
         times = np.frombuffer(buf, dtype=np.float64, count=num_times, offset=n_hidden)
-        return hidden, tuple(float(t) for t in times)
+        return hidden, LinkValues(tuple(float(t) for t in times))
 
     def close(self) -> None:
         try:
@@ -102,10 +109,13 @@ def _bytes_of(t: Tensor) -> Any:
 
 
 def connect_links(store: Any, rank: int, prev_rank: int | None, next_rank: int | None,
-                  host: str, store_key: str = STORE_KEY) -> tuple[SocketChannel | None, SocketChannel | None]:
+                  host: str, store_key: str = STORE_KEY,
+                  channel: Callable[[socket.socket, bool], Any] | None = None) -> tuple[Any, Any]:
     """This rank's (inbound, outbound) socket links, met through the shared torch.distributed `store`
     under `store_key` (the token ring's links, last stage to stage 0, use their own). Every rank listens
-    before it waits on anyone, so the ranks of a pipeline can call this in any order."""
+    before it waits on anyone, so the ranks of a pipeline can call this in any order. `channel(sock,
+    outbound)` makes each end (default: a SocketChannel; the rendezvous link passes its own)."""
+    make = channel or (lambda sock, outbound: SocketChannel(sock))
     listener = None
     token = secrets.token_hex(TOKEN_BYTES)
     if prev_rank is not None:
@@ -118,14 +128,14 @@ def connect_links(store: Any, rank: int, prev_rank: int | None, next_rank: int |
         peer_host, port = address.rsplit(":", 1)
         sock = socket.create_connection((peer_host, int(port)))
         sock.sendall(bytes.fromhex(peer_token))
-        outbound = SocketChannel(sock)
+        outbound = make(sock, True)
     inbound = None
     if listener is not None:
         with listener:
             while inbound is None:
                 conn, _ = listener.accept()
                 if _read_exactly(conn, TOKEN_BYTES) == bytes.fromhex(token):
-                    inbound = SocketChannel(conn)
+                    inbound = make(conn, False)
                 else:
                     conn.close()  # not our sender
     return inbound, outbound

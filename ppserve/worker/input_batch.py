@@ -90,12 +90,14 @@ class InputBatch:
         self.staging = StepStaging(torch.device(device))
         # Block-table entries not yet on the device: (request id, first new column), per apply().
         self._table_diff: list[tuple[str, int]] = []
+        self._ring_tokens: Tensor | None = None  # stage 0: this step's ring decodes' input ids, on the device
 
-    def apply(self, out: SchedulerOutput, ring_tokens: dict[str, int] | None = None) -> None:
+    def apply(self, out: SchedulerOutput, ring_tokens: Tensor | None = None) -> None:
         """Bring the per-request records up to date with one SchedulerOutput (releases first). A ring
-        decode's input token is in no diff: `ring_tokens` (stage 0's, from the last stage), else this
-        stage's own sample of it (the last stage), else unknown (the stages between: they read only
-        positions and block tables)."""
+        decode's input token is in no diff. On stage 0 it came over the ring and stays on the device
+        (`ring_tokens`, one per `out.ring_request_ids`, written into the step's input ids by `prepare`:
+        reading it to the host would wait for the last stage); the last stage sampled it itself; the
+        stages between read only positions and block tables. Both of the others record it as unknown."""
         for rid in out.released_request_ids:
             self.requests.pop(rid, None)
             self.tables.release(rid)
@@ -118,8 +120,9 @@ class InputBatch:
             st.num_computed_tokens = diff.num_computed_tokens
         for rid in out.ring_request_ids:
             st = self.requests[rid]
-            token = ring_tokens.get(rid) if ring_tokens is not None else st.last_sampled
+            token = None if ring_tokens is not None else st.last_sampled
             st.token_ids.append(UNKNOWN_TOKEN if token is None else token)
+        self._ring_tokens = ring_tokens
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Flatten the microbatch: token ids, positions, attention metadata, where logits are due; every
@@ -132,6 +135,8 @@ class InputBatch:
         context_lens: list[int] = []
         rows: list[int] = []
         due = set(out.sample_request_ids)
+        ring = set(out.ring_request_ids) if self._ring_tokens is not None else set()
+        ring_at: dict[str, int] = {}  # a ring decode's flat index in the step's input ids
         logits_idx: list[int] = []
         sample_ids: list[str] = []
         width = 0
@@ -142,6 +147,8 @@ class InputBatch:
             if len(table) * bs < end:
                 raise ValueError(f"request {rid}: {len(table)} blocks of {bs} cannot hold {end} tokens")
             if n == 1:  # a decode, most rows of a busy microbatch: no generators, no slices
+                if rid in ring:
+                    ring_at[rid] = len(ids)
                 ids.append(st.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -164,10 +171,16 @@ class InputBatch:
         for q, c in zip(query_lens, context_lens, strict=True):
             cu.append(cu[-1] + q)
             cu_ctx.append(cu_ctx[-1] + c)
+        ring_index = [ring_at[rid] for rid in out.ring_request_ids] if ring else []
         (ids_t, pos_t, slots_t, logits_t, rows_t, dec_t, dec_tok_t, dec_ctx_t, cu_t, cu_ctx_t, diff_i,
-         diff_v) = self.staging.upload([ids, positions, slots, logits_idx, rows, decodes, [cu[i] for i in decodes],
-                                        [context_lens[i] for i in decodes], cu, cu_ctx, diff_index, diff_values])
+         diff_v, ring_i) = self.staging.upload([ids, positions, slots, logits_idx, rows, decodes,
+                                                [cu[i] for i in decodes], [context_lens[i] for i in decodes], cu,
+                                                cu_ctx, diff_index, diff_values, ring_index])
         self.tables.apply(diff_i, diff_v)
+        if ring_index:
+            assert self._ring_tokens is not None
+            ids_t.index_copy_(0, ring_i, self._ring_tokens)  # on the device: the host never reads them
+        self._ring_tokens = None
         meta = AttentionMetadata.from_device(
             query_lens, context_lens, bs, slot_mapping=slots_t,
             block_tables=self.tables.table.index_select(0, rows_t)[:, :width], decode_index=dec_t,

@@ -31,7 +31,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from ppserve.comm.channel import StageChannel
+from ppserve.comm.channel import LinkValues, PostedRecv, StageChannel
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.worker.info import NodeInfo
 from ppserve.worker.openmp_pool import release_thread_pool
@@ -41,6 +41,10 @@ if TYPE_CHECKING:  # torch and the worker are imported where the actor builds th
     from torch import Tensor
 
     from ppserve.worker.stage_worker import StageSpec, StageWorker
+
+
+WARM_UP_STEP = -1  # the step label of the links' warm-up messages
+STRICT_HOST_SYNC_ENV = "PPSERVE_STRICT_HOST_SYNC"  # worker/host_sync.py's switch (read here without torch)
 
 
 class StageActor:
@@ -58,10 +62,13 @@ class StageActor:
         # stage 0's TP rank 0, which hands them to its TP group.
         self.ring_in: StageChannel | None = None
         self.ring_out: StageChannel | None = None
-        self._ring_due: deque[tuple[int, tuple[str, ...]]] = deque()  # stage 0: steps whose tokens are still to read
-        self._ring_tokens: dict[str, int] = {}  # stage 0: each request's latest token read off the ring
+        # Stage 0: the steps whose ring messages are still to wait for, each with its posted receive.
+        self._ring_due: deque[tuple[int, tuple[str, ...], PostedRecv | None]] = deque()
+        self._ring_tokens: dict[str, Tensor] = {}  # stage 0: each request's latest ring token (on the device)
+        self._upstream: deque[LinkValues] = deque()  # rows of step times received, not yet on the host
         self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
         self._conn: Connection | None = None  # the engine's connection (connection control plane)
+        self._strict = os.environ.get(STRICT_HOST_SYNC_ENV, "") not in ("", "0")  # worker/host_sync.py
 
     @classmethod
     def local(cls, worker: StageWorker, inbound: StageChannel | None, outbound: StageChannel | None,
@@ -145,26 +152,46 @@ class StageActor:
         self._worker = StageWorker(self.spec, tp)
         device = self._worker.device
         link = self.spec.stage_link
-        if link == "socket" or (link == "auto" and backend == "gloo"):  # CPU stages: comm/socket_channel.py
-            from ppserve.comm.socket_channel import connect_links
-
+        if link == "rendezvous" or link == "socket" or (link == "auto" and backend == "gloo"):
+            # CPU stages: a socket (comm/socket_channel.py), or one with NCCL's strict rules (comm/rendezvous.py)
             if device.type != "cpu":
-                raise ValueError("parallel.stage_link=socket carries CPU tensors; GPU stages use torch (NCCL)")
-            from ppserve.comm.socket_channel import RING_STORE_KEY
-
+                raise ValueError(f"parallel.stage_link={link} carries CPU tensors; GPU stages use torch (NCCL)")
             host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else ray.util.get_node_ip_address()
-            self.inbound, self.outbound = connect_links(store, self.rank, self.prev_rank, self.next_rank, host)
-            ring_from, ring_to = self._ring_peers()
-            if ring_from is not None or ring_to is not None:
-                self.ring_in, self.ring_out = connect_links(store, self.rank, ring_from, ring_to, host, RING_STORE_KEY)
+            self._connect_socket_links(store, host, rendezvous=link == "rendezvous")
         else:
+            # The ring gets a communicator of its own: on NCCL a pair's messages share one stream in both
+            # directions, and at pp = 2 the ring's tokens (last -> 0) would queue behind the hidden states (0 -> 1).
+            ring_group = None
+            if self.spec.token_ring and self.spec.num_stages > 1:
+                ring_group = dist.new_group([0, (self.spec.num_stages - 1) * self.spec.tp_size])  # on every rank
             self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
             self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
             ring_from, ring_to = self._ring_peers()
-            self.ring_in = None if ring_from is None else TorchP2PChannel(ring_from, device)
-            self.ring_out = None if ring_to is None else TorchP2PChannel(ring_to, device)
+            self.ring_in = None if ring_from is None else TorchP2PChannel(ring_from, device, ring_group)
+            self.ring_out = None if ring_to is None else TorchP2PChannel(ring_to, device, ring_group)
         self._store = store  # the socket links met through it; kept while the group lives
         self.warm_up_links()
+
+    def _connect_socket_links(self, store: Any, host: str, rendezvous: bool) -> None:
+        from ppserve.comm.socket_channel import RING_STORE_KEY, connect_links
+
+        stage, last = self.spec.stage, self.spec.num_stages - 1
+        make = None
+        if rendezvous:
+            from ppserve.comm.rendezvous import RendezvousChannel
+
+            def make(sock: socket.socket, outbound: bool) -> RendezvousChannel:
+                return RendezvousChannel(sock, outbound, f"stage {stage}", f"stage {stage + 1 if outbound else stage - 1}")
+
+            def make_ring(sock: socket.socket, outbound: bool) -> RendezvousChannel:
+                return RendezvousChannel(sock, outbound, f"stage {stage} (token ring)",
+                                         f"stage {0 if outbound else last} (token ring)")
+        self.inbound, self.outbound = connect_links(store, self.rank, self.prev_rank, self.next_rank, host,
+                                                    channel=make)
+        ring_from, ring_to = self._ring_peers()
+        if ring_from is not None or ring_to is not None:
+            self.ring_in, self.ring_out = connect_links(store, self.rank, ring_from, ring_to, host, RING_STORE_KEY,
+                                                        channel=make_ring if rendezvous else None)
 
     def _ring_peers(self) -> tuple[int | None, int | None]:
         """(the rank this one reads ring tokens from, the rank it sends them to): stage 0's TP rank 0 reads
@@ -182,22 +209,28 @@ class StageActor:
     def warm_up_links(self) -> None:
         """One collective over the TP group and one message over each stage link, now: NCCL creates its
         communicators and buffers on first use, so their memory is in use before the KV cache is sized
-        (and the first microbatch does not pay for it)."""
+        (and the first microbatch does not pay for it).
+
+        The order is the pipeline's own, so that no send waits on a stage that is itself waiting: a
+        send may block until its receive is posted, and a pair's first contact blocks both sides (NCCL).
+        Stage 0 sends first; every later stage receives before it sends; the last stage's ring message
+        goes out after its receive, and stage 0 takes it after its own send. A stage that sent before
+        it received would close a cycle through the ring (stage 0 waits on 1, ..., the last on 0).
+        """
         import torch
 
         worker = self._on_device()
         if worker.tp.size > 1:
             worker.tp.all_reduce(torch.zeros(1, device=worker.device))
-        hidden = worker.arch.hidden_size
-        if self.outbound is not None:  # non-blocking: every rank sends before it receives, so none waits forever
-            self.outbound.send(torch.zeros(1, hidden, dtype=worker.dtype, device=worker.device),
-                               wire(None, self.spec.stage + 1))
-        if self.ring_out is not None:  # the token ring's link too (a step id of -1: no step's tokens)
-            self.ring_out.send(torch.zeros(1, 1, dtype=torch.int64, device=worker.device), (-1.0,))
         if self.spec.stage > 0:
-            self._receive(1)  # and the TP broadcast that passes it on
+            self._receive(1, WARM_UP_STEP)  # and the TP broadcast that passes it on
+        if self.outbound is not None:
+            self.outbound.send(torch.zeros(1, worker.arch.hidden_size, dtype=worker.dtype, device=worker.device),
+                               wire(None, self.spec.stage + 1), WARM_UP_STEP)
+        if self.ring_out is not None:  # the token ring's link too (a step id of -1: no step's tokens)
+            self.ring_out.send(torch.zeros(1, 1, dtype=torch.int64, device=worker.device), (-1.0,), WARM_UP_STEP)
         if self.ring_in is not None:
-            self.ring_in.recv(1, 1, torch.int64, 1)
+            self.ring_in.recv(1, 1, torch.int64, 1, WARM_UP_STEP)
         worker.memory.note("communication warmed up")
 
     def block_size(self) -> int:
@@ -227,22 +260,32 @@ class StageActor:
 
     # ---- one microbatch ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> StepResult | None:
-        """Run this actor's part of a microbatch; the last stage's TP rank 0 returns the StepResult."""
+        """Run this actor's part of a microbatch; the last stage's TP rank 0 returns the StepResult.
+        Under `PPSERVE_STRICT_HOST_SYNC` the step runs under the host-sync guard (worker/host_sync.py)."""
+        if not self._strict:
+            return self._execute(out)
+        from ppserve.worker.host_sync import step_guard
+
+        with step_guard(self.worker.device, f"stage {self.spec.stage} tp {self.spec.tp_rank} step {out.step_id}"):
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> StepResult | None:
         worker = self._on_device()
-        upstream: TimeRow | None = None
         hidden_in = None
         ring_tokens = self._ring_receive(out) if self.spec.token_ring and self.spec.stage == 0 else None
         inp = worker.prepare(out, ring_tokens)  # before the wait: it needs nothing from the previous stage
         if self.spec.stage > 0:
-            with worker.recorder.span("recv_wait", out.step_id):
-                hidden_in, upstream = self._receive(out.total_tokens)
+            with worker.timer.waiting(out.step_id):
+                hidden_in, values = self._receive(out.total_tokens, out.step_id)
+            if values is not None:
+                self._upstream.append(values)
         hidden, result = worker.execute(out, hidden_in, inp)
-        row = worker.times.relay(upstream)  # None on TP ranks other than 0: rank 0's time is the stage's
+        row = worker.times.relay(self._upstream_rows())  # None on TP ranks other than 0: rank 0's time is the stage's
         if not worker.model.is_last:
             if self.outbound is not None:
                 assert hidden is not None
                 with worker.recorder.span("send", out.step_id):
-                    self.outbound.send(hidden, wire(row, self.spec.stage + 1))
+                    self.outbound.send(hidden, wire(row, self.spec.stage + 1), out.step_id)
             return None
         if self.spec.tp_rank != 0:
             return None
@@ -254,23 +297,37 @@ class StageActor:
             return result
         return dataclasses.replace(result, stage_seconds=row.seconds, timed_step_id=row.step_id)
 
+    def _upstream_rows(self) -> list[TimeRow]:
+        """The rows of step times from upstream whose values are on the host by now, oldest first; the
+        rest wait for a later step (over NCCL they are copied off the device behind the data)."""
+        rows = []
+        pending = self._upstream
+        while pending and pending[0].ready():
+            row = unwire(pending.popleft().get())
+            if row is not None:
+                rows.append(row)
+        return rows
+
     def _ring_send(self, out: SchedulerOutput, result: StepResult) -> None:
         """The last stage: this step's sampled tokens to stage 0, in `out.sample_request_ids` order (the
-        order stage 0 reads them in), with the step id beside them."""
+        order stage 0 posted their receive with), the step id beside them. The ids are on the host
+        already (the step's one read); they go back up through pinned memory, which does not wait."""
         import torch
 
         assert self.ring_out is not None
         sampled = result.sampled_token_ids
-        tokens = torch.tensor([[sampled[rid]] for rid in out.sample_request_ids], dtype=torch.int64,
-                              device=self.worker.device)
-        self.ring_out.send(tokens, (float(out.step_id),))
+        tokens = torch.tensor([[sampled[rid]] for rid in out.sample_request_ids], dtype=torch.int64)
+        if self.worker.device.type == "cuda":
+            tokens = tokens.pin_memory().to(self.worker.device, non_blocking=True)
+        self.ring_out.send(tokens, (float(out.step_id),), out.step_id)
 
-    def _ring_receive(self, out: SchedulerOutput) -> dict[str, int]:
-        """Stage 0, before microbatch `out`: read the ring's messages up to the step its ring decodes take
-        their tokens from, and at least up to p + 1 steps back (the engine had those results back before it
-        formed `out`, so they are here or on their way: the backlog stays bounded); the tokens of `out`'s
-        ring decodes. The wait is `out`'s recv_wait span: stage 0's, as the other stages' is their
-        hidden states'."""
+    def _ring_receive(self, out: SchedulerOutput) -> Tensor | None:
+        """Stage 0, before microbatch `out`: post the receive of `out`'s own ring message at once (the
+        last stage's send of it may block until it is posted), then wait for the messages up to the
+        step its ring decodes take their tokens from, and at least up to p + 1 steps back (the engine
+        had those results back before it formed `out`, so they are here or on their way: the backlog
+        stays bounded). Returns the ring decodes' tokens, on the device, in `out.ring_request_ids`
+        order. The wait is `out`'s recv_wait: stage 0's, as the other stages' is their hidden states'."""
         import torch
 
         worker = self.worker
@@ -284,41 +341,46 @@ class StageActor:
             for rid in [r for r in tokens if r not in live]:
                 del tokens[rid]
         if due and due[0][0] <= target:
-            with worker.recorder.span("recv_wait", out.step_id):
+            with worker.timer.waiting(out.step_id):
                 while due and due[0][0] <= target:
-                    step, rids = due.popleft()
-                    if self.ring_in is not None:
-                        got, values = self.ring_in.recv(len(rids), 1, torch.int64, 1)
-                        if int(values[0]) != step:
+                    step, rids, posted = due.popleft()
+                    if posted is not None:
+                        got, values = posted.wait()
+                        if values.ready() and int(values.get()[0]) != step:  # host links: checked at once
                             raise RuntimeError(f"token ring: stage 0 expected step {step}'s tokens, got step "
-                                               f"{int(values[0])}'s")
+                                               f"{int(values.get()[0])}'s")
                     else:  # a TP rank of stage 0 other than 0: its rank 0 hands them on
                         got = torch.empty(len(rids), 1, dtype=torch.int64, device=worker.device)
                     if worker.tp.size > 1:
                         worker.tp.broadcast_from_first(got)
-                    tokens.update(zip(rids, got.view(-1).tolist(), strict=True))
+                    flat = got.view(-1)
+                    tokens.update((rid, flat[i]) for i, rid in enumerate(rids))  # views: nothing is read
         if out.sample_request_ids:
-            due.append((out.step_id, out.sample_request_ids))
-        return {rid: tokens[rid] for rid in out.ring_request_ids}
+            posted = None
+            if self.ring_in is not None:
+                posted = self.ring_in.post_recv(len(out.sample_request_ids), 1, torch.int64, 1, out.step_id)
+            due.append((out.step_id, out.sample_request_ids, posted))
+        if not out.ring_request_ids:
+            return None
+        return torch.stack([tokens[rid] for rid in out.ring_request_ids])
 
-    def _receive(self, num_tokens: int) -> tuple[Tensor, TimeRow | None]:
-        """The previous stage's hidden states and the row of step times it sent on. Only TP rank 0 of
-        each stage holds a link (one copy per stage pair crosses the network, not one per TP rank); it
-        hands the hidden states on to the other ranks of its stage with a broadcast over the TP group
-        (NVLink within a node). The row stays on rank 0, the one that relays it."""
+    def _receive(self, num_tokens: int, step: int) -> tuple[Tensor, LinkValues | None]:
+        """The previous stage's hidden states and the values (a row of step times) it sent on. Only TP
+        rank 0 of each stage holds a link (one copy per stage pair crosses the network, not one per TP
+        rank); it hands the hidden states on to the other ranks of its stage with a broadcast over the
+        TP group (NVLink within a node). The values stay on rank 0, the one that relays them."""
         import torch
 
-        worker, stage = self.worker, self.spec.stage
+        worker = self.worker
         hidden_size, dtype, device = worker.arch.hidden_size, worker.dtype, worker.device
-        row = None
+        values = None
         if self.inbound is not None:
-            hidden, values = self.inbound.recv(num_tokens, hidden_size, dtype, wire_length(stage))
-            row = unwire(values)
+            hidden, values = self.inbound.recv(num_tokens, hidden_size, dtype, wire_length(self.spec.stage), step)
         else:
             hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         if worker.tp.size > 1:
             worker.tp.broadcast_from_first(hidden)
-        return hidden, row
+        return hidden, values
 
     def execute_chained(self, out: SchedulerOutput, upstream: int | None = None) -> int | StepResult | None:
         """`execute` as a compiled-graph node: a non-last stage returns the step id for the next stage."""

@@ -20,6 +20,7 @@ span already covers its slowest rank's; no extra all-reduce of the times per ste
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ppserve.worker.step_timer import StepTimer
@@ -67,8 +68,10 @@ class StageTimes:
         self._waiting: deque[TimeRow] = deque()  # rows (from upstream, or started here) not yet sent on
         self._own: dict[int, float] = {}  # this stage's read times that no row has asked for yet
 
-    def relay(self, upstream: TimeRow | None) -> TimeRow | None:
-        """After this stage's step: the row to send on (or to report, on the last stage), if one is complete."""
+    def relay(self, upstream: Sequence[TimeRow] = ()) -> TimeRow | None:
+        """After this stage's step: the row to send on (or to report, on the last stage), if one is complete.
+        `upstream`: the rows that reached this stage since its last step (none, one, or a few at once
+        where the link hands them over late)."""
         for t in self.timer.take():
             if not self.relays:
                 continue
@@ -78,10 +81,10 @@ class StageTimes:
                 self._own[t.step_id] = t.seconds
         if not self.relays:
             return None
-        if upstream is not None:
+        if upstream:
             if self.first:
                 raise ValueError("the first stage has no upstream rows")
-            self._waiting.append(upstream)
+            self._waiting.extend(upstream)
         self._bound()
         return self._waiting.popleft() if self.first and self._waiting else self._complete()
 

@@ -188,11 +188,12 @@ class StageWorker:
 
     # ---- one microbatch ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prepare(self, out: SchedulerOutput, ring_tokens: dict[str, int] | None = None) -> ModelInput:
+    def prepare(self, out: SchedulerOutput, ring_tokens: Tensor | None = None) -> ModelInput:
         """Apply the microbatch's diff and build its input tensors (a `prepare` span). It needs nothing
         from the previous stage, so the actor runs it before waiting for the hidden states: the host
         work of step k overlaps the previous stage's compute of step k instead of following it.
-        `ring_tokens`: stage 0's input tokens for the microbatch's ring decodes (the token ring)."""
+        `ring_tokens`: stage 0's input tokens for the microbatch's ring decodes (the token ring), on the
+        device, in `out.ring_request_ids` order."""
         start = time.perf_counter_ns()
         try:
             self.batch.apply(out, ring_tokens)

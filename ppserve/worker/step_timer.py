@@ -8,6 +8,11 @@ the time when the step ends (`HostStepTimer`). On a GPU a launch returns before 
 would stall the host, and with it the next step's launches, every step. A timed step therefore comes
 back with the id of the step it measures (`TimedStep.step_id`), which may be an earlier one.
 
+A stage's wait for its input (the previous stage's hidden states, stage 0's ring tokens) is timed the
+same way: `with timer.waiting(step_id):` around the receive is a `recv_wait` span on the host clock on
+CPU; on a GPU the host does not wait (the stream does), so the span runs from an event recorded as the
+wait is ordered to the step's start event: the time the device sat waiting for the data.
+
 A step is: `begin(step_id)`, the layers, `end_compute()`, whatever follows (sampling: not timed), then
 `finish(host_s, **span_tags)`, which adds the step's host seconds (its prepare span) to its figure.
 `take()` hands back every step read since the last call, oldest first. `poll()` reads what is done
@@ -21,7 +26,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +46,8 @@ class TimedStep:
 
 
 class StepTimer(Protocol):
+    def waiting(self, step_id: int) -> AbstractContextManager[None]: ...
+
     def begin(self, step_id: int) -> None: ...
 
     def end_compute(self) -> None: ...
@@ -66,6 +74,14 @@ class HostStepTimer:
         self._start_ns = 0
         self._end_ns: int | None = None
         self._done: list[TimedStep] = []
+
+    @contextmanager
+    def waiting(self, step_id: int) -> Iterator[None]:
+        start = self.clock_ns()
+        try:
+            yield
+        finally:
+            self.recorder.record("recv_wait", start, self.clock_ns(), step_id)
 
     def begin(self, step_id: int) -> None:
         self._step, self._start_ns, self._end_ns = step_id, self.clock_ns(), None
@@ -116,6 +132,7 @@ class _OnDevice:
     anchor: _Anchor
     host_s: float
     span_tags: dict[str, Any] = field(default_factory=dict)
+    waits: list[tuple[int, TimingEvent]] = field(default_factory=list)  # (step, event) of its input waits
 
 
 class EventStepTimer:
@@ -138,6 +155,7 @@ class EventStepTimer:
         self._start: TimingEvent | None = None
         self._end: TimingEvent | None = None
         self._host_start_ns = 0
+        self._waits: list[tuple[int, TimingEvent]] = []  # input waits ordered since the last begin
         # Built with the worker, not on the hot path: one wait, so the first anchor runs on an idle device.
         idle = self._event()
         idle.record()
@@ -153,6 +171,13 @@ class EventStepTimer:
         event = self._event()
         event.record()
         return _Anchor(event, host_ns)
+
+    @contextmanager
+    def waiting(self, step_id: int) -> Iterator[None]:
+        event = self._event()
+        event.record()  # runs once the stream is done with what came before: from there it waits
+        self._waits.append((step_id, event))
+        yield
 
     def begin(self, step_id: int) -> None:
         with self._lock:
@@ -170,13 +195,16 @@ class EventStepTimer:
     def finish(self, host_s: float, **span_tags: Any) -> None:
         start, end = self._start, self._end
         self._start = self._end = None
+        waits, self._waits = self._waits, []
+        if start is None or end is None:
+            self._pool += [event for _, event in waits]  # an unfinished step's waits: nothing to end them at
         if start is None:
             return
         if end is None:  # the step raised before its layers were done: no figure; the host span shows the stage busy
             self.recorder.record("compute", self._host_start_ns, self.clock_ns(), self._step, **span_tags)
             return
         with self._lock:
-            self._on_device.append(_OnDevice(self._step, start, end, self._anchor, host_s, span_tags))
+            self._on_device.append(_OnDevice(self._step, start, end, self._anchor, host_s, span_tags, waits))
             if len(self._on_device) > MAX_PENDING:
                 self._on_device.popleft()
                 self.dropped += 1
@@ -201,6 +229,10 @@ class EventStepTimer:
     def _read(self, step: _OnDevice) -> None:
         compute_ms = step.start.elapsed_time(step.end)
         start_ns = step.anchor.host_ns + round(step.anchor.event.elapsed_time(step.start) * 1e6)
+        for wait_step, waited in step.waits:  # each ends where the step's compute starts
+            wait_ns = step.anchor.host_ns + round(step.anchor.event.elapsed_time(waited) * 1e6)
+            self.recorder.record("recv_wait", min(wait_ns, start_ns), start_ns, wait_step)
+            self._pool.append(waited)
         self.recorder.record("compute", start_ns, start_ns + round(compute_ms * 1e6), step.step_id, **step.span_tags)
         self._done.append(TimedStep(step.step_id, compute_ms * 1e-3 + step.host_s))
         self._pool += (step.start, step.end)

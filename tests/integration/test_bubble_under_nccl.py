@@ -1,15 +1,14 @@
-"""Bubble spans stay true over a transport whose receive does not block, like NCCL's.
+"""Bubble spans stay true over a transport whose receive does not block the host, like NCCL's.
 
-NCCL's `irecv(...).wait()` returns once the receive is ordered on the stream, before the data is
-there; the first kernel that reads the tensor waits for it. A stage that ended its `recv_wait` span at
-`wait()` would book the transfer as compute and its bubbles would read near zero. This model puts
-that behaviour under `TorchP2PChannel` on CPU: a fake `irecv` whose work handle returns at once, a
-"stream" whose data lands `DELAY_S` after the receive is posted, and a stage whose compute first
-touches the data (and so waits for it, as a kernel would). The channel's `_data_ready` (a stream
-synchronize on CUDA) is what moves the wait back into `recv_wait`.
+On NCCL `irecv(...).wait()` only orders the current stream after the transfer: the host goes on, and
+the first kernel that reads the data waits on the device. A stage that timed its wait on the host
+would see none, and a host stream sync to see it would stall every step (no stage could run ahead of
+its GPU). So the wait is timed on the device, like the compute: `timer.waiting(step)` records an event
+as the wait is ordered, and the span runs from it to the step's start event (worker/step_timer.py).
 
-Time here is a fake clock that only the model advances (the transfer, the stage's own work), so every
-span length is exact and the figures do not depend on how loaded the machine is.
+This models that under `TorchP2PChannel` on CPU with fake CUDA events (tests/unit/fake_events.py): a
+fake `irecv` whose work handle returns at once, a device whose stream stands still until the data
+lands `DELAY_MS` after the receive is posted, and the stage's compute. The host never waits.
 """
 
 from __future__ import annotations
@@ -26,125 +25,95 @@ from ppserve.metrics.bubbles import bubble_report
 from ppserve.metrics.spans import Span, SpanRecorder
 from ppserve.model.parallel import TPContext
 from ppserve.worker.stage_actor import StageActor
+from ppserve.worker.step_timer import EventStepTimer
+from tests.unit.fake_events import FakeDevice
 
-DELAY_S = 0.08  # the transfer: the data lands this long after the receive is posted
-COMPUTE_S = 0.02  # the stage's own work on the data
-PREPARE_S = 0.005  # building the step's inputs, before the receive is posted
+DELAY_MS = 80.0  # the transfer: the data lands this long after the receive is posted
+COMPUTE_MS = 20.0  # the stage's own work on the data
 STEPS = 4
 
 
-def _ns(seconds: float) -> int:
-    return round(seconds * 1e9)
-
-
-class FakeClock:
-    """Nanoseconds that pass only when the model spends them (`spend`); the stage's spans read it."""
-
-    def __init__(self) -> None:
-        self.now_ns = 0
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def spend(self, ns: int) -> None:
-        self.now_ns += max(0, ns)
-
-
-class FakeStream:
-    """When the data lands; `synchronize` waits until then (a kernel reading it would too)."""
-
-    def __init__(self, clock: FakeClock) -> None:
-        self.clock = clock
-        self.lands_at_ns = 0
-
-    def synchronize(self) -> None:
-        self.clock.spend(self.lands_at_ns - self.clock.now_ns)
-
-
 class FakeWork:
-    def wait(self) -> None:  # NCCL-like: the receive is ordered, nothing has arrived
-        pass
+    """NCCL-like: `wait` orders the stream after the transfer; the device stands still until the data lands."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+
+    def wait(self) -> None:
+        self.device.run(DELAY_MS / 2)  # two receives (hidden states, step times) per message
 
 
-class TouchingWorker:
-    """A stage's worker: its compute span starts, reads the input (waiting for it like a kernel would),
-    then computes for COMPUTE_S."""
+class EventWorker:
+    """A stage's worker timed by (fake) CUDA events: its layers run COMPUTE_MS on the device."""
 
-    def __init__(self, stream: FakeStream) -> None:
-        self.stream = stream
-        self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True, clock=stream.clock)
+    def __init__(self, fake: FakeDevice) -> None:
+        self.fake = fake
+        self.host_ns = 0
+        self.recorder = SpanRecorder(stage=1, tp_rank=0, enabled=True, clock=lambda: self.host_ns)
+        self.timer = EventStepTimer(self.recorder, fake.new_event, clock_ns=lambda: self.host_ns)
         self.arch = SimpleNamespace(hidden_size=8)
         self.dtype = torch.float32
         self.device = torch.device("cpu")
-        self.spec = SimpleNamespace(stage=1, tp_rank=0, token_ring=False)
+        self.spec = SimpleNamespace(stage=1, tp_rank=0, token_ring=False, num_stages=3)
         self.tp = TPContext()  # one rank: no broadcast after the receive
         self.model = SimpleNamespace(is_last=False)  # a middle stage: it sends on
         self.times = SimpleNamespace(relay=lambda upstream: None)  # no step times in this model
 
-    def prepare(self, out: Any, ring_tokens: dict[str, int] | None = None) -> None:
-        with self.recorder.span("prepare", out.step_id):
-            self.stream.clock.spend(_ns(PREPARE_S))  # host work on the step's inputs
+    def prepare(self, out: Any, ring_tokens: Any = None) -> None:
+        return None
 
     def execute(self, out: Any, hidden_in: torch.Tensor, inp: None = None) -> tuple[torch.Tensor, None]:
-        with self.recorder.span("compute", out.step_id):
-            self.stream.synchronize()  # the first read of the received tensor
-            self.stream.clock.spend(_ns(COMPUTE_S))
+        self.timer.begin(out.step_id)
+        self.fake.run(COMPUTE_MS)
+        self.timer.end_compute()
+        self.timer.finish(0.0)
         return hidden_in, None
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, data_ready: bool) -> list[Span]:
-    stream = FakeStream(FakeClock())
-
-    def fake_irecv(tensor: torch.Tensor, src: int) -> FakeWork:
-        stream.lands_at_ns = stream.clock.now_ns + _ns(DELAY_S)
-        return FakeWork()
-
-    monkeypatch.setattr(p2p.dist, "irecv", fake_irecv)
+def _run(monkeypatch: pytest.MonkeyPatch, timed_wait: bool) -> tuple[list[Span], FakeDevice]:
+    device = FakeDevice()
+    monkeypatch.setattr(p2p.dist, "irecv", lambda tensor, src, group=None: FakeWork(device))
     channel = TorchP2PChannel(peer=0, device=torch.device("cpu"))
-    if data_ready:
-        monkeypatch.setattr(channel, "_data_ready", lambda hidden: stream.synchronize())  # CUDA: stream sync
-    else:
-        monkeypatch.setattr(channel, "_data_ready", lambda hidden: None)  # the old bug: trust wait()
-    worker = TouchingWorker(stream)
-    actor = StageActor.local(worker, channel, SimpleNamespace(send=lambda hidden, seconds: None))
+    worker = EventWorker(device)
+    syncs_at_start = device.num_syncs
+    actor = StageActor.local(worker, channel, SimpleNamespace(send=lambda hidden, values, step: None))
+    if not timed_wait:  # the wait left untimed: what a host span around a non-blocking receive would give
+        monkeypatch.setattr(worker.timer, "waiting", lambda step: _nothing())
     for step in range(STEPS):
         actor.execute(SimpleNamespace(step_id=step, total_tokens=3))
-    return [Span.from_dict(s.to_dict()) for s in worker.recorder.drain()]
+    assert device.num_syncs == syncs_at_start  # the host never waited for the device
+    device.complete_through(device.num_records)
+    worker.timer.poll()
+    return [Span.from_dict(s.to_dict()) for s in worker.recorder.drain()], device
 
 
-def _busy_and_wait(spans: list[Span]) -> tuple[float, float]:
-    compute = sum(s.end_ns - s.start_ns for s in spans if s.kind == "compute") / 1e9 / STEPS
-    wait = sum(s.end_ns - s.start_ns for s in spans if s.kind == "recv_wait") / 1e9 / STEPS
-    return compute, wait
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-def test_the_wait_for_the_data_is_booked_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
-    spans = _run(monkeypatch, data_ready=True)
-    compute, wait = _busy_and_wait(spans)
-    assert compute == pytest.approx(COMPUTE_S, abs=1e-9)
-    assert wait == pytest.approx(DELAY_S, abs=1e-9)
-    work = [(spans[0].start_ns, spans[-1].end_ns)]  # the engine had work throughout
-    stage = bubble_report(spans, work).stages[0]
-    # 80 ms of every 105 ms is waiting for the previous stage
-    assert stage.bubble_fraction == pytest.approx(DELAY_S / (PREPARE_S + DELAY_S + COMPUTE_S), abs=1e-6)
+def _per_step_ms(spans: list[Span], kind: str) -> float:
+    return sum(s.end_ns - s.start_ns for s in spans if s.kind == kind) / 1e6 / STEPS
 
 
-def test_inputs_are_prepared_before_the_wait_and_count_as_busy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stage builds step k's inputs before it waits for step k's hidden states, so that host work
-    overlaps the previous stage instead of following it, and the time is the stage's work, not a bubble."""
-    spans = _run(monkeypatch, data_ready=True)
-    for step in range(STEPS):
+def test_the_device_wait_for_the_data_is_booked_as_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    spans, _ = _run(monkeypatch, timed_wait=True)
+    assert _per_step_ms(spans, "compute") == pytest.approx(COMPUTE_MS, abs=1e-6)
+    assert _per_step_ms(spans, "recv_wait") == pytest.approx(DELAY_MS, abs=1e-6)
+    for step in range(STEPS):  # each wait ends where its step's compute starts
         by_kind = {s.kind: s for s in spans if s.step_id == step}
-        assert by_kind["prepare"].end_ns <= by_kind["recv_wait"].start_ns <= by_kind["compute"].start_ns
-    work = [(spans[0].start_ns, spans[-1].end_ns)]
+        assert by_kind["recv_wait"].end_ns == by_kind["compute"].start_ns
+    work = [(min(s.start_ns for s in spans), max(s.end_ns for s in spans))]  # the engine had work throughout
     stage = bubble_report(spans, work).stages[0]
-    prepare = sum(s.end_ns - s.start_ns for s in spans if s.kind == "prepare")
-    compute = sum(s.end_ns - s.start_ns for s in spans if s.kind == "compute")
-    assert prepare == STEPS * _ns(PREPARE_S) and compute == STEPS * _ns(COMPUTE_S)
-    assert stage.busy_fraction == pytest.approx((prepare + compute) / (work[0][1] - work[0][0]), abs=1e-6)
+    assert stage.bubble_fraction == pytest.approx(DELAY_MS / (DELAY_MS + COMPUTE_MS), abs=1e-6)
 
 
-def test_trusting_the_work_handle_would_book_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The failure the channel prevents, shown by the same model: the transfer lands in compute."""
-    compute, wait = _busy_and_wait(_run(monkeypatch, data_ready=False))
-    assert wait == 0 and compute == pytest.approx(DELAY_S + COMPUTE_S, abs=1e-9)
+def test_compute_never_swallows_the_wait_even_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compute starts on the device when the data is there, so the transfer never counts as busy; left
+    untimed, the wait is only unattributed idle time (no recv_wait span)."""
+    spans, _ = _run(monkeypatch, timed_wait=False)
+    assert _per_step_ms(spans, "compute") == pytest.approx(COMPUTE_MS, abs=1e-6)
+    assert _per_step_ms(spans, "recv_wait") == 0

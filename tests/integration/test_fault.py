@@ -64,14 +64,17 @@ def run_with_kill(llm: LLM, prompts, kill_stage: int | None, kill_after_steps: i
     return [streamed[r] for r in ids], [reasons.get(r) for r in ids], first_token_after_kill
 
 
-@pytest.mark.parametrize("kill_stage", [1, 0])
+@pytest.mark.parametrize("pp,kill_stage,link", [(2, 1, "auto"), (2, 0, "auto"), (3, 1, "rendezvous")])
 def test_stage_killed_mid_run_recovers_with_identical_output(ray_session, tiny_llama_dir, prompts, expected,
-                                                              kill_stage):
-    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, token_budget=16, block_size=4) as llm:
-        old_pids = {stage_pid(llm, s) for s in (0, 1)}
+                                                              pp, kill_stage, link):
+    """Also under the rendezvous link (comm/rendezvous.py: NCCL's strict rules), the rebuilt pipeline's
+    first contacts and ring included."""
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=pp, token_budget=16, block_size=4,
+             overrides=[f"parallel.stage_link={link}"]) as llm:
+        old_pids = {stage_pid(llm, s) for s in range(pp)}
         got, reasons, after_kill_s = run_with_kill(llm, prompts, kill_stage, kill_after_steps=8)
         stats = llm.engine.stats()
-        new_pids = {stage_pid(llm, s) for s in (0, 1)}
+        new_pids = {stage_pid(llm, s) for s in range(pp)}
         # Tokens streamed before the kill plus those after it: exactly the greedy output.
         assert got == expected
         assert reasons == ["length"] * len(prompts)

@@ -31,7 +31,7 @@ def test_messages_round_trip_in_order(dtype):
             tx.send(hidden, times)
         for hidden, times in sent:
             got, got_times = rx.recv(hidden.shape[0], 8, dtype, 2)
-            assert torch.equal(got, hidden) and got_times == times
+            assert torch.equal(got, hidden) and got_times.get() == times
     finally:
         tx.close()
         rx.close()
@@ -54,7 +54,7 @@ def test_a_message_larger_than_the_kernel_buffer_does_not_block_the_sender():
         reader.join(timeout=10)
         assert torch.equal(got[0], big)
         small, times = rx.recv(1, 1024, torch.float32, 1)
-        assert torch.equal(small, torch.ones(1, 1024)) and times == (2.0,)
+        assert torch.equal(small, torch.ones(1, 1024)) and times.get() == (2.0,)
     finally:
         tx.close()
         rx.close()
@@ -109,9 +109,9 @@ def test_three_stages_meet_through_the_store_in_any_order_and_a_stranger_is_refu
         x = torch.arange(6.0).view(2, 3)
         links[0][1].send(x, (0.5,))
         y, times = links[1][0].recv(2, 3, torch.float32, 1)
-        links[1][1].send(y * 2, times + (0.25,))
+        links[1][1].send(y * 2, times.get() + (0.25,))
         z, times2 = links[2][0].recv(2, 3, torch.float32, 2)
-        assert torch.equal(z, x * 2) and times2 == (0.5, 0.25)
+        assert torch.equal(z, x * 2) and times2.get() == (0.5, 0.25)
         assert stranger.recv(1) == b""  # the receiver closed it
     finally:
         stranger.close()

@@ -128,9 +128,9 @@ def test_rows_wait_on_a_stage_until_its_own_time_is_read() -> None:
     reported: list[tuple[int, TimeRow | None]] = []
     for step in range(6):
         run_step(t0, dev0, step, compute_ms=10.0 * (step + 1))
-        row = first.relay(None)
+        row = first.relay()
         run_step(t1, dev1, step, compute_ms=100.0 * (step + 1))
-        reported.append((step, second.relay(row)))
+        reported.append((step, second.relay([row] if row else [])))
     rows = [(step, r) for step, r in reported if r is not None]
     assert [r.step_id for _, r in rows] == [0, 1, 2, 3]
     for step, r in rows:
@@ -145,9 +145,9 @@ def test_a_row_whose_step_failed_on_this_stage_is_dropped_not_stuck() -> None:
     second = StageTimes(timer, first=False)
     timer.begin(0)
     timer.finish(0.0)  # step 0 failed here
-    assert second.relay(TimeRow(0, (0.1,))) is None  # nothing read yet for step 0: it waits
+    assert second.relay([TimeRow(0, (0.1,))]) is None  # nothing read yet for step 0: it waits
     run_step(timer, device, 1, compute_ms=2.0)
-    assert second.relay(TimeRow(1, (0.2,))) == TimeRow(1, (0.2, pytest.approx(0.002)))
+    assert second.relay([TimeRow(1, (0.2,))]) == TimeRow(1, (0.2, pytest.approx(0.002)))
     assert second.dropped == 1
 
 
@@ -156,7 +156,7 @@ def test_other_tp_ranks_read_their_timer_and_relay_nothing() -> None:
     timer, recorder = event_timer(device)
     rank1 = StageTimes(timer, first=True, relays=False)
     run_step(timer, device, 0, compute_ms=1.0)
-    assert rank1.relay(None) is None
+    assert rank1.relay() is None
     assert [s.step_id for s in recorder.drain()] == [0]  # its compute span still recorded
     with pytest.raises(ValueError, match="no upstream"):
-        StageTimes(timer, first=True).relay(TimeRow(0, ()))
+        StageTimes(timer, first=True).relay([TimeRow(0, ())])
