@@ -12,12 +12,17 @@ by the module that called it. Passes when:
 - on CUDA the times come back late (the median lag, step id minus timed step id, at least 1) but not
   far behind (at most MAX_LAG), and every stage time covers its sleep; on a CPU dry run, where the host
   clock times a step when it ends, at once (lag 0).
+- no stage's step read its device back to the host but the last stage's sampled ids: every step runs
+  under the host-sync guard (worker/host_sync.py; torch's sync debug mode set to error on CUDA, which
+  sees implicit syncs too: `.tolist()`, `.item()`, pageable copies, boolean masks), so one such read
+  fails the run with the stage, step and call named.
 Other synchronize calls in the loop are reported by module (the staging buffers wait only when a copy
 two steps old has not finished).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from collections import Counter
@@ -62,6 +67,22 @@ def counting_synchronize(calls: Counter[str]) -> Iterator[None]:
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
+
+
+@contextmanager
+def strict_host_sync() -> Iterator[None]:
+    """Every stage step of engines built in the block runs under the host-sync guard (read at build)."""
+    from ppserve.worker.host_sync import STRICT_ENV
+
+    before = os.environ.get(STRICT_ENV)
+    os.environ[STRICT_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[STRICT_ENV]
+        else:
+            os.environ[STRICT_ENV] = before
 
 
 def lag_report(results: list[Any], cuda: bool) -> dict[str, Any]:
@@ -132,8 +153,8 @@ def run(ctx: Context) -> dict[str, Any]:
                for _ in range(w["requests"])]
     params = [SamplingParams(max_tokens=rng.randint(*w["output"]), ignore_eos=True) for _ in prompts]
     calls: Counter[str] = Counter()
-    with LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=512,
-             cuda_graphs="auto" if ctx.cuda else "eager") as llm:
+    with strict_host_sync(), LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=512,
+                                 cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         timer = type(llm.engine.executor.workers[0].timer).__name__
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: Triton compiles
         results: list[Any] = []
@@ -151,13 +172,15 @@ def run(ctx: Context) -> dict[str, Any]:
     expected_timer = "EventStepTimer" if ctx.cuda else "HostStepTimer"
     if timer != expected_timer:
         report["problems"].append(f"the stages time with {timer}, not {expected_timer}")
-    return {"ok": not report["problems"], "timer": timer, "workload": w, **report,
+    guard = "torch.cuda sync debug mode: error" if ctx.cuda else "the CPU torch-function guard"
+    return {"ok": not report["problems"], "timer": timer, "workload": w, **report, "host_sync_guard": guard,
             "shortest_stage_ms": None if shortest is None else round(shortest * 1e3, 4),
             "synchronize_calls_in_loop": dict(calls), "compute_spans": len(spans)}
 
 
 def headline(r: dict[str, Any]) -> str:
     syncs = r["synchronize_calls_in_loop"]
-    return (f"{r['timer']}: {r['timed']}/{r['steps']} steps timed, lags {r['lag_counts']}, timer syncs in the loop "
+    return (f"{r['timer']} under {r.get('host_sync_guard')}: {r['timed']}/{r['steps']} steps timed, "
+            f"lags {r['lag_counts']}, timer syncs in the loop "
             f"{syncs.get(TIMER_MODULE, 0)}, other syncs {sum(syncs.values()) - syncs.get(TIMER_MODULE, 0)}"
             + (f"; {'; '.join(r['problems'])}" if r["problems"] else ""))

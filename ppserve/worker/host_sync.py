@@ -78,14 +78,30 @@ class CpuSyncGuard(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        syncing = func in self.calls or (func is torch.repeat_interleave and "output_size" not in kwargs
-                                         and not isinstance(args[0] if args else None, int))
-        if syncing and not _allowed():
+        why = self._why(func, args, kwargs)
+        if why and not _allowed():
             name = getattr(func, "__qualname__", repr(func))
             self.seen.append(name)
-            raise HostSyncError(f"{self.where}: {name} reads the device back to the host inside a stage's step "
-                                "(a sync on a GPU); only the last stage's sampled ids may be read")
+            raise HostSyncError(f"{self.where}: {name} {why} inside a stage's step (a sync on a GPU); only the "
+                                "last stage's sampled ids may be read")
         return func(*args, **kwargs)
+
+    def _why(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str:
+        if func in self.calls:
+            return "reads the device back to the host"
+        if func is torch.repeat_interleave and "output_size" not in kwargs and not isinstance(
+                args[0] if args else None, int):
+            return "sizes its output from device data"
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            return "copies host data from pageable memory to the device"
+        if func is torch.Tensor.__getitem__ and len(args) > 1 and _is_mask(args[1]):
+            return "indexes with a boolean mask (its size comes from the device)"
+        return ""
+
+
+def _is_mask(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ppserve.model import ops
 from ppserve.request import SamplingParams, TokenLogprob
+from ppserve.worker.host_sync import allowed_read
 
 BLOCK = 256  # tokens per block of the two-level inverse CDF: 49,152 tokens are 192 blocks
 
@@ -292,21 +293,47 @@ def _sampled_ids(logits: Tensor, params: Sequence[SamplingParams], positions: Se
 # ---- penalties and log-probabilities ---------------------------------------------------------------
 def process_logits(logits: Tensor, sp: SamplingParams, token_ids: Sequence[int], num_prompt_tokens: int,
                    stop_ids: Sequence[int]) -> Tensor:
-    """One row [V] with the request's penalties and min_tokens applied (a new tensor). `token_ids` are
-    the prompt followed by the outputs so far; `stop_ids` the ids min_tokens keeps out (eos, stop ids)."""
-    row = logits.clone()
-    if sp.repetition_penalty != 1.0 and token_ids:
-        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
-        vals = row.index_select(0, seen)
-        row.index_copy_(0, seen, torch.where(vals < 0, vals * sp.repetition_penalty, vals / sp.repetition_penalty))
-    outputs = token_ids[num_prompt_tokens:]
-    if (sp.frequency_penalty or sp.presence_penalty) and outputs:
-        ids = torch.tensor(outputs, dtype=torch.long, device=row.device)
-        counts = torch.zeros_like(row).index_add_(0, ids, torch.ones(len(outputs), dtype=row.dtype, device=row.device))
-        row -= counts * sp.frequency_penalty + (counts > 0).to(row.dtype) * sp.presence_penalty
-    if len(outputs) < sp.min_tokens and stop_ids:
-        row[torch.tensor(list(stop_ids), dtype=torch.long, device=row.device)] = float("-inf")
-    return row
+    """One row [V] with the request's penalties and min_tokens applied (a new tensor): `apply_penalties`
+    on a batch of one."""
+    return apply_penalties(logits[None], [sp], [(token_ids, num_prompt_tokens)], [stop_ids])[0]
+
+
+def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[tuple[Sequence[int], int]], stop_ids: Sequence[Sequence[int]]) -> Tensor:
+    """Rows [N, V] with each request's penalties and min_tokens applied, all rows at once (a new tensor).
+
+    `histories[i]`: (prompt followed by the outputs so far, prompt length); `stop_ids[i]`: the ids
+    min_tokens keeps out. Repetition (transformers') divides the positive and multiplies the negative
+    logits of every token seen in prompt or output; frequency and presence (OpenAI's) subtract per
+    output occurrence and once per token output. Every index comes over in one pinned copy, padded to
+    the longest row with an extra column V that the results drop; a row without a penalty is computed
+    with neutral factors (x * 1, x / 1, x - 0: the same values)."""
+    n, vocab = logits.shape
+    device = logits.device
+    width = max((len(ids) for ids, _ in histories), default=0)
+    stop_width = max((len(s) for s in stop_ids), default=0)
+    flat: list[int] = []
+    for (ids, num_prompt), stops, sp in zip(histories, stop_ids, params, strict=True):
+        outputs = len(ids) - num_prompt
+        flat.extend(ids)
+        flat.extend([vocab] * (width - len(ids)))
+        flat.extend([0] * num_prompt + [1] * outputs + [0] * (width - len(ids)))  # 1: an output position
+        blocked = stops if outputs < sp.min_tokens else ()
+        flat.extend(blocked)
+        flat.extend([vocab] * (stop_width - len(blocked)))
+    packed = _device_tensor(flat, torch.int64, device).view(n, 2 * width + stop_width)
+    tokens, is_output, stops_t = packed[:, :width], packed[:, width:2 * width], packed[:, 2 * width:]
+    factors = _device_tensor([v for sp in params for v in (sp.repetition_penalty, sp.frequency_penalty,
+                                                           sp.presence_penalty)], logits.dtype, device).view(n, 3)
+    rep, freq, pres = factors[:, :1], factors[:, 1:2], factors[:, 2:3]
+    padded = torch.cat([logits, logits.new_zeros(n, 1)], dim=1)
+    seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device).scatter_(1, tokens, True)
+    out = torch.where(seen, torch.where(padded < 0, padded * rep, padded / rep), padded)
+    counts = torch.zeros_like(padded).scatter_add_(1, tokens, is_output.to(padded.dtype))
+    out = out - (counts * freq + (counts > 0).to(padded.dtype) * pres)
+    blocked_mask = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device).scatter_(1, stops_t, True)
+    out = out.masked_fill(blocked_mask, float("-inf"))
+    return out[:, :vocab]
 
 
 def top_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
@@ -336,22 +363,29 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
     if processed:
         if histories is None:
             raise ValueError("penalties and min_tokens need the requests' token histories")
-        logits = logits.clone()
-        for i in processed:
-            ids, num_prompt = histories[i]
-            stops = (*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
-            logits[i] = process_logits(logits[i], params[i], ids, num_prompt, stops)
-    if not params:
-        tokens: list[int] = []
-    elif all(sp.greedy for sp in params):
-        tokens = greedy(logits)
-    else:
-        tokens = _sampled_ids(logits, params, output_indices).tolist()
-    wanted = [i for i, sp in enumerate(params) if sp.logprobs is not None]
-    logprobs: list[TokenLogprob | None] = [None] * len(params)
-    if wanted:
-        rows = raw.index_select(0, torch.tensor(wanted, dtype=torch.long, device=raw.device))
-        for i, lp in zip(wanted, top_logprobs(rows, [tokens[i] for i in wanted],
-                                              [params[i].logprobs or 0 for i in wanted]), strict=True):
-            logprobs[i] = lp
+        stops = [(*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
+                 for i in processed]
+        rows = apply_penalties(logits if len(processed) == len(params) else
+                               logits.index_select(0, _device_tensor(processed, torch.int64, logits.device)),
+                               [params[i] for i in processed], [histories[i] for i in processed], stops)
+        if len(processed) == len(params):
+            logits = rows
+        else:
+            logits = logits.clone()
+            logits.index_copy_(0, _device_tensor(processed, torch.int64, logits.device), rows)
+    # The step's one read of the device: the ids (and the logprobs asked for with them) go to the engine.
+    with allowed_read():
+        if not params:
+            tokens: list[int] = []
+        elif all(sp.greedy for sp in params):
+            tokens = greedy(logits)
+        else:
+            tokens = _sampled_ids(logits, params, output_indices).tolist()
+        wanted = [i for i, sp in enumerate(params) if sp.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(params)
+        if wanted:
+            rows = raw.index_select(0, torch.tensor(wanted, dtype=torch.long, device=raw.device))
+            for i, lp in zip(wanted, top_logprobs(rows, [tokens[i] for i in wanted],
+                                                  [params[i].logprobs or 0 for i in wanted]), strict=True):
+                logprobs[i] = lp
     return tokens, logprobs
