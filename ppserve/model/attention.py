@@ -379,7 +379,24 @@ class CpuPagedBackend(SdpaBackend):
 
 
 def flash_attn_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    """Installed and importable on a CUDA machine. A wheel built for another torch or CUDA is found by
+    `find_spec` and then fails at import (a missing symbol in its extension): that is not available."""
+    return (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+            and flash_attn_import_error() is None)
+
+
+_FLASH_IMPORT: list[str | None] = []  # the import's outcome, tried once per process
+
+
+def flash_attn_import_error() -> str | None:
+    """Why importing flash-attn's kernels fails here (its message), or None when it imports."""
+    if not _FLASH_IMPORT:
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+            _FLASH_IMPORT.append(None)
+        except Exception as e:  # ImportError, OSError from a broken extension, RuntimeError from its init
+            _FLASH_IMPORT.append(f"{type(e).__name__}: {e}")
+    return _FLASH_IMPORT[0]
 
 
 class FlashAttnBackend(AttentionBackend):

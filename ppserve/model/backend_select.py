@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 import torch
 
 from ppserve.config import ATTENTION_BACKENDS
@@ -12,8 +15,20 @@ from ppserve.model.attention import (
     FlashAttnBackend,
     SdpaBackend,
     flash_attn_available,
+    flash_attn_import_error,
 )
 from ppserve.model.ops import native
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_broken_flash_attn(error: str | None) -> None:
+    """Once per process: a flash-attn that is installed but does not import falls back, said plainly."""
+    if error and error not in _warned:
+        _warned.add(error)
+        logger.warning("flash-attn is installed but does not import (%s); using the next attention backend. "
+                       "Reinstall flash-attn for this torch/CUDA, or set model.attention_backend", error)
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
@@ -33,7 +48,9 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         return triton_attention.TritonPagedBackend()
     if prefer in ("flash_attn", "flash"):
         if not (on_cuda and flash_attn_available()):
-            raise ValueError("attention backend 'flash_attn' needs a CUDA device and the flash-attn package")
+            broken = flash_attn_import_error() if importlib.util.find_spec("flash_attn") is not None else None
+            raise ValueError("attention backend 'flash_attn' needs a CUDA device and the flash-attn package"
+                             + (f"; the installed flash-attn does not import: {broken}" if broken else ""))
         return FlashAttnBackend()
     if prefer == "cpu_paged":
         kernel = None if on_cuda else native.paged_decode()
@@ -46,6 +63,8 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
     if on_cuda:
         if flash_attn_available():
             return FlashAttnBackend()
+        if importlib.util.find_spec("flash_attn") is not None and flash_attn_import_error() is not None:
+            _warn_broken_flash_attn(flash_attn_import_error())
         return triton_attention.TritonPagedBackend() if triton_attention.triton_available() else SdpaBackend()
     kernel = native.paged_decode()
     return CpuPagedBackend(kernel, native.prefill_attention()) if kernel is not None else SdpaBackend()
