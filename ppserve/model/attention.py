@@ -175,10 +175,19 @@ class AttentionMetadata:
         )
 
     def context_slots(self) -> Tensor:
-        """[sum(context_lens)] int64: cache slots of every sequence's whole context, in sequence order."""
+        """[sum(context_lens)] int64: cache slots of every sequence's whole context, in sequence order;
+        derived once per step (the first layer's call) and shared by the others."""
+        cached = self.scratch.get("context_slots")
+        if cached is None:
+            cached = self.scratch["context_slots"] = self._context_slots()
+        return cached
+
+    def _context_slots(self) -> Tensor:
         device = self.block_tables.device
         ctx = self.cu_context_lens_t.diff().to(torch.int64)  # [S]
-        seq_of = torch.repeat_interleave(torch.arange(len(ctx), device=device), ctx)  # [sum ctx]
+        # The total is known on the host: given as output_size, repeat_interleave does not read it back.
+        seq_of = torch.repeat_interleave(torch.arange(len(ctx), device=device), ctx,
+                                         output_size=sum(self.context_lens))  # [sum ctx]
         pos = torch.arange(seq_of.numel(), device=device) - self.cu_context_lens_t[:-1].to(torch.int64)[seq_of]
         block = self.block_tables[seq_of, pos // self.block_size]
         return block * self.block_size + pos % self.block_size
@@ -226,6 +235,20 @@ class AttentionBackend(ABC):
         """Whether decodes read K/V through the block table (no gather): their cost does not grow with
         the table's width, so one CUDA-graph width serves all."""
         return False
+
+    def decode_gather_bytes(self, seqs: int, max_len: int, block_size: int, num_kv_heads: int, head_dim: int,
+                            kv_dtype: torch.dtype, dtype: torch.dtype) -> int:
+        """The transient bytes one layer's decode of `seqs` sequences of up to `max_len` tokens allocates
+        when the backend gathers K/V out of the cache (0 where it reads them in place): K and V [seqs,
+        L, Hkv, D] in the cache's dtype (again in the compute dtype when they differ) and the mask [seqs,
+        L], L the table's width in tokens. The memory profile runs short sequences, so it adds this."""
+        if self.reads_cache_in_place(block_size):
+            return 0
+        width = -(-max_len // block_size) * block_size
+        kv_elem, elem = kv_dtype.itemsize, dtype.itemsize
+        per_copy = seqs * width * num_kv_heads * head_dim
+        converted = 2 * per_copy * elem if kv_dtype != dtype else 0
+        return 2 * per_copy * kv_elem + converted + seqs * width * (elem + 1)
 
     def interpreted(self, device: torch.device) -> bool:
         """Whether this backend's kernels run under an interpreter on `device` (Triton's, off CUDA): a

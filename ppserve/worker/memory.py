@@ -102,11 +102,12 @@ class StageMemory:
 
     def __init__(self, model: StageModel, arch: ModelArch, *, block_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device, profile_tokens: int, profile_seqs: int,
-                 stage: int = 0, tp_rank: int = 0) -> None:
+                 stage: int = 0, tp_rank: int = 0, max_model_len: int | None = None) -> None:
         self.model, self.arch = model, arch
         self.block_size, self.dtype, self.kv_dtype, self.device = block_size, dtype, kv_dtype, device
         self.profile_tokens, self.profile_seqs = profile_tokens, profile_seqs
         self.stage, self.tp_rank = stage, tp_rank
+        self.max_model_len = max_model_len or getattr(arch, "max_position_embeddings", None)
         self.log: list[dict[str, Any]] = []  # note()'s figures, one per start-up phase
         self.warm = False  # the largest microbatch has run once (profiled or warmed up)
         self.decode_warm = False  # warm_up ran every attention path (chunk after cached tokens, decodes)
@@ -163,7 +164,20 @@ class StageMemory:
         torch.cuda.synchronize(self.device)
         peak = int(torch.cuda.max_memory_allocated(self.device) - base)
         torch.cuda.empty_cache()
-        return max(0, peak)
+        # The profile's sequences are short; a decode step of as many at the longest context gathers far
+        # more on a backend that does not read the cache in place. The two steps never coexist: the larger.
+        return max(0, peak, self.decode_gather_bytes())
+
+    def decode_gather_bytes(self) -> int:
+        """One layer's K/V gather for the widest decode step: the most sequences a microbatch holds,
+        each at `max_model_len` (0 when the stage's attention backend reads the cache in place)."""
+        backend = getattr(self.model, "attn_backend", None)
+        if backend is None or not self.max_model_len:
+            return 0
+        seqs = max(1, min(self.profile_seqs, self.profile_tokens))
+        return int(backend.decode_gather_bytes(seqs, self.max_model_len, self.block_size,
+                                               self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype,
+                                               self.dtype))
 
     def scratch_forward(self, query_lens: list[int], seq_lens: list[int], params: SamplingParams,
                          kv_cache: list[torch.Tensor] | None = None) -> None:

@@ -102,7 +102,8 @@ class StageWorker:
         # KV sizing, the memory profile and the per-phase memory figures (worker/memory.py).
         self.memory = StageMemory(self.model, self.arch, block_size=self.block_size, dtype=self.dtype,
                                   kv_dtype=self.kv_dtype, device=self.device, profile_tokens=spec.profile_tokens,
-                                  profile_seqs=spec.profile_seqs, stage=spec.stage, tp_rank=spec.tp_rank)
+                                  profile_seqs=spec.profile_seqs, stage=spec.stage, tp_rank=spec.tp_rank,
+                                  max_model_len=spec.max_model_len)
         self.memory_log = self.memory.log  # the same list: the GPU check reads it from the worker
         self.memory.note("weights loaded")
 

@@ -72,3 +72,33 @@ def test_dtypes_by_name_and_auto() -> None:
     assert resolve_dtype("auto", arch, torch.device("cpu")) in (torch.bfloat16, torch.float32)
     assert resolve_kv_dtype("auto", torch.float32) is torch.float32
     assert resolve_kv_dtype("bfloat16", torch.float32) is torch.bfloat16
+
+
+def test_a_gathering_decode_at_the_longest_context_is_in_the_peak() -> None:
+    """SDPA (and flash-attn below 256-token blocks) gathers each decode's whole context per layer; the
+    profile's short sequences never show it, so the stage adds it, growing with max_model_len, and a
+    backend that reads the cache in place adds nothing."""
+    from ppserve.model import triton_attention
+    from ppserve.model.attention import SdpaBackend
+
+    def memory(backend: object, max_len: int) -> StageMemory:
+        model = SimpleNamespace(num_local_layers=3, num_kv_heads_local=2, attn_backend=backend)
+        return StageMemory(model, SimpleNamespace(head_dim=8), block_size=16, dtype=torch.bfloat16,
+                           kv_dtype=torch.bfloat16, device=torch.device("cpu"), profile_tokens=64, profile_seqs=4,
+                           max_model_len=max_len)
+
+    short, long = memory(SdpaBackend(), 1000).decode_gather_bytes(), memory(SdpaBackend(), 4000).decode_gather_bytes()
+    width = -(-4000 // 16) * 16
+    assert long == 2 * 4 * width * 2 * 8 * 2 + 4 * width * 3  # K and V, bf16, and the mask (bf16 + bool)
+    assert short < long
+    assert memory(triton_attention.TritonPagedBackend(), 4000).decode_gather_bytes() == 0
+
+
+def test_context_slots_are_derived_once_per_step_without_reading_the_total_back() -> None:
+    from ppserve.model.attention import AttentionMetadata
+
+    meta = AttentionMetadata.build([3, 1], [5, 7], [[2, 0], [1, 3]], 4, torch.device("cpu"))
+    slots = meta.context_slots()
+    want = [2 * 4 + p for p in range(4)] + [0 * 4 + 0] + [1 * 4 + p for p in range(4)] + [3 * 4 + p for p in range(3)]
+    assert slots.tolist() == want
+    assert meta.context_slots() is slots  # the other layers reuse it
