@@ -24,6 +24,7 @@ from torch import Tensor
 from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend, write_kv
 
 BLOCK_M = 16  # rows (query token x group head) per program
+PIPELINE_STAGES = 2  # the page loops' software-pipeline depth: one page's loads in flight under the other's dots
 
 
 def triton_available() -> bool:
@@ -57,9 +58,10 @@ def _build_kernel() -> Any:
     def paged_attention_kernel(
         q_ptr, kv_ptr, out_ptr, block_tables_ptr, cu_q_ptr, ctx_ptr, scale,
         stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head,
-        stride_ot, stride_oh, stride_bt,
+        stride_ot, stride_oh, stride_bt, table_width,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr, DYNAMIC_TRIPS: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
     ):
         seq = tl.program_id(0)
         tile = tl.program_id(1)
@@ -83,18 +85,29 @@ def _build_kernel() -> Any:
             last_tok = tl.minimum(tile * BLOCK_M + BLOCK_M - 1, q_len * GROUP - 1) // GROUP
             seen = ctx - q_len + last_tok + 1  # keys the tile's last row may see
             slots = tl.arange(0, PAGE)
-            # A while loop, not range(cdiv(seen, PAGE)): Triton's interpreter (the CPU check) cannot turn a
-            # loaded scalar into a Python int under NumPy >= 2.4; compiled, both lower to the same loop.
-            page = 0
-            while page * PAGE < seen:
-                block = tl.load(block_tables_ptr + seq * stride_bt + page)
+            # A counted `for` that Triton's software pipeliner overlaps (the next page's loads under this
+            # page's dots); a data-dependent `while` it does not pipeline. Compiled, the trip count is the
+            # tile's own pages; the interpreter (the CPU check) cannot take a loaded scalar as a range
+            # bound, so there it walks the table's width with the pages past `seen` masked (no loads,
+            # nothing visible: the same result).
+            n_pages = tl.cdiv(seen, PAGE)
+            if DYNAMIC_TRIPS:
+                trips = n_pages
+            else:
+                trips = table_width
+            for page in tl.range(0, trips, num_stages=NUM_STAGES):
+                live = page < n_pages
+                block = tl.load(block_tables_ptr + seq * stride_bt + page, mask=live, other=0)
                 k_ptrs = (kv_ptr + block * stride_kv_block + slots[:, None] * stride_kv_slot
                           + kv_head * stride_kv_head + d[None, :])
-                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(k_ptrs + stride_kv_kind, mask=d_ok[None, :], other=0.0)
+                live_slots = (slots * 0 + page) < n_pages  # [PAGE]: `live` for every slot (the interpreter
+                kv_ok = live_slots[:, None] & d_ok[None, :]  # widens a scalar mask's & to int32)
+                k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                v = tl.load(k_ptrs + stride_kv_kind, mask=kv_ok, other=0.0)
                 s = tl.dot(q, tl.trans(k.to(DOT_TY)), input_precision=PRECISION).to(tl.float32) * scale
                 key_pos = page * PAGE + slots
-                visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx) & row_ok[:, None]
+                visible = ((key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < ctx) & row_ok[:, None]
+                           & live_slots[None, :])
                 s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -103,7 +116,6 @@ def _build_kernel() -> Any:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
                 m_i = m_new
-                page += 1
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -134,9 +146,9 @@ def paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cu_query_
     kernel[(seqs, tiles, hkv)](
         q, kv, out, block_tables, cu_query_lens, context_lens, scale,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        out.stride(0), out.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), block_tables.stride(0), block_tables.shape[1],
         GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=page, BLOCK_M=BLOCK_M,
-        DOT_TY=_dot_type(q.dtype),
+        DOT_TY=_dot_type(q.dtype), DYNAMIC_TRIPS=not interpreting(), NUM_STAGES=PIPELINE_STAGES,
         # float32 stays float32 (no TF32 rounding): it is the dtype exactness is checked in
         PRECISION="ieee" if _dot_type(q.dtype) == _dot_type(torch.float32) else "tf32",
     )
@@ -185,7 +197,7 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
         stride_qt, stride_qh, stride_kv_kind, stride_kv_block, stride_kv_slot, stride_kv_head, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, PAGES_PER_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_TY: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_TY: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -203,15 +215,19 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         slots = tl.arange(0, PAGE)
         last = tl.minimum(split * PAGES_PER_SPLIT + PAGES_PER_SPLIT, (ctx + PAGE - 1) // PAGE)
-        page = split * PAGES_PER_SPLIT
-        while page < last:  # a while loop for the interpreter's sake (see paged_attention_kernel)
-            block = tl.load(block_tables_ptr + seq * stride_bt + page)
+        # A fixed trip count (the split's pages, a constant), pipelined; pages past the context masked.
+        for i in tl.range(0, PAGES_PER_SPLIT, num_stages=NUM_STAGES):
+            page = split * PAGES_PER_SPLIT + i
+            live = page < last
+            block = tl.load(block_tables_ptr + seq * stride_bt + page, mask=live, other=0)
             k_ptrs = (kv_ptr + block * stride_kv_block + slots[:, None] * stride_kv_slot
                       + kv_head * stride_kv_head + d[None, :])
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(k_ptrs + stride_kv_kind, mask=d_ok[None, :], other=0.0)
+            live_slots = (slots * 0 + page) < last  # [PAGE]: `live` for every slot (see paged_attention_kernel)
+            kv_ok = live_slots[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+            v = tl.load(k_ptrs + stride_kv_kind, mask=kv_ok, other=0.0)
             s = tl.dot(q, tl.trans(k.to(DOT_TY)), input_precision=PRECISION).to(tl.float32) * scale
-            visible = ((page * PAGE + slots)[None, :] < ctx) & row_ok[:, None]
+            visible = ((page * PAGE + slots)[None, :] < ctx) & row_ok[:, None] & live_slots[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -220,7 +236,6 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
             m_i = m_new
-            page += 1
         part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] partial index per query head
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + part, m_i, mask=row_ok)
@@ -283,6 +298,7 @@ def paged_decode_split_k(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cont
         NUM_HEADS=hq, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page,
         BLOCK_M=max(16, triton.next_power_of_2(hq // hkv)), PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=splits,
         DOT_TY=dot_ty, PRECISION="ieee" if dot_ty == _dot_type(torch.float32) else "tf32",
+        NUM_STAGES=PIPELINE_STAGES,
     )
     combine[(n, hq)](acc, m, lsum, out, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
                      NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)))
