@@ -8,7 +8,8 @@ one (float32 on disk, like the default model's GGUF conversion) and a Llama-3-8B
 
 Each phase runs in its own process under its own time limit and writes its own DIR/<phase>.json, so one
 failure, hang or out-of-memory cannot take the others down; the runner (runner.py) keeps the whole check
-inside a time budget (8 minutes by default) and ends with a summary table and DIR/gpu_check.json. The
+inside a time budget (8 minutes by default) and ends with a summary (DIR/summary.txt, DIR/gpu_check.json)
+of what passed, failed and was not run, and of what only a GPU can confirm (NOT_VERIFIED_ON_CPU). The
 phases, one module each:
 
 1. `environment`      torch, CUDA, the device, Triton, the attention backend `auto` picks;
@@ -22,7 +23,7 @@ phases, one module each:
                       paired with its own step, and a device-side sleep the times must cover;
 5. `roofline`         decode and prefill sweeps on the Llama-3-8B-shaped model: achieved HBM bandwidth and
                       TFLOP/s against the device's peaks, and the engine's host time per step;
-6. `gpu_tests`        the `gpu`-marked pytest subset (when pytest is importable).
+6. `gpu_tests`        the `gpu`-marked pytest subset (when pytest is importable; all skipped is not run).
 
 `--device cpu` runs every phase's code path that does not need CUDA, on CPU with shrunk models (CI runs
 it, tests/integration/test_gpu_check.py, with the packages the device lacks made unimportable), so the
@@ -49,3 +50,21 @@ PHASES = {
     "roofline": "roofline",
     "gpu_tests": "gpu_tests",
 }
+
+# Claims about the GPU path that no CPU run can confirm (CPU tensors never sync, the CPU links stand in
+# for NCCL but are not NCCL, the Triton interpreter has no schedule, CPU memory has no profiled budget):
+# the check's summary and gpu_check.json list them. Append one where code argues a GPU-only behaviour.
+NOT_VERIFIED_ON_CPU: list[str] = [
+    "NCCL start-up of the token ring at pp >= 2: a first send to a peer may block until the peer posts "
+    "its receive, so the links' warm-up order must hold no cycle",
+    "no host sync inside a stage's step under CUDA (torch.cuda.set_sync_debug_mode) other than the last "
+    "stage's one read of the sampled ids",
+    "the flash-attn fallback on a broken install: a wheel built for another torch or CUDA fails when "
+    "imported or constructed, and the backend must fall back to Triton",
+    "Triton paged attention's page loop pipelining: a data-dependent loop bound is not software-pipelined",
+    "the decode gather [n, blocks x block_size, kv_heads, head_dim] per layer in the memory profile under "
+    "SDPA at long max_model_len",
+    "the stages' recv_wait and send spans timed by CUDA events around NCCL's point-to-point calls, which "
+    "return to the host before the transfer ends",
+    "a pipeline of two or more GPUs over NCCL: this check runs on one device, so its pp 2 runs share it",
+]

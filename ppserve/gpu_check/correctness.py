@@ -60,17 +60,28 @@ def teacher_forced(workers: list[Any], tokens: list[int], pieces: list[tuple[int
     return torch.cat(out)
 
 
+def decided(logits: Any) -> Any:
+    """[positions] bool: where the top two of [positions, vocab] `logits` are more than NEAR_TIE apart."""
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) > NEAR_TIE
+
+
+def near_tie_fraction(logits: Any) -> float:
+    """The share of positions whose top two logits are within NEAR_TIE: where top-1 tells nothing."""
+    return 1.0 - float(decided(logits).float().mean())
+
+
 def compare_logits(ours: list[Any], refs: list[Any]) -> dict[str, Any]:
     import torch
 
     got, want = torch.cat(ours), torch.cat(refs)
-    top2 = want.topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) > NEAR_TIE
+    clear = decided(want)
     agree = got.argmax(-1) == want.argmax(-1)
     return {"positions": int(want.shape[0]), "max_abs_err": float((got - want).abs().max()),
             "mean_abs_err": float((got - want).abs().mean()), "max_abs_ref": float(want.abs().max()),
-            "top1_agreement": float(agree.float().mean()), "decided_positions": int(decided.sum()),
-            "top1_agreement_decided": float(agree[decided].float().mean()) if decided.any() else 1.0}
+            "top1_agreement": float(agree.float().mean()), "decided_positions": int(clear.sum()),
+            "near_tie_fraction": round(near_tie_fraction(want), 4),
+            "top1_agreement_decided": float(agree[clear].float().mean()) if clear.any() else 1.0}
 
 
 def reference(model_dir: Any, dtype: Any, device: str, seqs: list[list[int]], prompts: list[list[int]],
@@ -127,7 +138,8 @@ def one_dtype(ctx: Context, model_dir: Any, pp: int, dtype_name: str, n: dict[st
     figures = compare_logits(ours, refs)
     name = str(dtype).removeprefix("torch.")
     ok, reasons = logits_verdict(name, figures["positions"], figures["max_abs_err"], figures["max_abs_ref"],
-                                 figures["top1_agreement_decided"], need_positions=1000 if ctx.cuda else 1)
+                                 figures["top1_agreement_decided"], need_positions=1000 if ctx.cuda else 1,
+                                 near_tie_fraction=figures["near_tie_fraction"])
     if ctx.cuda:
         torch.cuda.empty_cache()
     return {"ok": ok and greedy["ok"], "dtype_setting": dtype_name, "dtype": name, "attention_backend": backend,
@@ -152,6 +164,7 @@ def headline(r: dict[str, Any]) -> str:
     parts = []
     for run in r["runs"].values():
         tf = run["teacher_forced"]
-        parts.append(f"{run['dtype']}: top-1 {tf['top1_agreement_decided']:.4f} over {tf['positions']} pos, "
-                     f"max err {tf['max_abs_err']:.2g}, greedy {run['greedy']['tokens_before_first_difference']}")
+        parts.append(f"{run['dtype']}: top-1 {tf['top1_agreement_decided']:.4f} over {tf['positions']} pos "
+                     f"({tf['near_tie_fraction']:.0%} near ties), max err {tf['max_abs_err']:.2g}, "
+                     f"greedy {run['greedy']['tokens_before_first_difference']}")
     return f"pp {r['pp']}: " + "; ".join(parts)

@@ -2,9 +2,18 @@
 
 Nothing is downloaded and no GGUF is read (the default model's file is 98 MB, over what a device run
 may carry, and needs `gguf`). The shapes are the real models' (their config.json); on CPU (the dry run)
-they shrink to the same proportions. Weights are drawn wider than transformers' default init (std
-0.02 gives near-uniform logits, where every top-1 comparison is a coin toss): then logits are peaked and
-a wrong kernel shows as a wrong argmax.
+they shrink to the same proportions.
+
+The random weights are drawn so that a top-1 comparison means something (`randomize`): the logits must be
+peaked (the top token clear of the second by much more than verdicts.NEAR_TIE at most positions), and
+two right implementations in bf16 must not part where they are. Scaling Gaussian logits up does not get
+there: the top-two gap of N Gaussians is about their spread / sqrt(2 ln N), and bf16 rounding grows with
+the logits, so a larger scale only moves the gap and the error together past NEAR_TIE. Instead the
+output rows get log-normal scales (TOKEN_SPREAD: a few tokens are likely winners, as a trained model's
+frequent tokens are, which widens the gap against the logits' size), at a size independent of the
+hidden width (LOGIT_STD: the top logits land where NEAR_TIE is a few bf16 steps). And the decoder
+layers stay narrow (LAYER_STD): wide random layers are chaotic, and over 30 of them bf16 rounding grows
+into logit errors that flip clear winners.
 """
 
 from __future__ import annotations
@@ -28,7 +37,13 @@ SMOLLM2_SHRUNK: dict[str, Any] = {**SMOLLM2_135M, "hidden_size": 192, "intermedi
 LLAMA3_SHRUNK: dict[str, Any] = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 896, "num_attention_heads": 4,
                                  "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 1024,
                                  "max_position_embeddings": 1024}
-WEIGHT_STD = 0.05
+# Decoder layers' weights: a little wider than transformers' default init (0.02), so that the layers
+# still mix the context (a wrong attention kernel moves the argmax); narrower than 0.03 and up, where a
+# 30-layer random model amplifies bf16 rounding into logit errors that flip clear winners.
+LAYER_STD = 0.025
+EMBED_STD = 0.05  # an untied input embedding (the output rows, tied or not, follow LOGIT_STD)
+LOGIT_STD = 0.7  # a unit-scale output row's logit spread over an RMS-normalised hidden state
+TOKEN_SPREAD = 0.75  # sigma of the log-normal scale of each output row
 
 
 def shape_for(name: str, cuda: bool) -> dict[str, Any]:
@@ -62,12 +77,7 @@ def build_random_llama(path: Path, shape: dict[str, Any], dtype: str, device: st
     try:
         with torch.device(device):
             model: Any = LlamaForCausalLM(cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.8, 1.2)
-                else:
-                    p.normal_(0.0, WEIGHT_STD)
+        randomize(model)
         model.config.dtype = dtype
         model.save_pretrained(path)
     finally:
@@ -76,9 +86,39 @@ def build_random_llama(path: Path, shape: dict[str, Any], dtype: str, device: st
     if device == "cuda":
         torch.cuda.empty_cache()
     # What a reader of the JSON needs to know about this checkpoint.
-    (path / "gpu_check_model.json").write_text(json.dumps({"shape": shape, "dtype": dtype, "weights": "random",
-                                                           "weight_std": WEIGHT_STD}))
+    (path / "gpu_check_model.json").write_text(json.dumps({
+        "shape": shape, "dtype": dtype, "weights": "random", "layer_std": LAYER_STD, "embed_std": EMBED_STD,
+        "logit_std": LOGIT_STD, "token_spread": TOKEN_SPREAD}))
     return path
+
+
+def randomize(model: Any) -> None:
+    """Draw every weight of a LlamaForCausalLM in place (under the caller's seed; see the module doc):
+    norms near 1, decoder layers at LAYER_STD, an untied input embedding at EMBED_STD, the output rows
+    by `peak_output_rows`."""
+    import torch
+
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p is head:  # tied: the embedding is the output matrix, drawn as one
+                continue
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0.0, LAYER_STD if ".layers." in f".{name}" else EMBED_STD)
+        peak_output_rows(head)
+
+
+def peak_output_rows(head: Any) -> None:
+    """Output row j: a random direction of norm ~LOGIT_STD * exp(TOKEN_SPREAD * z_j), z_j standard normal,
+    so its logit over a hidden state of RMS 1 has that spread whatever the hidden width."""
+    import torch
+
+    vocab, hidden = head.shape
+    z = torch.randn(vocab, device=head.device, dtype=torch.float32)
+    scale = LOGIT_STD * torch.exp(TOKEN_SPREAD * z) / hidden ** 0.5
+    head.normal_(0.0, 1.0).mul_(scale[:, None].to(head.dtype))
 
 
 def param_count(shape: dict[str, Any], layers: int | None = None) -> dict[str, int]:

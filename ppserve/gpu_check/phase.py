@@ -1,9 +1,9 @@
 """One phase in its own process: `python -m ppserve.gpu_check.phase NAME --out DIR --device D --options JSON`.
 
 The runner starts one per phase. This makes the device image's missing packages unimportable, runs the
-phase module's `run(ctx)`, and writes DIR/NAME.json whatever happens (ok, error with its traceback, the
-seconds it took); a phase killed by its time limit or the OOM killer leaves no JSON, which the runner
-reports as such.
+phase module's `run(ctx)`, and writes DIR/NAME.json whatever happens (ok, error with its traceback,
+`not_run` with the reason it had nothing to run, the seconds it took); a phase killed by its time
+limit or the OOM killer leaves no JSON, which the runner reports as such.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.gpu_check import ABSENT_ON_DEVICE, PHASES
+from ppserve.gpu_check.verdicts import FAIL, phase_status
 
 
 @dataclass
@@ -62,8 +63,8 @@ def run_phase(ctx: Context) -> dict[str, Any]:
     except Exception as e:  # recorded, not raised: the JSON is the phase's whole answer
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     result["seconds"] = round(time.perf_counter() - t0, 2)
-    if "error" in result or result.get("skipped"):
-        result["headline"] = result.get("error") or result["skipped"]
+    if "error" in result or result.get("not_run"):
+        result["headline"] = result.get("error") or result["not_run"]
     else:
         try:  # a figure missing from a result must not lose the result
             result["headline"] = module.headline(result)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_phase(ctx)
     write_json(ctx.out / f"{ctx.name}.json", result)
     print(json.dumps({k: v for k, v in result.items() if k != "traceback"}, default=str)[:4000], flush=True)
-    return 0 if result.get("ok") or result.get("skipped") else 1
+    return 1 if phase_status(result) == FAIL else 0
 
 
 if __name__ == "__main__":

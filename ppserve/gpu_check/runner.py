@@ -1,8 +1,11 @@
 """The GPU check's runner: every phase in its own process, inside one time budget, then a summary.
 
 A phase gets the smaller of its own limit and what is left of the budget (less a margin for the
-summary); one that would get less than MIN_PHASE_S is not started (and fails the check: not run is
-not passed). The exit status is 1 if any phase failed.
+summary). The limits fit inside the default budget with that margin, so a check that runs every phase
+to its limit still reaches its summary; under a smaller budget, a phase that would get less than
+MIN_PHASE_S is not started, and is "not run". So is every phase after a failed `environment`. The
+summary (summary.txt, gpu_check.json) separates passed, failed and not run (verdicts.py), and lists
+what a CPU run cannot verify (NOT_VERIFIED_ON_CPU); the exit status is 1 only if a phase failed.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ppserve.gpu_check import PHASES
+from ppserve.gpu_check import NOT_VERIFIED_ON_CPU, PHASES
 from ppserve.gpu_check.phase import write_json
+from ppserve.gpu_check.verdicts import FAIL, check_verdict, phase_status, verdict_line
 
-# Seconds per phase on an H200 (the device the check is sized for), start-up included.
-LIMITS_S = {"environment": 60, "kernels": 120, "correctness_pp1": 120, "correctness_pp2": 120, "serving": 120,
-            "step_times": 60, "roofline": 200, "gpu_tests": 150}
+# Seconds per phase on an H200 (the device the check is sized for), start-up included; their sum and
+# SUMMARY_MARGIN_S fit in BUDGET_S (tests/unit/test_gpu_check_runner.py).
+LIMITS_S = {"environment": 20, "kernels": 60, "correctness_pp1": 60, "correctness_pp2": 60, "serving": 45,
+            "step_times": 35, "roofline": 135, "gpu_tests": 60}
 BUDGET_S = 480  # the whole check: 8 minutes
 MIN_PHASE_S = 20
 SUMMARY_MARGIN_S = 5
@@ -68,7 +73,7 @@ def phase_env(device: str) -> dict[str, str]:
 
 
 def run_one(name: str, args: argparse.Namespace, limit_s: float, out: Path) -> dict[str, Any]:
-    options = {"roofline_layers": args.roofline_layers, "models_dir": args.models_dir}
+    options = {"roofline_layers": args.roofline_layers, "models_dir": args.models_dir, "limit_s": limit_s}
     cmd = [sys.executable, "-m", "ppserve.gpu_check.phase", name, "--out", str(out), "--device", args.device,
            "--options", json.dumps(options)]
     log = out / f"{name}.log"
@@ -94,19 +99,26 @@ def run_one(name: str, args: argparse.Namespace, limit_s: float, out: Path) -> d
     return result
 
 
-def status(result: dict[str, Any]) -> str:
-    if result.get("skipped"):
-        return "skip"
-    return "ok" if result.get("ok") else "FAIL"
+def what(result: dict[str, Any]) -> str:
+    """One phase's line in the summary: why it did not run, its headline, or its error."""
+    return str(result.get("not_run") or result.get("headline") or result.get("error") or "")
 
 
 def summary_table(phases: dict[str, dict[str, Any]]) -> str:
     rows = [("phase", "status", "s", "headline")]
     for name, r in phases.items():
-        what = r.get("skipped") or r.get("headline") or r.get("error") or ""
-        rows.append((name, status(r), f"{r.get('wall_s', 0):.0f}", str(what)[:110]))
+        rows.append((name, phase_status(r), f"{r.get('wall_s', 0):.0f}", what(r)[:110]))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}" for a, b, c, d in rows)
+
+
+def summary_text(report: dict[str, Any]) -> str:
+    """summary.txt: the table, the verdict line, and the claims a CPU run cannot verify."""
+    verdict = {key: report[key] for key in ("passed", "failed", "not_run")}
+    lines = [summary_table(report["phases"]), "", f"{verdict_line(verdict)} in {report['seconds']:.0f} s", "",
+             "not verified on CPU (only a GPU can confirm):"]
+    lines += [f"- {claim}" for claim in report["not_verified_on_cpu"]]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,27 +139,28 @@ def run_all(args: argparse.Namespace, out: Path) -> int:
     start = time.perf_counter()
     report: dict[str, Any] = {"device": args.device, "budget_s": args.budget_s,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "phases": {}}
+    no_environment = None
     for name in args.phases:
         left = args.budget_s - (time.perf_counter() - start) - SUMMARY_MARGIN_S
         limit = min(LIMITS_S[name], left)
-        if limit < MIN_PHASE_S:
-            # Not run is not passed: a check that ran out of time says so in its verdict.
-            result: dict[str, Any] = {"ok": False, "error": f"not run: out of time ({left:.0f} s of the "
-                                                            f"{args.budget_s:.0f} s budget left)"}
+        if no_environment is not None:
+            result: dict[str, Any] = {"not_run": no_environment}
+        elif limit < MIN_PHASE_S:
+            result = {"not_run": f"out of time ({left:.0f} s of the {args.budget_s:.0f} s budget left)"}
         else:
             print(f"== {name} (limit {limit:.0f} s)", flush=True)
             result = run_one(name, args, limit, out)
         report["phases"][name] = result
-        print(f"   {status(result)}: {result.get('skipped') or result.get('headline') or result.get('error')}",
-              flush=True)
-        if name == "environment" and not result.get("ok"):
-            break  # no device, or no torch: every other phase would fail the same way
+        print(f"   {phase_status(result)}: {what(result)}", flush=True)
+        if name == "environment" and phase_status(result) == FAIL:
+            # No device, or no torch: every other phase would fail the same way.
+            no_environment = f"the environment phase failed: {what(result)}"
     report["seconds"] = round(time.perf_counter() - start, 1)
-    report["ok"] = all(r.get("ok") or r.get("skipped") for r in report["phases"].values())
+    report.update(check_verdict(report["phases"]))
+    report["ok"] = not report["failed"]
+    report["not_verified_on_cpu"] = list(NOT_VERIFIED_ON_CPU)
     write_json(out / "gpu_check.json", report)
-    table = summary_table(report["phases"])
-    (out / "summary.txt").write_text(table + "\n")
-    print("\n" + table, flush=True)
-    print(f"\ngpu check {'passed' if report['ok'] else 'FAILED'} in {report['seconds']:.0f} s: {out / 'gpu_check.json'}",
-          flush=True)
+    text = summary_text(report)
+    (out / "summary.txt").write_text(text)
+    print("\n" + text + f"\n{out / 'gpu_check.json'}", flush=True)
     return 0 if report["ok"] else 1

@@ -13,6 +13,7 @@ from typing import Any
 
 from ppserve.gpu_check.models import checkpoint, shape_for
 from ppserve.gpu_check.phase import Context
+from ppserve.gpu_check.prompts import PromptSource
 
 
 def workload(cuda: bool) -> dict[str, Any]:
@@ -33,12 +34,16 @@ def run(ctx: Context) -> dict[str, Any]:
     rng = random.Random(0)
     arrivals = poisson_arrivals(w["requests"], w["rate"], seed=0)
     reqs = [WorkloadRequest(t, rng.randint(*w["prompt"]), rng.randint(*w["output"])) for t in arrivals]
-    prompts = [[rng.randrange(3, shape["vocab_size"]) for _ in range(r.prompt_len)] for r in reqs]
+    # The warm-up's prompts are its own (a replayed one would reach the engine cached, and its TTFT would
+    # time no prefill), as long as the longest, so what a long prompt runs compiles before the replay.
+    source = PromptSource(shape["vocab_size"], seed=0)
+    warm_up = source.draw([w["prompt"][1]] * 2)
+    prompts = source.draw([r.prompt_len for r in reqs])
     # max_model_len bounds the KV pool (worker/memory.py usable_blocks) to what this workload can fill.
     with LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=1024,
              cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         dtype = str(llm.engine.executor.workers[0].dtype).removeprefix("torch.")
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: Triton compiles
+        llm.generate(warm_up, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: Triton compiles
         result = replay(llm.engine, reqs, prompts, name="gpu_check", progress=False)
     summary = result.summary()
     done = summary["num_finished"]
