@@ -74,7 +74,9 @@ class ParallelConfig:
     # start-up on the configured budget, saved there when a path is given)
     partition_mode: str = "cost"
     partition_profile: str | None = None  # JSON of measured stage costs (partition_mode: calibrated)
-    executor: str = "auto"  # auto (inproc when pp*tp == 1, else ray) | inproc (every stage in this process, tp 1) | ray
+    # auto (inproc when pp*tp == 1, else ray, or mp where Ray is not installed) | inproc (every stage in
+    # this process, tp 1) | ray | mp (one process per rank on this machine, rank r on GPU r; no Ray)
+    executor: str = "auto"
     ray_address: str | None = None  # None starts an embedded local Ray; "auto" or host:port attaches
     cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
     gpus_per_worker: float | None = None  # Ray GPUs per actor; None: 1 when the Ray cluster has GPUs, else 0
@@ -124,8 +126,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.dispatch must be auto, connections, compiled or classic, got {self.dispatch!r}")
         if self.stage_link not in ("auto", "socket", "torch", "rendezvous"):
             raise ValueError(f"parallel.stage_link must be auto, socket, torch or rendezvous, got {self.stage_link!r}")
-        if self.executor not in ("auto", "inproc", "ray"):
-            raise ValueError(f"parallel.executor must be auto, inproc or ray, got {self.executor!r}")
+        if self.executor not in ("auto", "inproc", "ray", "mp"):
+            raise ValueError(f"parallel.executor must be auto, inproc, ray or mp, got {self.executor!r}")
         if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:
             raise ValueError(
                 f"parallel.layer_partition {list(self.layer_partition)} has {len(self.layer_partition)} entries "

@@ -31,6 +31,7 @@ import pickle
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Protocol, cast
 
@@ -76,28 +77,29 @@ def _check(result: Any, step_id: int) -> StepResult:
 
 
 class ConnectionDispatch:
-    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int, host: str) -> None:
-        import ray
+    """`connect(address, authkey)` has every actor i call its `serve_connection(address, authkey, i)` and
+    returns once they all have (Ray calls, or the multi-process executor's pipes)."""
 
+    def __init__(self, num_actors: int, num_stages: int, tp: int, host: str,
+                 connect: Callable[[Any, bytes], None]) -> None:
         self.last = (num_stages - 1) * tp  # the actor whose connection carries the results
         authkey = os.urandom(32)
         conns: dict[int, Connection] = {}
         # The listener lives only while the actors connect: no port stays open afterwards.
         with Listener((host, 0), authkey=authkey) as listener:
             def accept_all() -> None:
-                for _ in actors:
+                for _ in range(num_actors):
                     conn = listener.accept()
                     no_delay(conn)
                     conns[pickle.loads(conn.recv_bytes())] = conn
 
             acceptor = threading.Thread(target=accept_all, name="ppserve-accept", daemon=True)
             acceptor.start()
-            calls = [a.serve_connection.remote(listener.address, authkey, i) for i, a in enumerate(actors)]
-            ray.get(calls, timeout=CONNECT_TIMEOUT_S)
+            connect(listener.address, authkey)
             acceptor.join(CONNECT_TIMEOUT_S)
-        if len(conns) != len(actors):
-            raise StageFailure(f"{len(actors) - len(conns)} stage actor(s) did not connect back")
-        self.conns = [conns[i] for i in range(len(actors))]
+        if len(conns) != num_actors:
+            raise StageFailure(f"{num_actors - len(conns)} stage actor(s) did not connect back")
+        self.conns = [conns[i] for i in range(num_actors)]
         self.in_flight: deque[int] = deque()
 
     def submit(self, out: SchedulerOutput) -> None:

@@ -14,6 +14,7 @@ microbatch just sent; it is finished at once (its blocks freed) and that token i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import time
@@ -105,13 +106,17 @@ class LLMEngine:
         par = self.config.parallel
         kind = par.executor
         if kind == "auto":
-            kind = "inproc" if par.world_size == 1 else "ray"
+            kind = "inproc" if par.world_size == 1 else "ray" if importlib.util.find_spec("ray") else "mp"
         ranges = initial_ranges(par, self.arch, self.config.scheduler.token_budget)
         self.executor: Executor
         if kind == "inproc":
             from ppserve.engine.executor import InProcExecutor
 
             self.executor = InProcExecutor(self.config, str(self.model_dir), self.arch, ranges)
+        elif kind == "mp":
+            from ppserve.engine.mp_executor import MultiprocExecutor
+
+            self.executor = MultiprocExecutor(self.config, str(self.model_dir), self.arch, ranges)
         else:
             from ppserve.engine.ray_executor import RayExecutor
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.dispatch import (
+    CONNECT_TIMEOUT_S,
     ClassicDispatch,
     CompiledGraphDispatch,
     ConnectionDispatch,
@@ -27,9 +28,8 @@ from ppserve.engine.dispatch import (
 )
 from ppserve.engine.executor import agreed_block_size, pool_cap, stage_spec, startup_pipeline_cost
 from ppserve.engine.placement import order_stages_by_node, resolve_gpus_per_worker
+from ppserve.engine.stage_executor import RemoteStagesExecutor
 from ppserve.metrics.spans import estimate_offset
-from ppserve.sched.output import SchedulerOutput, StepResult
-from ppserve.worker.info import WorkerInfo
 
 if TYPE_CHECKING:
     from ppserve.model.arch import ModelArch
@@ -69,13 +69,7 @@ def ray_single_machine_mode() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = old_const
 
 
-class RayExecutor:
-    asynchronous = True  # the stage actors compute while the engine forms the next microbatch
-    # From submit to stage 0 holding the microbatch: 0.39-0.46 ms medians measured on the connection control
-    # plane (benchmarks/bench_control_plane.py, benchmarks/README.md); what the token ring's just-in-time
-    # formation forms ahead by, with scheduler.ring_margin_ms.
-    dispatch_latency_s = 0.5e-3
-
+class RayExecutor(RemoteStagesExecutor):
     def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch, ranges: list[tuple[int, int]]) -> None:
         import ray
 
@@ -209,7 +203,13 @@ class RayExecutor:
             # The actors connect back to this process: on loopback when Ray is embedded, else on the
             # address the cluster knows this node by.
             host = "127.0.0.1" if self.owns_ray else ray.util.get_node_ip_address()
-            self.dispatch = ConnectionDispatch(self.actors, self.num_stages, self.tp, host)
+            actors = self.actors
+
+            def connect(address: Any, authkey: bytes) -> None:
+                ray.get([a.serve_connection.remote(address, authkey, i) for i, a in enumerate(actors)],
+                        timeout=CONNECT_TIMEOUT_S)
+
+            self.dispatch = ConnectionDispatch(len(actors), self.num_stages, self.tp, host, connect)
         elif self.dispatch_kind == "compiled":
             ring = self.config.scheduler.token_ring and self.num_stages > 1
             self.dispatch = CompiledGraphDispatch(self.actors, self.num_stages, self.tp,
@@ -218,58 +218,21 @@ class RayExecutor:
             self.dispatch = ClassicDispatch(self.actors, self.num_stages, self.tp)
 
     # ---- the hot path --------------------------------------------------------------------------
-    def submit(self, out: SchedulerOutput) -> None:
-        assert self.dispatch is not None
-        self.dispatch.submit(out)
-
-    def collect(self, timeout_s: float | None = None) -> StepResult:
-        assert self.dispatch is not None
-        return self.dispatch.collect(timeout_s or self.config.parallel.stage_timeout_s)
-
     def drain_spans(self) -> list[dict[str, Any]]:
         import ray
 
         # Classic calls queue behind the in-flight microbatches, so this is bounded like them; under a
         # compiled graph the actor answers between its graph steps.
         batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=self.config.parallel.stage_timeout_s)
-        out = []
-        for offset, spans in zip(self.offsets, batches, strict=True):
-            for d in spans:
-                d = dict(d)
-                d["start_ns"] += offset
-                d["end_ns"] += offset
-                out.append(d)
-        return out
-
-    def describe(self) -> list[WorkerInfo]:
-        # The layout's node fields are the actors' NodeInfo (StageActor.node_info), under the same names.
-        return [WorkerInfo(stage=lay["stage"], tp_rank=lay["tp_rank"], layer_start=lay["layers"][0],
-                           layer_end=lay["layers"][1], node_ip=lay["node_ip"], node_id=lay["node_id"],
-                           pid=lay["pid"]) for lay in self.layout]
+        return self.on_engine_clock(batches)
 
     # ---- failure recovery and repartitioning ------------------------------------------------------
     def rebuild(self) -> None:
-        """Replace the whole pipeline: new placement groups, new actors, new process groups, empty caches.
-
-        Survivors are killed too: their process group includes the dead rank and cannot be repaired.
-        The KV block count stays the same, because the scheduler's allocator keeps its size.
-        """
         self._teardown_dispatch()
         self._kill_actors()
         self.init_actors()
         self.init_clock_offsets()
         self.init_caches_and_dispatch()
-
-    def repartition(self, ranges: list[tuple[int, int]]) -> None:
-        """Rebuild with other layer ranges (after a calibration run); nothing may be in flight."""
-        self.ranges = list(ranges)
-        self.shutdown_actors()
-        self.rebuild()
-
-    def _teardown_dispatch(self) -> None:
-        if self.dispatch is not None:
-            self.dispatch.teardown()  # in-flight results are lost with the old actors
-            self.dispatch = None
 
     def _kill_actors(self) -> None:
         import ray
@@ -287,8 +250,7 @@ class RayExecutor:
                 logger.debug("remove placement group: %s", e)
         self.actors, self.placement_groups = [], []
 
-    def shutdown_actors(self) -> None:
-        """Stop the control plane and let every actor close its links and process group, then kill it."""
+    def stop_stages(self) -> None:
         import ray
 
         self._teardown_dispatch()
@@ -302,7 +264,7 @@ class RayExecutor:
     def shutdown(self) -> None:
         import ray
 
-        self.shutdown_actors()
+        self.stop_stages()
         if self.owns_ray:
             ray.shutdown()
 

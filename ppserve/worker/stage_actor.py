@@ -1,7 +1,8 @@
 """The stage actor body: one (stage, TP rank) of the pipeline, its StageWorker and its links.
 
-A plain class. The Ray executor runs one per process (`ray.remote(StageActor)`): it binds the
-TCPStore socket, joins torch.distributed, builds its worker and its `TorchP2PChannel`s. The in-process
+A plain class. The Ray executor runs one per process (`ray.remote(StageActor)`), the multi-process
+executor one per spawned process (with a `LocalPlacement`): it binds the TCPStore socket, joins
+torch.distributed, builds its worker and its `TorchP2PChannel`s. The in-process
 executor builds one per stage in its own process with `StageActor.local` over `InProcChannel`s. Either
 way one microbatch is: apply its diff and build its input tensors (`prepare`, before waiting, so it
 overlaps the previous stage's compute), receive the hidden states and the stage times so far from the
@@ -28,6 +29,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -43,14 +45,25 @@ if TYPE_CHECKING:  # torch and the worker are imported where the actor builds th
     from ppserve.worker.stage_worker import StageSpec, StageWorker
 
 
+@dataclass(frozen=True)
+class LocalPlacement:
+    """Where a stage runs when no Ray placed it (engine/mp_executor.py): this machine, CUDA device `gpu`
+    (None: the CPU)."""
+
+    gpu: int | None
+
+
 WARM_UP_STEP = -1  # the step label of the links' warm-up messages
 STRICT_HOST_SYNC_ENV = "PPSERVE_STRICT_HOST_SYNC"  # worker/host_sync.py's switch (read here without torch)
 
 
 class StageActor:
     def __init__(self, spec: StageSpec, rank: int = 0, world_size: int = 1, prev_rank: int | None = None,
-                 next_rank: int | None = None) -> None:
+                 next_rank: int | None = None, placement: LocalPlacement | None = None) -> None:
         self.spec = spec
+        # None: a Ray actor (its GPU and node from Ray's runtime context); else a process the multi-process
+        # executor started on this machine, which imports no Ray.
+        self.placement = placement
         self.rank = rank
         self.world_size = world_size
         self.prev_rank = prev_rank
@@ -89,6 +102,8 @@ class StageActor:
 
     # ---- start-up (Ray) ----------------------------------------------------------------------------
     def node_info(self) -> NodeInfo:
+        if self.placement is not None:
+            return NodeInfo(node_ip="127.0.0.1", node_id="", pid=os.getpid())
         import ray
 
         return NodeInfo(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(),
@@ -120,14 +135,9 @@ class StageActor:
 
         if self.spec.num_threads:
             torch.set_num_threads(self.spec.num_threads)
-        import ray
+        from ppserve.worker.devices import bind_thread_device
 
-        from ppserve.worker.devices import bind_thread_device, cuda_device_for_actor
-
-        # The GPU Ray assigned to this actor, never "cuda:0 of the node" (see worker/devices.py).
-        gpu = cuda_device_for_actor(
-            ray.get_runtime_context().get_accelerator_ids().get("GPU", []), os.environ.get("CUDA_VISIBLE_DEVICES"),
-            torch.cuda.device_count() if torch.cuda.is_available() else 0, self.spec.gpus)
+        gpu = self._gpu_index()
         backend = "gloo" if gpu is None else "nccl"
         if gpu is not None:
             bind_thread_device(torch.device("cuda", gpu))
@@ -156,7 +166,7 @@ class StageActor:
             # CPU stages: a socket (comm/socket_channel.py), or one with NCCL's strict rules (comm/rendezvous.py)
             if device.type != "cpu":
                 raise ValueError(f"parallel.stage_link={link} carries CPU tensors; GPU stages use torch (NCCL)")
-            host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else ray.util.get_node_ip_address()
+            host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else self._node_ip()
             self._connect_socket_links(store, host, rendezvous=link == "rendezvous")
         else:
             # The ring gets a communicator of its own: on NCCL a pair's messages share one stream in both
@@ -171,6 +181,29 @@ class StageActor:
             self.ring_out = None if ring_to is None else TorchP2PChannel(ring_to, device, ring_group)
         self._store = store  # the socket links met through it; kept while the group lives
         self.warm_up_links()
+
+    def _gpu_index(self) -> int | None:
+        """This stage's CUDA device index, or None for CPU: the one its placement gave it, never "cuda:0
+        of the node" (see worker/devices.py)."""
+        import torch
+
+        from ppserve.worker.devices import cuda_device_for_actor
+
+        if self.placement is not None:
+            return self.placement.gpu
+        import ray
+
+        return cuda_device_for_actor(
+            ray.get_runtime_context().get_accelerator_ids().get("GPU", []), os.environ.get("CUDA_VISIBLE_DEVICES"),
+            torch.cuda.device_count() if torch.cuda.is_available() else 0, self.spec.gpus)
+
+    def _node_ip(self) -> str:
+        """The address other nodes reach this one by (a Ray actor's node; a local process is on loopback)."""
+        if self.placement is not None:
+            return "127.0.0.1"
+        import ray
+
+        return str(ray.util.get_node_ip_address())
 
     def _connect_socket_links(self, store: Any, host: str, rendezvous: bool) -> None:
         from ppserve.comm.socket_channel import RING_STORE_KEY, connect_links
