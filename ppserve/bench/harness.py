@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppserve.metrics.bubbles import bubble_report, short_handed_fractions
-from ppserve.metrics.latency import RequestTiming, lifetimes_ns, stats, summarize
+from ppserve.metrics.bubbles import bubble_report, bubble_summary, short_handed_fractions
+from ppserve.metrics.latency import RequestTiming, lifetimes_ns, summarize
 from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.sim.workload import WorkloadRequest
 
@@ -129,27 +129,9 @@ def summarize_run(
         out["throughput"] = {"duration_s": 0.0, "requests_per_s": 0.0, "output_tokens_per_s": 0.0}
     if any(s.kind == "compute" for s in spans):
         rep = bubble_report(list(spans), None if work_intervals is None else list(work_intervals), window)
-        per_req = [v * 1e-9 for v in rep.per_request_bubble_ns.values()]
-        out["bubbles"] = {
-            "window": rep.window,
-            "window_s": rep.window_ns * 1e-9,
-            "mean_bubble_fraction": rep.mean_bubble_fraction,
-            "mean_busy_fraction": rep.mean_busy_fraction,
-            "mean_starvation_fraction": rep.mean_starvation_fraction,
-            "stages": [
-                {"stage": s.stage, "busy_s": s.busy_ns * 1e-9, "bubble_s": s.bubble_ns * 1e-9,
-                 "bubble_fraction": s.bubble_fraction, "busy_fraction": s.busy_fraction}
-                for s in rep.stages
-            ],
-            "per_request_bubble_s": stats(per_req),
-            "num_microbatches": rep.num_microbatches,
-            "microbatch_token_mean": rep.microbatch_token_mean,
-            "microbatch_token_cv": rep.microbatch_token_cv,
-        }
-        if num_stages is not None:
-            bub, when = short_handed_fractions(spans, work_intervals, window, lifetimes_ns(done), num_stages)
-            out["bubbles"]["short_handed_bubble_fraction"] = bub
-            out["bubbles"]["short_handed_time_fraction"] = when
+        short = None if num_stages is None else short_handed_fractions(
+            spans, work_intervals, window, lifetimes_ns(done), num_stages)
+        out["bubbles"] = bubble_summary(rep, short)
     return out
 
 

@@ -4,50 +4,16 @@ One table answers "are the microbatches uniform in every regime?": the simulator
 engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs five
 formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
-Formations (SchedulerConfig, otherwise each regime's settings):
-- `sarathi`: the default: the balanced formation (balance=True; ARCHITECTURE.md §3) with the token ring
-  (async_scheduling=True: a decode group's next microbatch formed before its last one returns, its tokens
-  handed from the last stage to stage 0);
-- `sarathi-unbal`: the default with balance=False (one request per in-flight microbatch, filled to the
-  budget; the token ring on);
-- `sarathi-no-ring`: the balanced formation without the token ring (the default before it was one);
-- `vllm`, `orca`: the baselines as published (no token ring: the default for them).
-
-Regimes (request counts full / `--reduced`):
-1. `sarathi-gpt3`: Sarathi's saturated pipeline case, exactly `ppserve.sim.reproduce_sarathi`'s default
-   "paper" workload: GPT-3 175B, A100, TP8 x PP8, 512 requests (128 reduced) of 1024 tokens at P:D 10
-   (prompt 931, output 93), all at t=0, budget 256, max_num_seqs 128, seq cap on, schedule
-   overhead 0.2 ms, no dispatch latency.
-2-4. `conv-2`, `conv-4`, `conv-8`: Llama-2-70B, A100, PP4 x TP4, the Splitwise/Azure conversation
-   trace (`default_trace_path()`), first 400 rows (100 reduced) clipped to the 4096 context, Poisson
-   at 2 / 4 / 8 req/s (seed 0), as benchmarks/bench_balance_sim.py: budget 512, 128 running, seq cap
-   on, dispatch 0.5 ms, turnaround 0.5 ms.
-5. `long-prompts`: arxiv-summarization-like: prompts log-uniform over 2,048-16,384 tokens (median
-   ~5.8k), outputs uniform over 100-400 (seed 0), 64 requests (16 reduced), Poisson 0.5 req/s (seed 0).
-   Llama-2-70B's shape with the context limit raised to 16,896 tokens (the roofline prices attention
-   by the real context; Llama-2-70B is kept so the regimes compare on one model).
-6. `sparse`: 8 requests (both modes) with the trace's first 8 rows' lengths, arriving 60 s apart
-   (each finishes long before the next arrives: the pipeline never holds more than one request).
-7. `one-long-prompt`: one 4096-token prompt, 1 output token (both modes), PP4, budget 512, context 8192,
-   as bench_balance_sim.py's lone-prompt case.
-8. `bursty`: on/off arrivals: bursts of 16 requests at once every 10 s, 10 bursts (4 reduced), the
-   trace's lengths (rows 0..).
-9. `decode-heavy`: prompts uniform over 64-256 tokens, 1,000 output tokens each (seed 0), 160
-   requests (40 reduced), Poisson 2 req/s (seed 0).
-10. `shared-prefix`: 8 system prompts of 1,024 tokens, each followed by 64-token questions (128
-   requests, 32 reduced), 64 output tokens, Poisson 4 req/s (seed 0): the prefix cache (on, as in
-   the engine) computes each system prompt once.
-11. `multi-turn`: 32 conversations (8 reduced) of 4 turns, each turn re-sending the 512-token system
-   prompt, the earlier 64-token questions and 128-token answers and a new question; turn t of every
-   conversation arrives at 20 t s (after turn t - 1 has finished), so it hits the previous turn's
-   prompt and answer.
-Regimes 5-11 use regime 2-4's model, hardware and settings unless stated.
-
-Per cell: mean bubble fraction and each stage's (active window: only while the engine holds work),
-throughput (req/s, output tok/s, first arrival to last token), TTFT p50/p99, TBT p99, per-request
-bubble p50 (SimResult.summary(), ppserve.metrics.latency). Per regime, `criteria` checks what the
-simulator can promise deterministically: balanced sarathi's mean bubble <= the unbalanced one's, its
-throughput >= 0.97x the best formation's and its TTFT p50 <= 1.1x the best (lowest) formation's.
+Formations (`FORMATIONS`): `sarathi`, the default (the balanced formation, ARCHITECTURE.md §3, with the
+token ring); `sarathi-unbal` (balance=False); `sarathi-no-ring` (token_ring=False); the baselines `vllm`
+and `orca` as published. Regimes (`regimes()`, each with its description; request counts full /
+`--reduced`): Sarathi's saturated GPT-3 case, the conversation trace at three rates, long prompts, sparse
+arrivals, one long prompt, bursts, decode-heavy, shared prefixes, multi-turn; the workloads and why each
+is there: docs/decisions.md#regime-suite.
+Per cell: mean bubble fraction and each stage's (active window), throughput, TTFT p50/p99, TBT p99,
+per-request bubble p50 (SimResult.summary()). Per regime, `criteria` checks what the simulator can
+promise deterministically: balanced sarathi's mean bubble <= the unbalanced one's, its throughput >=
+THROUGHPUT_FLOOR x the best formation's and its TTFT p50 <= TTFT_CEILING x the best formation's.
 
     ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR] [--spans DIR]
 """
@@ -65,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.config import SchedulerConfig
-from ppserve.metrics.bubbles import short_handed_fractions
-from ppserve.metrics.latency import lifetimes_ns
 from ppserve.metrics.spans import write_jsonl
 from ppserve.sim.cost_model import RooflineCostModel, kv_cache_blocks, load_hardware, load_model_spec
 from ppserve.sim.simulator import SimConfig, simulate
@@ -115,7 +79,7 @@ class Formation:
     name: str
     policy: str
     balance: bool = True
-    async_scheduling: bool | None = None  # the token ring; None: SchedulerConfig's default (on for sarathi only)
+    token_ring: bool | None = None  # the token ring; None: SchedulerConfig's default (on for sarathi only)
 
 
 BALANCED = "sarathi"
@@ -124,7 +88,7 @@ NO_RING = "sarathi-no-ring"
 FORMATIONS: tuple[Formation, ...] = (
     Formation(BALANCED, "sarathi", True),
     Formation(UNBALANCED, "sarathi", False),
-    Formation(NO_RING, "sarathi", True, async_scheduling=False),
+    Formation(NO_RING, "sarathi", True, token_ring=False),
     Formation("vllm", "vllm"),
     Formation("orca", "orca"),
 )
@@ -180,7 +144,7 @@ def _poisson_conv(n: int, rate: float) -> list[WorkloadRequest]:
 
 
 def regimes(reduced: bool = False) -> list[Regime]:
-    """The eleven regimes (see the module doc); `reduced`: fewer requests per regime, same regimes."""
+    """The eleven regimes (docs/decisions.md#regime-suite); `reduced`: fewer requests, same regimes."""
     k = 1 if reduced else 0
 
     def n(key: str) -> int:
@@ -233,7 +197,7 @@ def sim_setup(regime: Regime, formation: Formation, workload: Sequence[WorkloadR
     sched = SchedulerConfig(policy=formation.policy, token_budget=regime.token_budget,
                             max_num_seqs=regime.max_num_seqs, per_microbatch_seq_cap=regime.seq_cap,
                             max_waiting=max(4096, len(wl)), balance=formation.balance,
-                            async_scheduling=formation.async_scheduling)
+                            token_ring=formation.token_ring)
     cfg = SimConfig(sched, blocks, regime.block_size, regime.max_model_len or model.max_model_len,
                     regime.overhead_ms * 1e-3, regime.dispatch_ms * 1e-3)
     return wl, cost, cfg
@@ -261,8 +225,7 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
         "num_preemptions": s["num_preemptions"],
         "mean_bubble": bub["mean_bubble_fraction"],
         # The part of it that fell while fewer than p requests were in the system (metrics/bubbles.py).
-        "short_handed_bubble": short_handed_fractions(res.spans, res.work_intervals, "active",
-                                                      lifetimes_ns(res.timings.values()), res.num_stages)[0],
+        "short_handed_bubble": bub["short_handed_bubble_fraction"],
         "stage_bubble": [st.bubble_fraction for st in rep.stages],
         "requests_per_s": thr["requests_per_s"],
         "output_tokens_per_s": thr["output_tokens_per_s"],
@@ -270,7 +233,7 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
         "ttft_p50_s": lat["ttft_s"]["p50"],
         "ttft_p99_s": lat["ttft_s"]["p99"],
         "tbt_p99_s": lat["tbt_s"]["p99"],
-        "per_request_bubble_p50_s": bub["per_request_bubble_p50_s"],
+        "per_request_bubble_p50_s": bub["per_request_bubble_s"]["p50"],
         "microbatch_token_cv": bub["microbatch_token_cv"],
         "sim_wall_s": time.perf_counter() - t0,  # how long the simulation took here (not a figure)
     }

@@ -328,8 +328,8 @@ class _RealCapacity:
                 reqs = probe_workload(self.ctx.workload, rate, self.size)
                 span = max(r.arrival_s for r in reqs)
                 # Every probe replays the same first rows' prompts: cached by the probes before, they would
-                # cost a later probe almost no prefill (a probe at 8 req/s passed after slower ones and
-                # failed, median delay 16 s, as the first). Each probe starts cold, as a simulated one does.
+                # cost a later probe almost no prefill and pass a rate it fails cold. Each probe starts
+                # cold, as a simulated one does (docs/decisions.md#capacity-probes-start-cold).
                 eng.reset_prefix_cache()
                 run = replay(eng, reqs, self.builder.build_for(reqs), name=f"{policy}@{rate:.3g}",
                              progress=self.ctx.progress,

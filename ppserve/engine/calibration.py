@@ -92,9 +92,8 @@ def machine_id() -> str:
 
 def profile_cache_path(engine: CalibratedEngine) -> Path:
     """The cached profile for `engine`'s model, dtype, pp, tp, token budget, max_num_seqs, machine and
-    kernels: torch's version and ppserve's native kernels (a new GEMM kernel moved the default model's
-    LM head on a Zen 4 from ~8 to ~5 layers' worth, and a profile measured before it split 19 / 11 where
-    17 / 13 balances)."""
+    kernels: torch's version and ppserve's native kernels, since a new kernel moves the stage costs and an
+    older profile would split the layers unevenly (docs/decisions.md#calibrated-profile-key)."""
     cfg = engine.config
     key = {"model": str(engine.model_dir), "dtype": cfg.model.dtype,
            "pp": cfg.parallel.pipeline_parallel_size, "tp": cfg.parallel.tensor_parallel_size,

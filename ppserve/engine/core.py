@@ -1,7 +1,7 @@
 """The step loop, shared by the real engine and the simulator: one copy, so the two cannot drift apart.
 
-    intake -> fill the pipeline -> collect the oldest microbatch -> hand it to the scheduler (its
-    tokens, and the stage times it carries for the cost model) -> intake -> fill the pipeline again
+    intake -> fill the pipeline -> collect the oldest microbatch -> hand it to the scheduler in one call
+    (its tokens, and the stage times it carries for the cost model) -> intake -> fill the pipeline again
 
 A result's stage times measure the step `timed_step_id`, which GPU stages report one step late or
 more (ARCHITECTURE.md §5): the loop keeps each collected microbatch until its times come back and
@@ -103,15 +103,14 @@ class EngineCore:
         result = self.executor.collect()
         now = self.clock()
         done = sched.in_flight[0]
-        updates = sched.update_from_output(done, result)
         timed = self.timed_output(done, result)
-        sched.observe_step(done, result.stage_seconds if timed is not None else (), timed=timed)
+        outcome = sched.step_done(done, result, timed, self.dispatch_s if self.wait_until is not None else None)
         for observe in self.step_observers:
             observe(done, result)
         if timed is not None:
             for observe_time in self.timing_observers:
                 observe_time(timed, result.stage_seconds)
-        due = sched.formation_due(self.dispatch_s) if self.wait_until is not None else None
+        due = outcome.formation_due
         if due is not None and due > self.clock():
             # The token ring's extra microbatch is not needed yet: the caller does its text work, the next
             # step waits until it is due and forms it then, with whatever arrived meanwhile.
@@ -125,7 +124,7 @@ class EngineCore:
                 # that died between this collect and the next submit lost them from the streams.
                 self.deferred_failure = e
         self.work.update(sched.has_unfinished, self.clock_ns())
-        return now, updates
+        return now, outcome.updates
 
     def timed_output(self, done: SchedulerOutput, result: StepResult) -> SchedulerOutput | None:
         """The microbatch `result`'s stage times measure (`done` itself, or one collected earlier), or

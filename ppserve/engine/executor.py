@@ -83,7 +83,7 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int
         trace=cfg.trace.enabled,
         cuda_graphs=cfg.model.cuda_graphs, cuda_graph_max_batch=cfg.model.cuda_graph_max_batch,
         max_model_len=cfg.model.max_model_len, kernels=kernels, gpus=gpus, stage_link=par.stage_link,
-        token_ring=cfg.scheduler.token_ring and len(ranges) > 1,
+        token_ring=cfg.scheduler.token_ring_on and len(ranges) > 1,
     )
 
 
@@ -152,8 +152,8 @@ class InProcExecutor:
         self.ranges = list(ranges)
         links = [InProcChannel() for _ in range(len(ranges) - 1)]
         last = len(ranges) - 1
-        # The token ring (scheduler.async_scheduling): the last stage's tokens back to stage 0.
-        ring = InProcChannel() if self.config.scheduler.token_ring and last > 0 else None
+        # The token ring (scheduler.token_ring): the last stage's tokens back to stage 0.
+        ring = InProcChannel() if self.config.scheduler.token_ring_on and last > 0 else None
         self.actors: list[StageActor] = []
         for s in range(len(ranges)):
             worker = StageWorker(stage_spec(self.config, self.model_dir, self.arch, s, self.ranges))

@@ -211,7 +211,7 @@ class RayExecutor(RemoteStagesExecutor):
 
             self.dispatch = ConnectionDispatch(len(actors), self.num_stages, self.tp, host, connect)
         elif self.dispatch_kind == "compiled":
-            ring = self.config.scheduler.token_ring and self.num_stages > 1
+            ring = self.config.scheduler.token_ring_on and self.num_stages > 1
             self.dispatch = CompiledGraphDispatch(self.actors, self.num_stages, self.tp,
                                                   self.num_stages + 1 if ring else self.num_stages)
         else:

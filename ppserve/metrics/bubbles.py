@@ -4,22 +4,14 @@ Definitions (ARCHITECTURE.md §5), for one (stage, tp rank) and one window W (a 
 - busy       = |union of its prepare, compute and send spans ∩ W|   (overlaps count once)
 - bubble     = |(work ∩ W) − busy spans|   idle while the engine had work (a request waiting or in flight)
 - starvation = |W − work − busy spans|     idle with no work at all: the load's fault, not the pipeline's
-so busy + bubble + starvation = |W|, and each fraction is that time over |W|.
+so busy + bubble + starvation = |W|, and each fraction is that time over |W|. A stage's figures are the
+mean over its tp ranks (which run in lock step); the pipeline's, the mean over stages. Without work
+intervals from the engine, "had work" is "some stage was computing or sending", all the spans prove.
 
-Tensor parallelism: each tp rank of a stage is measured on its own and the stage's figures are the
-mean over its ranks (ranks of one stage run in lock step, so the mean hides nothing but shows skew
-no worse than any single rank would). The pipeline figure is the mean over stages.
-
-Work intervals: when the engine reports none, "had work" falls back to "some stage was computing or
-sending" (the union of compute/send spans of all stages) — the only work the spans prove.
-
-Windows, always labelled in the report:
-- "all":    first span start .. last span end (any kind, any stage, engine track included).
-- "active": the union of the work intervals (not one contiguous range: gaps with no work are left
-            out, so starvation is 0 by construction). Without work intervals, the union of all
-            compute/send spans.
-- "steady": the last stage's first compute start .. the first stage's last compute end.
-- (t0, t1): an explicit half-open range in engine-clock ns.
+Windows, always labelled in the report: "all" (first span start .. last span end), "active" (the union of
+the work intervals, gaps with no work left out, so starvation is 0 by construction; without them, of all
+compute/send spans), "steady" (the last stage's first compute start .. the first stage's last compute
+end), or an explicit half-open (t0, t1) in engine-clock ns.
 
 All arithmetic is on integer nanoseconds and exact fractions, so a report recomputed from a saved
 trace equals the original exactly, and the GPipe oracle (p-1)/(m+p-1) holds to the last bit.
@@ -34,7 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from ppserve.metrics.latency import percentile
+from ppserve.metrics.latency import percentile, stats
 from ppserve.metrics.spans import BUSY_KINDS, Span, WorkInterval
 
 __all__ = [
@@ -245,6 +237,38 @@ def short_handed_fractions(
     few = short_handed(lifetimes, num_stages, win)
     win_ns = total(win)
     return bubble_fraction_within(spans, work, window, few), (total(few) / win_ns if win_ns else 0.0)
+
+
+def bubble_summary(rep: BubbleReport, short_handed: tuple[float, float] | None = None) -> dict[str, Any]:
+    """One run's bubble figures as every report writes them (the simulator's `summary`, the benchmark
+    harness, `ppserve simulate --json`): the same keys everywhere, seconds and fractions in [0, 1].
+    `short_handed`: `short_handed_fractions`' pair, or None where the request times are not on the spans'
+    clock (those two keys are then None)."""
+    per_req = stats([v * 1e-9 for v in rep.per_request_bubble_ns.values()])
+    # The percentiles as the report computed them, in ns, so that every writer gives the same figure.
+    for key, ns in (("p50", rep.per_request_bubble_p50_ns), ("p90", rep.per_request_bubble_p90_ns),
+                    ("p99", rep.per_request_bubble_p99_ns)):
+        per_req[key] = None if ns is None else ns * 1e-9
+    return {
+        "window": rep.window,
+        "window_s": rep.window_ns * 1e-9,
+        "mean_bubble_fraction": rep.mean_bubble_fraction,
+        "mean_busy_fraction": rep.mean_busy_fraction,
+        "mean_starvation_fraction": rep.mean_starvation_fraction,
+        # The part of the mean bubble that fell while fewer than p requests were in the system, and the
+        # part of the window that was so: a formation cannot fill all of that.
+        "short_handed_bubble_fraction": None if short_handed is None else short_handed[0],
+        "short_handed_time_fraction": None if short_handed is None else short_handed[1],
+        "stages": [
+            {"stage": s.stage, "busy_s": s.busy_ns * 1e-9, "bubble_s": s.bubble_ns * 1e-9,
+             "bubble_fraction": s.bubble_fraction, "busy_fraction": s.busy_fraction}
+            for s in rep.stages
+        ],
+        "per_request_bubble_s": per_req,
+        "num_microbatches": rep.num_microbatches,
+        "microbatch_token_mean": rep.microbatch_token_mean,
+        "microbatch_token_cv": rep.microbatch_token_cv,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

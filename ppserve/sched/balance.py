@@ -1,124 +1,55 @@
 """Balanced microbatch formation: how big the next microbatch is, so that the pipeline stays full.
 
-A pipeline of p stages keeps p microbatches in flight (p + 1 with the token ring, whose extra one is the
-oldest decode group's next step: the decodes still form p groups); it is balanced when consecutive microbatches
-cost the same on every stage (ARCHITECTURE.md §3, "Balanced formation"). Two numbers shape the next microbatch:
+A pipeline of p stages keeps p microbatches in flight (p + 1 with the token ring); it is balanced when
+consecutive microbatches cost the same on every stage (ARCHITECTURE.md "How a microbatch is formed").
+`BalancedFormation` gives each microbatch two numbers:
 
-- **Decode quota.** Each decoding request rides in one in-flight microbatch at a time (its next token
-  needs the last one), so the decodes split into p groups that follow each other around the pipeline.
-  The next microbatch takes about 1/p of *all* decoding requests, those in flight included:
-  min(ceil(D / p), ceil(R / F)) with D decoding requests, R of them ready now, F free slots. The first
-  term keeps every group near D/p and moves a surplus on to the next microbatch (so groups even out
-  as requests come and go); the second spreads what is ready over the slots still empty, so p = 4
-  slots and 9 decodes give 3, 2, 2, 2 rather than 3, 3, 3 and an idle stage.
-- **Fair share.** The microbatch is filled to an equal part of the work in reach: (work in flight +
-  work schedulable now) / p, never more than the budget; in predicted time on the slowest stage once
-  the scheduler's step-cost model is calibrated (`Scheduler._time_share`: a microbatch's time is not
-  its tokens; each stage pays a floor per step, attention grows with context, the last stage pays the
-  LM head per sampled token), in tokens before. Saturated, the share is the budget itself (plain Sarathi-Serve): the work in
-  reach fills every share, or requests wait beyond the free seats (then `max_num_seqs`, not demand,
-  bounds what is in reach, and a smaller budget would only cut throughput). With little work, a lone
-  prompt is cut into p chunks that follow each other down the pipeline instead of one chunk that
-  visits the stages one at a time; a token share is never below a quarter of the budget
-  (`MIN_SHARE_OF_BUDGET`: a smaller chunk beside the decodes balances nothing, the step's floor
-  dominates, and it only delays a short prompt; in predicted time the floor is a time, `min_chunk_tokens`:
-  the chunk that costs what the step's floor costs, at most that quarter: on a GPU, whose floor is
-  the weights' read, about the ridge point), except while several prompts fill an empty pipeline
-  (nothing in flight, no decode): there the floor would only make the first microbatch the longest,
-  with every stage behind it waiting for all of it. A chunk that follows its prompt's in-flight chunk takes only the
-  budget the other work leaves: ranked with the other prefills, one prompt's chunks took the prefill
-  part of consecutive microbatches, and its short last chunk (next to a sequence cap full of decodes)
-  left every few microbatches short of the budget, which a saturated pipeline pays as bubbles.
-- **Rounds, while requests keep arriving** (`scheduler.balance_rounds` = k, default 4). A pipeline
-  idles about (p - 1) * (T_k - T_k+1) each time the microbatch time falls (the decode ring's groups
-  wait for the longer microbatch to come round): the bubble follows how far and how often the
-  microbatch time drops. Shared over one round, each prompt that arrives among decode-only
-  microbatches lifts p of them and drops back. With k > 1, while requests keep arriving
-  (`ArrivalWatch`), the work in reach is shared among k rounds (k * p microbatches): the prefill runs
-  in thinner chunks beside the decodes, the next prompt comes before they run out, and the microbatch
-  time stays level. Thinner, but never below `ROUNDS_MIN_CHUNKS` minimum chunks (`min_chunk_tokens`,
-  the chunk that costs a step's floor) unless one round's share is thinner still: a chunk near the
-  floor's cost barely shortens its microbatch, so cutting it finer lowers no drop and only adds steps
-  to its prompt. Without that floor k = 4 was a trade (simulator, conversation trace): Llama-2-70B
-  A100 PP4xTP4 at 2 / 4 / 8 req/s, bubble 10.0 / 11.1 / 14.7 % -> 7.7 / 6.8 / 7.6 %, TTFT p50
-  -13..-17 %, but Llama-3-70B on H100s (PP4xTP2, PP8xTP1, PP2xTP4), where a chunk's tokens cost little
-  beside the floor, TTFT p50 +20..+49 %: its prompts went from ~4 chunks of ~250 tokens to ~8 of ~125,
-  each a step. With the floor at two minimum chunks, k = 4 against k = 1 is no worse in mean bubble,
-  TTFT p50, TBT p99 or throughput in any of those setups (`benchmarks/bench_balance_rounds.py`:
-  bubble 10.0 / 11.1 / 14.7 -> 9.1 / 9.1 / 10.5 % on A100, 7.8 / 12.9 / 9.3 -> 6.2 / 11.5 / 7.4 % on
-  H100; TTFT p50 0.85-1.00x; TBT p99 0.50-0.77x); the TTFT tail moves by -25..+17 %. A floor of 1.5
-  gives lower bubbles on A100 and 1.07x TTFT p50 on H100; 3 gives back most of the gain.
-  When the arrivals stop (the end of a burst, a batch given all at once) no later prompt would keep
-  the level, the drop comes whatever the share, and thinner chunks would only delay the last prompts:
-  one round then, whatever k (Sarathi's GPT-3 case, 512 requests at t=0, with k = 4 in every state:
-  its last prompts' decodes ran on alone, makespan +3.4 %, bubble 4.3 -> 5.6 %; with the watch,
-  identical to k = 1). One round too while several prompts fill an empty pipeline (nothing in flight,
-  no decode: nothing to keep level; `ppserve demo`'s eight prompts, arriving over gRPC a few at a time,
-  had TTFT p50 140-145 ms at k = 4 against 89-103 at k = 1).
+- a **decode quota**, min(ceil(D / p), ceil(R / F)) of the R ready decodes (D decoding in all, F free
+  slots): the decodes form p groups of about D / p that follow each other round the pipeline;
+- a **budget**, an equal share of the work in reach ((in flight + schedulable now) / p), in predicted
+  time on the slowest stage once the step-cost model is calibrated, in tokens before. Saturated (the
+  work fills every share, or requests wait beyond the free seats) the budget stays whole: plain
+  Sarathi-Serve. A share is never thinner than a minimum chunk (the chunk that costs a step's floor)
+  beside the decodes, except while several prompts fill an empty pipeline, which is cut into the
+  number of equal microbatches that ends it soonest and keeps that share until its first decode is
+  back. While requests keep arriving the work is shared over `scheduler.balance_rounds` rounds, never
+  thinner than `ROUNDS_MIN_CHUNKS` minimum chunks; a share in time cuts a prompt into equal chunks.
 
-- **Filling an empty pipeline.** Several prompts and nothing in flight, no decode: every stage behind the
-  first microbatch waits for all of it, and no decode needs keeping level. In predicted time the fill is
-  cut into equal microbatches, as many as end it soonest (`fill_microbatches`): m microbatches of a work
-  W, each paying the step's floor f, keep p stages busy until about (m + p - 1)(f + W / m), least at
-  m = sqrt((p - 1) W / f), rounded down (a microbatch also costs a dispatch and hops the model leaves
-  out); never fewer than the token budget allows, and where only the budget bounds it, the whole budget
-  (saturated). The fill keeps that share, prompts arriving meanwhile included, until its first decode is
-  back (`Scheduler._fill_share_s`). It was one round, p shares, for its first microbatch only: the regime
-  suite's multi-turn bursts (32 prompts, 2048 tokens, into an empty PP4 pipeline with a 512-token
-  budget) went as a whole-budget microbatch (one round was saturated) and then the ~160-token shares of
-  four rounds, and stage 0 idled 52 ms a burst for the first's round trip. Cut by the rule: bubble
-  3.42 -> 2.38 %, TTFT p50 179 -> 137 ms (the best formation there now; `vllm` 165); bursty 10.36 ->
-  10.05 %, TTFT p99 -1.2 %; every other regime identical. The demo's eight prompts (194 tokens; on two
-  CPU stages a floor of ~5 ms and ~0.24 ms a token) go as three microbatches of whole prompts (81, 68,
-  45 tokens) instead of 100 + 94. Uncalibrated, in tokens, the fill takes one round's share.
-
-- **Equal chunks.** A share in predicted time cuts a prompt that does not fit whole into equal chunks
-  (`TimeBudget(even_chunks=True)`): the chunk takes the rest's tokens divided by the number of chunks
-  the time granted now would need, at most one token over that grant (the grant is a share rounded down,
-  and a prompt of exactly two shares would go in three; not with a token budget of 16 or less, whose
-  share lets no rest past it). Cut greedily, a prompt's chunks were full
-  grants and then its rest, which either took a microbatch of its own or, a little over a grant, went
-  whole past the share (`MIN_REST_OF_BUDGET`). A 1,123-token prompt beside three decodes went as chunks
-  of 217-221 tokens and a last one of 246 (12.3 ms against ~10.9, its share), followed by decode-only
-  microbatches of 5.7 ms: a drop the ring paid as 11 ms of idle time on every stage. Equal, it goes as
-  six chunks of 187-188. Regime suite (Llama-2-70B A100 PP4xTP4, conversation trace at 2 / 4 / 8 req/s):
-  bubble 5.76 / 4.26 / 5.26 -> 5.27 / 4.09 / 5.09 %, TTFT p50 -0.6..-3.0 %, TTFT p99 -1..-6 %, TBT p99
-  -1.5..-8 %; decode-heavy 2.84 -> 2.77 %, bursty 10.05 -> 10.36 %, the other regimes within 0.11 points.
-
-Functions over numbers, and one small tracker (`ArrivalWatch`) the scheduler feeds arrival times from
-its injected clock; the scheduler gathers the numbers. No torch, no clock reads of its own.
+Why, with the measurements: docs/decisions.md#balanced-formation. Pure Python, no clock reads of its own.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ppserve.sched.cost import PipelineCost
+from ppserve.request import Request
+from ppserve.sched.batch import RunningSplit
+from ppserve.sched.block_manager import BlockManager
+from ppserve.sched.budget import TimeBudget, TokenBudget
+from ppserve.sched.cost import OnlinePipelineCost, PipelineCost, WorkFeatures
+from ppserve.sched.output import SchedulerOutput
 
-__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ROUNDS_MIN_CHUNKS", "ArrivalWatch", "decode_quota", "fair_share", "fill_microbatches",
-           "min_chunk_tokens"]
+__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ROUNDS_MIN_CHUNKS", "ArrivalWatch", "BalancedFormation",
+           "decode_quota", "fair_share", "fill_microbatches", "min_chunk_tokens"]
 
-# A token share is never cut below this part of the budget. Next to a microbatch's decodes a stage's
-# time is mostly its per-step floor (weights read, launches), so a smaller chunk balances almost
-# nothing and only spreads a short prompt over more microbatches: its TTFT grows by up to p - 1 steps
-# (decode-heavy chat in the regime suite: 1.21x the best formation's TTFT without the floor, 1.00x with
-# it). A share in predicted time keeps the same floor: never below the decodes it takes plus a chunk of
-# this part of the budget, or less where a chunk that size costs more than the step's floor
-# (`min_chunk_tokens`).
+# A token share is never cut below this part of the budget: beside a microbatch's decodes a stage's
+# time is mostly its per-step floor, so a smaller chunk balances almost nothing and only spreads a
+# short prompt over more microbatches (up to p - 1 more steps of TTFT). A share in predicted time keeps
+# the same floor, or less where a chunk that size costs more than the step's floor (`min_chunk_tokens`).
 MIN_SHARE_OF_BUDGET = 0.25
 
 # A share in predicted time never leaves a prompt a rest of this part of the budget or less: the chunk
-# takes it whole (the token budget allowing). In Sarathi's GPT-3 case a last chunk cut to 223 of its 224
-# tokens left a 1-token rest, which cost its request a microbatch of its own and the pipeline a short
-# one (bubble 3.9 -> 4.2 %, reduced suite); a rest as large as the quarter-budget floor, taken whole,
-# overfilled microbatches instead (conversation trace: bubble +0.9 pp, TTFT p50 +5-10 %).
+# takes it whole (the token budget allowing). A tiny rest costs its request a microbatch of its own and
+# the pipeline a short one; a rest as large as the quarter-budget floor, taken whole, overfills.
 MIN_REST_OF_BUDGET = 1 / 16
 
-# Shared over more than one round, a chunk is at least this many minimum chunks (`min_chunk_tokens`;
-# in tokens, before the cost model is calibrated, this many quarter budgets), or one round's share where
-# that is thinner (see "Rounds" in the module doc; 1.5, 2 and 3 measured there).
+# Shared over more than one round, a chunk is at least this many minimum chunks (in tokens, before the
+# cost model is calibrated, this many quarter budgets), or one round's share where that is thinner: a
+# chunk near the floor's cost barely shortens its microbatch and only adds steps to its prompt.
 ROUNDS_MIN_CHUNKS = 2.0
 
 # Requests count as still arriving while the last one came less than this many mean gaps ago: a
@@ -189,14 +120,197 @@ def min_chunk_tokens(cost: PipelineCost, token_budget: int) -> int:
 
     The floor argument is about time, not tokens: a chunk that costs much less than the step's floor
     balances nothing and only spreads a prompt over more microbatches. On a GPU the floor is the
-    weights' read and a token's cost its compute, so the chunk is about the ridge point (the
-    simulator's A100 roofline: 98 tokens for a Llama-2-70B PP4xTP4 stage, 90 for GPT-3 TP8xPP8,
-    against the quarter budgets 128 and 64). Where a token costs more next to the floor the chunk is
-    smaller, and a quarter budget kept whole would be a long microbatch for the other stages to wait
-    behind (the demo on one machine: a 113-token prompt arriving beside decodes took one 75 ms step
-    where its neighbours took 25 ms). The default model on a 2-core Xeon, bf16, one thread a stage:
-    floor 17 ms, 0.33 ms a token, so 53 tokens."""
+    weights' read and a token's cost its compute, so the chunk is about the ridge point. Where a token
+    costs more next to the floor the chunk is smaller: a quarter budget kept whole would be a long
+    microbatch for the other stages to wait behind."""
     cap = math.ceil(token_budget * MIN_SHARE_OF_BUDGET)
     if not cost.stages:
         return cap
     return max(stage.max_tokens(stage.floor_s, 0, cap) for stage in cost.stages)
+
+
+class BalancedFormation:
+    """The balanced formation's state and steps: for each microbatch, its decode quota and its budget.
+
+    It reads the scheduler's queues (the in-flight microbatches, the waiting and running requests) and
+    prices work with the scheduler's online step cost; what it keeps of its own: the arrivals
+    (`ArrivalWatch`), each in-flight microbatch's features (priced once), and an empty pipeline's fill
+    share, kept until its first decode is back so the fill's microbatches come out equal."""
+
+    def __init__(self, num_stages: int, max_num_seqs: int, balance_rounds: int, seq_cap: int | None,
+                 cost: OnlinePipelineCost, blocks: BlockManager, in_flight: deque[SchedulerOutput],
+                 waiting: deque[Request], running: dict[str, Request], clock: Callable[[], float]) -> None:
+        self.num_stages = num_stages
+        self.max_num_seqs = max_num_seqs
+        self.balance_rounds = balance_rounds
+        self.seq_cap = seq_cap
+        self.cost = cost
+        self.blocks = blocks
+        self.in_flight = in_flight
+        self.waiting = waiting
+        self.running = running
+        self.clock = clock
+        self.arrivals = ArrivalWatch()  # whether requests keep arriving: the share's rounds
+        self._in_flight_work: dict[int, WorkFeatures] = {}  # by step id (`_work_of`)
+        self._min_chunk_memo: tuple[tuple[PipelineCost, int] | None, int] = (None, 0)
+        self._fill_share_s: float | None = None
+
+    # ---- what the scheduler tells it -------------------------------------------------------------
+    def arrived(self, now_s: float) -> None:
+        self.arrivals.arrived(now_s)
+
+    def returned(self, step_id: int) -> None:
+        self._in_flight_work.pop(step_id, None)
+
+    def forget(self) -> None:
+        """The in-flight microbatches were abandoned (a pipeline rebuild)."""
+        self._fill_share_s = None
+        self._in_flight_work.clear()
+
+    # ---- one microbatch --------------------------------------------------------------------------
+    def plan(self, split: RunningSplit, budget: TokenBudget) -> tuple[TokenBudget, int]:
+        """The next microbatch's budget (`budget`, the budget mode's, whole or shrunk to a share, or a
+        time budget in its place) and its decode quota.
+
+        The quota applies always: it moves a decode to the next microbatch only when its group is over
+        ~1/p of the decodes. The share applies unless the pipeline is saturated: the work in reach fills
+        every share to the token budget, or requests wait beyond the free seats (`max_num_seqs` bounds
+        the work then, not demand, and a smaller budget would only cut throughput)."""
+        stages = self.num_stages
+        in_flight = self.in_flight
+        num_ready = len(split.decodes)
+        # Decode next once back. The ring's candidates are ready already: each is sampled by the oldest
+        # in-flight microbatch and rides in no other, so they count once among the samples in flight.
+        awaiting = sum(len(mb.sample_request_ids) for mb in in_flight) - len(split.ring)
+        free_slots = max(1, stages - len(in_flight))  # the token ring's extra slot is the oldest's group's
+        quota = decode_quota(num_ready + awaiting, num_ready, stages, free_slots)
+        if self.seq_cap is not None and split.following:
+            # Under a per-microbatch sequence cap a decode group could fill every seat: a prompt whose
+            # next chunk follows its in-flight chunk keeps one (a decode left out goes first next time),
+            # or its chunks would ride once a round in one long microbatch among decode-only ones.
+            quota = max(1, min(quota, self.seq_cap - 1))
+        seats = max(0, self.max_num_seqs - len(self.running))
+        if len(self.waiting) > seats:
+            return budget, quota
+        cap = budget.token_budget
+        assert cap is not None and cap >= 1, "a balanced policy has a token budget"
+        reach = split.prefills + split.following + list(itertools.islice(self.waiting, seats))
+        # An empty pipeline (nothing in flight, no decode) that several prompts fill: one round, cut in
+        # predicted time into the microbatches that end it soonest (`_time_share`); with no decodes to
+        # keep level, thinner chunks over several rounds would only delay the prompts.
+        filling = not in_flight and not num_ready and len(reach) > 1
+        rounds = self.balance_rounds
+        shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock()) else 1)
+        tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
+        calibrated = self.cost.calibrated
+        if filling or num_ready or not reach or not in_flight or not calibrated:
+            self._fill_share_s = None  # a fill under way ends with its first decode back
+        if self._fill_share_s is not None:  # the fill goes on: its microbatches stay equal
+            return self._time_budget(budget, cap, self._fill_share_s), quota
+        # Beyond this every share is the whole budget: saturated. A fill in predicted time sees all of its
+        # work and decides that itself (`_time_share`).
+        limit = math.inf if filling and calibrated else shares * cap
+        work: list[tuple[int, int]] = []  # per prefill in reach: (tokens it will compute, tokens before them)
+        seen: set[bytes] = set()
+        for req in reach:
+            if tokens >= limit:
+                return budget, quota
+            cached = self.blocks.prefix_in_reach(req, seen)  # a prefix held in reach is not work
+            work.append((req.num_uncomputed_tokens - cached, req.num_computed_tokens + cached))
+            tokens += work[-1][0]
+        if tokens >= limit:
+            return budget, quota
+        if calibrated:
+            shared = self._time_share(split, quota, work, shares, budget, cap, filling)
+            return (budget if shared is None else shared), quota
+        # In tokens, a share keeps the quarter-budget floor, except in an empty pipeline's fill: there the
+        # floor only makes the first microbatch longer than the rest, with every stage behind it waiting.
+        floor = 0.0 if filling else cap * MIN_SHARE_OF_BUDGET
+        if shares > stages:  # over k rounds (never while filling): ROUNDS_MIN_CHUNKS floors, at most one round's
+            floor = max(floor, min(tokens / stages, ROUNDS_MIN_CHUNKS * floor))
+        budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=floor)))
+        return budget, quota
+
+    def _peers_in_flight(self) -> list[SchedulerOutput]:
+        """The in-flight microbatches the next one shares a round of the pipeline with: the newest p - 1.
+        With the token ring the oldest of p is leaving the last stage (its decodes may be in reach again)."""
+        in_flight = self.in_flight
+        return list(in_flight)[max(0, len(in_flight) - (self.num_stages - 1)):]
+
+    def _time_share(self, split: RunningSplit, quota: int, prefills: list[tuple[int, int]], shares: int,
+                    budget: TokenBudget, cap: int, filling: bool) -> TimeBudget | None:
+        """A budget for an equal share, in predicted time, of the work in reach (in flight, the ready
+        decodes, the prefills in reach): on each stage its floor plus its part of that work's time, the
+        slowest stage's share being the one that counts; never more tokens than the token budget.
+        `prefills`: per prefill in reach, (tokens it will compute, tokens before them). `filling`: an
+        empty pipeline's fill, cut into `fill_microbatches` equal parts; None where the token budget
+        cuts it finer (saturated: the whole budget, as in plain Sarathi-Serve)."""
+        cost = self.cost.current
+        # Every stage prices the same work with its own coefficients (the step cost is linear in the
+        # features), so the work's features are summed once, not once per stage.
+        work = WorkFeatures()
+        for mb in self._peers_in_flight():
+            work.merge(self._work_of(mb))
+        for req in split.decodes:
+            work.add(1, req.num_computed_tokens, True)
+        for num_tokens, context in prefills:  # each prompt's rest as one piece: its keys add up the same in chunks
+            work.add(num_tokens, context, True)
+        if filling:
+            by_budget = math.ceil(sum(n for n, _ in prefills) / cap)
+            count = fill_microbatches([(stage.floor_s, work.seconds(stage)) for stage in cost.stages],
+                                      self.num_stages)
+            if count <= by_budget:
+                return None
+            shares = count
+        share_s = max(stage.floor_s + work.seconds(stage) / shares for stage in cost.stages)
+        # Never below the decodes this microbatch takes (the share must not move a decode its quota
+        # admits) plus a minimum chunk (`min_chunk_tokens`): beside the decodes a stage's time is mostly
+        # its floor, and a chunk much cheaper than the floor only delays a prompt.
+        decodes = sorted(split.decodes, key=split.decode_rank)[:quota]
+        min_chunk = 0 if filling else self._min_chunk(cost, cap)
+        chunk = max(0, min_chunk - len(decodes))
+        taken = WorkFeatures()  # the decodes this microbatch takes; each floor below adds its chunk to a copy
+        for r in decodes:
+            taken.add(1, r.num_computed_tokens, True)
+        least = taken.plus(chunk, 0, False) if chunk else taken
+        floor_s = max(stage.floor_s + least.seconds(stage) for stage in cost.stages)
+        share_s = max(share_s, floor_s * (1 + 1e-9))  # the tolerance: summed in another order
+        if shares > self.num_stages:  # over k rounds (one round while filling)
+            # Over k rounds a chunk is never thinner than ROUNDS_MIN_CHUNKS minimum chunks, unless one
+            # round's share is thinner still.
+            thick = max(0, min(cap, round(ROUNDS_MIN_CHUNKS * min_chunk)) - len(decodes))
+            if thick > chunk:
+                one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages for stage in cost.stages)
+                thicker = taken.plus(thick, 0, False)
+                rounds_floor_s = max(stage.floor_s + thicker.seconds(stage) for stage in cost.stages)
+                share_s = max(share_s, min(one_round_s, rounds_floor_s))
+        if filling:
+            self._fill_share_s = share_s
+        return self._time_budget(budget, cap, share_s)
+
+    def _time_budget(self, budget: TokenBudget, cap: int, share_s: float) -> TimeBudget:
+        """The microbatch's budget for a time share: the token budget, and `share_s` on every stage."""
+        if isinstance(budget, TimeBudget):  # budget_mode: time caps it already
+            budget.limit(cap, share_s)
+            return budget
+        min_rest = math.ceil(cap * MIN_REST_OF_BUDGET)
+        return TimeBudget(cap, budget.max_seqs, self.cost.current, share_s, min_rest=min_rest, even_chunks=True)
+
+    def _min_chunk(self, cost: PipelineCost, token_budget: int) -> int:
+        """`min_chunk_tokens`, solved again only when the fit or the budget changed (a refit makes a new
+        `PipelineCost`; between refits every schedule would solve the same equation on every stage)."""
+        key = (cost, token_budget)
+        if self._min_chunk_memo[0] != key:
+            self._min_chunk_memo = (key, min_chunk_tokens(cost, token_budget))
+        return self._min_chunk_memo[1]
+
+    def _work_of(self, mb: SchedulerOutput) -> WorkFeatures:
+        """An in-flight microbatch's features, summed once: every schedule while it is in flight prices
+        it again."""
+        work = self._in_flight_work.get(mb.step_id)
+        if work is None:
+            work = self._in_flight_work[mb.step_id] = WorkFeatures()
+            sampled = set(mb.sample_request_ids)
+            for rid, n, ctx in zip(mb.order, mb.num_scheduled_tokens, mb.num_computed_tokens, strict=True):
+                work.add(n, ctx, rid in sampled)
+        return work

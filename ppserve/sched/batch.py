@@ -1,9 +1,10 @@
 """One microbatch under construction: policies decide, the builder allocates, preempts and records.
 
 The builder is handed its collaborators (the block manager, the running and waiting requests, how to
-preempt) rather than the scheduler, so `sched/` has no import circle. At construction it sorts the
-running requests once into those that may take a decode token now and those that may take a prefill
-chunk, so a policy's `fill` costs time linear in the number of requests.
+preempt) rather than the scheduler, so `sched/` has no import circle. Before it, `RunningSplit` sorts
+the running requests once into those that may take a decode token now and those that may take a
+prefill chunk (the balanced formation reads the same split), so a policy's `fill` costs time linear in
+the number of requests.
 """
 
 from __future__ import annotations
@@ -15,48 +16,24 @@ from ppserve.request import Request, RequestStatus
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import TimeBudget, TokenBudget
 
-__all__ = ["BatchBuilder"]
+__all__ = ["BatchBuilder", "RunningSplit"]
 
 _RUNNING = RequestStatus.RUNNING
 
 
-class BatchBuilder:
-    def __init__(
-        self,
-        *,
-        budget: TokenBudget,
-        blocks: BlockManager,
-        running: dict[str, Request],
-        waiting: deque[Request],
-        preempt: Callable[[Request], None],
-        max_num_seqs: int,
-        max_total_tokens: Callable[[Request], int],
-        clock: Callable[[], float],
-        pipeline_chunks: bool = False,
-        ring: dict[str, Request] | None = None,
-    ) -> None:
-        self.budget = budget
-        self._blocks = blocks
-        self._running = running
-        self._waiting = waiting
-        self._preempt = preempt
-        self._max_num_seqs = max_num_seqs
-        self._max_total_tokens = max_total_tokens
-        self._clock = clock
-        # Decodes whose input token is still in flight (the token ring: Scheduler._ring_candidates); they
-        # count one token more than they know.
+class RunningSplit:
+    """The running requests sorted once, before a microbatch is formed: those that may take a decode
+    token now, those that may take a prefill chunk, and (with `pipeline_chunks`) those whose next chunk
+    may follow their in-flight chunk down the pipeline. A request whose every known token is scheduled
+    waits for its next token, unless it rides on the token ring (`ring`: its input token is still in
+    flight, so it counts one token more than it knows). One with tokens left may take them now if it is
+    in no in-flight microbatch; a *following* chunk is kept apart, because a policy gives it only what
+    is left once everything else has been served (stages run microbatches in order, so the earlier
+    chunk's KV is written before the next one reads it)."""
+
+    def __init__(self, running: dict[str, Request], ring: dict[str, Request] | None = None,
+                 pipeline_chunks: bool = False) -> None:
         self.ring: dict[str, Request] = ring or {}
-        self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
-        self.chosen_requests: list[Request] = []  # aligned with `chosen`
-        # How many decodes this microbatch may take (balanced formation); None = as many as fit.
-        self.decode_quota: int | None = None
-        self._head_hits: tuple[Request | None, list[int]] = (None, [])  # the waiting head's cached blocks
-        # One pass over the running requests. A request whose every known token is scheduled waits for
-        # its next token. One with known tokens left may take them now if it is in no in-flight
-        # microbatch. With `pipeline_chunks`, a prompt whose previous chunk is still in flight may also
-        # send its next chunk behind it (stages run microbatches in order, so the earlier chunk's KV is
-        # written before the next one reads it); such a *following* chunk is kept apart, because a
-        # policy gives it only what is left once everything else has been served (see SarathiPolicy).
         self.decodes: list[Request] = []  # one known token left: a decode (or a prompt's last token)
         self.prefills: list[Request] = []  # more than one: a prefill (or a recompute) under way
         self.following: list[Request] = []  # a prompt's next chunk behind its own in-flight chunk
@@ -71,6 +48,45 @@ class BatchBuilder:
                     self.following.append(req)
                 continue
             (self.decodes if left == 1 else self.prefills).append(req)
+
+    def decode_rank(self, req: Request) -> tuple[bool, int]:
+        """Which decodes go first when not all fit: those whose token is back before those on the token
+        ring (the ring's group follows its in-flight microbatch; a decode that is back would otherwise
+        wait a whole round), then the longest waiting."""
+        return req.request_id in self.ring, req.ready_seq
+
+
+class BatchBuilder:
+    def __init__(
+        self,
+        *,
+        budget: TokenBudget,
+        split: RunningSplit,
+        blocks: BlockManager,
+        running: dict[str, Request],
+        waiting: deque[Request],
+        preempt: Callable[[Request], None],
+        max_num_seqs: int,
+        max_total_tokens: Callable[[Request], int],
+        clock: Callable[[], float],
+        decode_quota: int | None = None,
+    ) -> None:
+        self.budget = budget
+        self._blocks = blocks
+        self._running = running
+        self._waiting = waiting
+        self._preempt = preempt
+        self._max_num_seqs = max_num_seqs
+        self._max_total_tokens = max_total_tokens
+        self._clock = clock
+        self.split = split
+        self.decodes, self.prefills, self.following = split.decodes, split.prefills, split.following
+        self.decode_rank = split.decode_rank
+        self.chosen: dict[str, int] = {}  # request id -> tokens this step, in batch order
+        self.chosen_requests: list[Request] = []  # aligned with `chosen`
+        # How many decodes this microbatch may take (balanced formation); None = as many as fit.
+        self.decode_quota = decode_quota
+        self._head_hits: tuple[Request | None, list[int]] = (None, [])  # the waiting head's cached blocks
 
     # ---- what a policy reads ---------------------------------------------------------------------
     @property
@@ -101,12 +117,6 @@ class BatchBuilder:
             self._head_hits = (head, self._blocks.lookup(head))
             head.num_computed_tokens = len(self._head_hits[1]) * self._blocks.block_size
         return head
-
-    def decode_rank(self, req: Request) -> tuple[bool, int]:
-        """Which decodes go first when not all fit: those whose token is back before those on the token
-        ring (the ring's group follows its in-flight microbatch; a decode that is back would otherwise
-        wait a whole round), then the longest waiting."""
-        return req.request_id in self.ring, req.ready_seq
 
     @property
     def looked_up_head(self) -> Request | None:

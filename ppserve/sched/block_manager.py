@@ -1,9 +1,7 @@
 """Paged KV block ids: allocate, share by content, free. The only allocator state in the system.
 
-Workers own the physical KV tensors and receive block ids; nothing here is mirrored on them.
-
-Prefix caching (ARCHITECTURE.md §13). A full block is content-addressed: its key is SHA-256 over its
-parent block's key, its token ids and the request's extra keys (its `cache_salt`), so a key names the
+Workers own the physical KV tensors and receive block ids; nothing here is mirrored on them. For
+prefix caching a full block is content-addressed: its key is SHA-256 over its parent block's key, its token ids and the request's extra keys (its `cache_salt`), so a key names the
 whole prefix up to and including that block, and a crafted prompt cannot make its key equal another
 prompt's. A block has a reference count (the requests holding it). When the count drops to zero a keyed
 block keeps its key and waits, cached and evictable, in an LRU list; it is evicted (its key forgotten)
@@ -13,8 +11,8 @@ of: free (no key), cached-and-evictable (a key, no holder), or referenced by the
 A prompt's block is keyed when the tokens that fill it are scheduled, so a request scheduled later in the
 same step, or in a later step, reads it: stages run microbatches in order and write a step's KV before
 its attention reads it. A block of generated tokens is keyed when its request lets its blocks go
-(finished, cancelled or preempted): only a later request can share it (the conversation's next turn, the
-request itself coming back), and a decode step pays no hashing. Nothing ever writes into a block another
+(finished, cancelled or preempted): only a later request can share it, and a decode step pays no
+hashing. Nothing ever writes into a block another
 request holds (`check_writable`): a hit stops at least one token short of the request's known tokens, so
 what it computes goes into blocks of its own.
 """

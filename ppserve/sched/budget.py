@@ -123,8 +123,8 @@ class TimeBudget(TokenBudget):
             return 0
         timed = self._timed_chunk(wanted, n, context)
         # Only a chunk that starts would leave a rest: a request the time leaves out (timed == 0) waits
-        # whole for the next microbatch. Taken whole instead, every prompt shorter than min_rest ignored
-        # the time budget (the demo's eight ~24-token prompts: one 194-token microbatch, not two halves).
+        # whole for the next microbatch. Taken whole instead, every prompt shorter than min_rest would
+        # ignore the time budget (several short prompts would make one long microbatch).
         if n == wanted and 0 < timed and wanted - timed < self.min_rest:
             return n
         if self.even_chunks and 0 < timed < wanted:
@@ -156,8 +156,7 @@ class TimeBudget(TokenBudget):
     # A decode is most of what a busy microbatch holds, and a time budget prices each one by its
     # context: these two are `chunk(1, context) == 1` and `spend(1, context, sampled=True)` with the same
     # arithmetic, in the same order (the same float results), without the general chunk's search.
-    # `BatchBuilder.add_decodes` calls them once per decode; the simulator's probes spend ~40 % of
-    # their time there otherwise (`ppserve plan`).
+    # `BatchBuilder.add_decodes` calls them once per decode, the planner's simulations most of all.
     def decode_fits(self, context: int) -> bool:
         """Whether a decode after `context` cached tokens fits (a seat, a token and, on every stage, its
         time with its sampling); an empty microbatch always takes one."""

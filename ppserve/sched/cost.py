@@ -1,33 +1,20 @@
-"""The one step-cost vocabulary: what a microbatch costs on each pipeline stage (ARCHITECTURE.md §3, §11).
+"""The one step-cost vocabulary: what a microbatch costs on each pipeline stage.
 
-A microbatch whose requests compute `n` new tokens on top of `ctx` tokens already in their KV cache
-costs, on stage s,
+A microbatch whose requests compute `n` new tokens on top of `ctx` cached ones costs, on stage s,
 
     seconds_s = floor_s + token_s * sum(n)
                         + prefill_key_s * sum over chunks (n > 1) of (n * ctx + n * (n + 1) / 2)
                         + decode_key_s * sum over decodes (n == 1) of (ctx + 1)
                         + sample_s * (requests that get logits: decodes and last prompt chunks)
 
-and the pipeline runs at the pace of its slowest stage, max_s seconds_s. `floor` is what a stage pays
-per step whatever it holds (reading its weights, launches, syncs: on a GPU the whole of a small decode
-step), `token` a token through the linear layers, `prefill_key` one query-key pair of a chunk's causal
-attention (compute-bound), `decode_key` one cached token a decode reads (memory-bound: on an A100 about
-ten times a prefill key's price, so the two are kept apart), `sample` the LM head and sampling of one
-token, on the last stage only (the fit finds it zero elsewhere).
-
-- `StepCost`: one stage's coefficients (also one decoder layer's, or the LM head's: `LayerCosts`).
-- `PipelineCost`: a StepCost per stage; what the scheduler, the partitioner and the simulator share.
-- `StepCostFit` / `OnlinePipelineCost`: fitted online from the stage times every `StepResult` carries,
-  by exponentially weighted least squares with a weak ridge toward a prior (a saved profile, a
-  start-up calibration or the simulator's roofline), solved on demand, so it follows drift and never
-  becomes singular when every microbatch looks alike. Two pieces: one for microbatches with a prefill
-  chunk, where decode-only microbatches weigh `DECODE_ONLY_WEIGHT`, and one for decode-only
-  microbatches alone (below the ridge point a step is its floor, which a line through the chunks
-  does not pass through).
-- `LayerCosts`: per decoder layer and for what the last stage adds; a pipeline's `PipelineCost` from
-  any layer split (the partitioner's objective), and back from a measured one (`fit_layer_costs`).
-
-Pure Python: no torch, numpy or clock.
+and the pipeline runs at the pace of its slowest stage. `floor` is what a step pays whatever it holds
+(the weights' read, launches); a prefill key is compute-bound and a decode key memory-bound, so the two
+are priced apart; `sample` (LM head and sampling) is the last stage's. `StepCost` holds one stage's (or
+one layer's: `LayerCosts`) coefficients, `PipelineCost` one per stage (what the scheduler, partitioner and
+simulator share); `StepCostFit` / `OnlinePipelineCost` fit them online from every `StepResult`'s stage
+times by weighted least squares with a weak ridge toward a prior, in two pieces (microbatches with a
+chunk; decode-only ones); `LayerCosts` prices any layer split and is fitted back from a measured one
+(`fit_layer_costs`). Pure Python: no torch, numpy or clock.
 """
 
 from __future__ import annotations
@@ -66,13 +53,11 @@ NUM_FEATURES = 5
 # for a microbatch with a prefill chunk; the decode-only ones get a fit of their own besides
 # (`OnlinePipelineCost`, `PipelineCost.decode_stages`). A real step is not linear in its tokens: up to
 # about the ridge point it costs its floor (the weights' read on a GPU), beyond it each token its compute.
-# Decode-only microbatches are most of a run (the conversation trace on Llama-2-70B A100 PP4: nine in
-# ten) and sit below that knee, so one fit weighing all alike was true for them and wrong for the chunks,
-# whose size is what the balanced share decides: it read 15 us a token and 11 ns a prefill key where the
-# chunks cost 46 us a token past the knee and ~1 ns a key, and cut a 4,074-token prompt into chunks that
-# ran 24.6, 20.1, 17.3 ... 8.2 ms one after another. Each fall stalls the decode ring (the p - 1 microbatches
-# behind a longer one wait for it to come round). Weighed down, decodes still price what only they show
-# when no chunk runs; the regime suite's figures are in benchmarks/README.md ("The step cost's two pieces").
+# Decode-only microbatches are most of a run and sit below that knee, so one fit weighing all alike is
+# true for them and wrong for the chunks, whose size is what the balanced share decides: it underprices a
+# chunk's tokens, cuts prompts into chunks of falling cost, and each fall stalls the decode groups behind
+# the longer microbatch. Weighed down, decodes still price what only they show when no chunk runs
+# (docs/decisions.md#the-step-costs-two-pieces).
 DECODE_ONLY_WEIGHT = 1e-3
 
 
@@ -425,10 +410,9 @@ class StepCostFit:
         the sample counts in the least squares (`OnlinePipelineCost`'s decode-only microbatches)."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return  # a broken measurement teaches nothing
-        # Forgotten at the full rate, the chunk piece's few chunks (one microbatch in ten or fewer on a
-        # conversation trace) wore out in a few hundred decodes, and it fitted what was left (simulator,
-        # conversation trace: 11 us a token and 7 ns a prefill key where the chunks cost 35 us and 1 ns; a
-        # 491-token chunk priced at 11 ms ran 24 ms; chunk error median 5.4 -> 1.9 %, p90 17 -> 9 %).
+        # A sample is forgotten in proportion to its weight: at the full rate the chunk piece's few
+        # chunks would wear out in a few hundred decodes, and it would fit what was left
+        # (docs/decisions.md#the-step-costs-two-pieces).
         lam = self.forgetting ** weight  # exactly `forgetting` at weight 1
         for i, zi in enumerate(z):
             self._xty[i] = lam * self._xty[i] + weight * zi * seconds

@@ -11,18 +11,8 @@ partition's weight-per-token costs (sched/partition.py) and the simulator's roof
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-
-class ExpertShape(Protocol):
-    """A model's sparse MLP as the cost models read it (ppserve.model.arch.MoeSpec has it)."""
-
-    @property
-    def num_experts(self) -> int: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def expert_intermediate_size(self) -> int: ...
+from ppserve.sched.model_shape import ExpertShape, ModelShape
 
 
 def experts_touched(num_experts: int, top_k: int, num_tokens: int) -> float:
@@ -54,18 +44,7 @@ class Experts:
     expert_intermediate_size: int
 
 
-class SparseModelShape(Protocol):
-    """What the partition reads of a model's MLPs (ppserve.model.arch.ModelArch has it)."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-
-
-def mlp_weights_per_token(model: SparseModelShape, num_tokens: int = 1) -> float:
+def mlp_weights_per_token(model: ModelShape, num_tokens: int = 1) -> float:
     """Mean over the model's layers of the MLP weights a token multiplies in a step of `num_tokens`
     tokens: a dense layer's three matrices; a sparse layer's k experts and router per token (and, as
     `num_tokens` grows, the touched experts' reads shared among them: max of the two, per token). A model

@@ -48,7 +48,7 @@ class SchedulerOutput:
     released_request_ids: tuple[str, ...] = ()  # workers drop their state for these (finished or preempted)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    # The token ring (scheduler.async_scheduling): decodes whose input token is the one step
+    # The token ring (scheduler.token_ring): decodes whose input token is the one step
     # `ring_step_id` (an earlier microbatch, still in flight when this one was formed) samples for them.
     # Their diffs do not carry it: stage 0 takes it from the last stage's ring message, the last stage
     # from its own sample, and the stages between never read it.

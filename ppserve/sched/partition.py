@@ -8,9 +8,8 @@ layers; prefill-heavy work (a full budget of prompt tokens, a handful of logits)
 and wants an even split. One split serves both for a deployment's life, so the analytic `cost` mode,
 pricing by weights per token (`weight_costs`), takes the split whose worst slowdown against each
 regime's own best split is least (`robust_partition`, over a decode and a full-budget prefill
-microbatch). For SmolLM2 on two stages: 17 / 13, within 1.11x of decode's best (19 / 11) and 1.13x of
-prefill's (15 / 15), where 19 / 11 loses 1.27x on prefill. `calibrated` measures instead: the stages' own compute times on a short run at the configured
-budget (or a saved `CostProfile`) give the per-layer and head costs (`fit_cost_profile`), and the same
+microbatch; docs/decisions.md#robust-layer-partition). `calibrated` measures instead: the stages' own
+compute times on a short run at the configured budget (or a saved `CostProfile`) give the per-layer and head costs (`fit_cost_profile`), and the same
 exact split minimizes the slowest stage at that run's mean decode microbatch (measured, so the per-layer
 costs the weights do not show, norms, attention, op launches, are in it).
 """
@@ -30,6 +29,7 @@ from ppserve.sched.cost import (
     features,
     fit_layer_costs,
 )
+from ppserve.sched.model_shape import ModelShape
 from ppserve.sched.moe_cost import mlp_weights_per_token
 
 # What the analytic split prices: a microbatch in which every token gets logits (decode-heavy serving).
@@ -150,26 +150,6 @@ def partition_layers(
     raise ValueError(f"partition mode must be even or cost, got {mode!r}")
 
 
-class ModelShape(Protocol):
-    """What the partitioner reads of a model description (ModelArch has it). Read-only members, so a
-    frozen dataclass satisfies the protocol."""
-
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    # Also read where present: head_dim (when heads are not a split of the hidden size, Qwen3) and moe
-    # (a mixture of experts' ExpertShape with its sparse_layers, sched/moe_cost.py; None when dense).
-
-
 class PartitionSettings(Protocol):
     """What the partitioner reads of the parallel config (ParallelConfig, frozen: read-only members)."""
 
@@ -272,10 +252,9 @@ def fit_cost_profile(samples: Sequence[tuple[BatchShape, Sequence[float]]], rang
     if not every:
         raise ValueError("no microbatch with a compute time for every stage")
     # The split is priced at the run's mean decode-only microbatch, as the analytic `cost` mode prices
-    # one decode: serving spends almost all of its microbatches decoding (the demo: 95 of 97), and a
-    # split tuned to the run's mean microbatch, which its prefill weighs towards many tokens and few
-    # logits, undercounts the head (the default model on this CPU: measured 15 / 15 where decode runs
-    # fastest at 18 / 12). A run without a decode-only microbatch falls back to its mean microbatch.
+    # one decode: serving spends almost all of its microbatches decoding, and a split tuned to the run's
+    # mean microbatch, which its prefill weighs towards many tokens and few logits, undercounts the head.
+    # A run without a decode-only microbatch falls back to its mean microbatch.
     ref = decodes or every
     reference = tuple(sum(col) / len(ref) for col in zip(*ref, strict=True))
     return CostProfile(fit_layer_costs(fit.current, ranges, reference), reference, len(every), source)

@@ -1,11 +1,11 @@
 """When the token ring's extra microbatch is formed: just before stage 0 needs it, not when a slot frees.
 
-With the token ring (`scheduler.async_scheduling`, ARCHITECTURE.md §3) the engine keeps p + 1 microbatches
+With the token ring (`scheduler.token_ring`, sched/token_ring.py) the engine keeps p + 1 microbatches
 in flight. The extra one's decodes take the tokens of the oldest in-flight microbatch from the last stage,
-so it can be formed as soon as the oldest before that returns, and that is when it used to be formed. But
-it then waits at stage 0 behind the microbatch ahead of it for about one stage time, and a prompt that
-arrives in that time misses it and joins the one after: the ring added a step to TTFT where prompts arrive
-among decodes (the regime suite's conversation trace +3.8-4.5 %, decode-heavy +11 %, shared-prefix +17 %).
+so it could be formed as soon as the oldest before that returns. But it would then wait at stage 0
+behind the microbatch ahead of it for about one stage time, and a prompt arriving in that time would miss
+it and join the one after: a step more of TTFT where prompts arrive among decodes
+(docs/decisions.md#token-ring).
 
 `RingClock` predicts when stage 0 will have finished the work in flight ahead of the next microbatch, so
 the engine forms it ahead of then by the dispatch's latency (the caller's) plus `margin_s`, for the

@@ -41,7 +41,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token-budget", type=int, help="tokens per microbatch (default: config)")
     p.add_argument("--max-num-seqs", type=int, help="requests running at once (default: config)")
     p.add_argument("--seq-cap", action="store_true", help="cap requests per microbatch at max_num_seqs / pp")
-    # Defaults measured on ppserve's own control plane (connections; benchmarks/README.md, "Control plane").
+    # Defaults: ppserve's own control plane, connections (docs/decisions.md#control-plane-dispatch).
     p.add_argument("--overhead-ms", type=float, default=0.5,
                    help="engine turnaround per returned microbatch: result back, update, next schedule")
     p.add_argument("--dispatch-ms", type=float, default=0.5,

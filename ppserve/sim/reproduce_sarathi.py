@@ -4,17 +4,14 @@ The Sarathi paper (arXiv 2308.16369) reports, for GPT-3 on 64 A100s with pipelin
 lower median per-request pipeline bubble time and 1.91x higher end-to-end throughput than Orca-style
 iteration-level batching. This module runs both policies on the same workload through the simulator
 (roofline cost model, configs/hardware/a100.yaml and configs/models/gpt3-175b.yaml) and prints the
-ratios we get, whatever they are, with every setting.
+ratios we get, whatever they are, with every setting (ours: docs/decisions.md#sarathi-reproduction).
 
-The default workload follows the paper's pipeline setup (Sarathi, not Sarathi-Serve): every request
-has the same length with a fixed prefill:decode (P:D) ratio, everything is queued at once, and each
-microbatch holds a fixed number of requests (`batch_size`, i.e. max_num_seqs = batch_size * pp with
-the per-microbatch cap) for both policies; sarathi chunks prefills to the token budget (chunk size),
-orca runs whole prompts. Orca's microbatches then alternate between a few decodes and a full prompt
-(widely varying times: bubbles), sarathi's are uniform. `--workload trace` runs the Splitwise
-conversation trace instead (variable lengths, the old default): there the per-microbatch cap leaves
-sarathi's microbatches mostly decodes and the gap to orca is much smaller (1.69x bubbles, 1.27x).
-Usage:
+The default workload follows the paper's pipeline setup (Sarathi, not Sarathi-Serve): every request has
+the same length with a fixed prefill:decode (P:D) ratio, everything is queued at once, and each
+microbatch holds `batch_size` requests (max_num_seqs = batch_size * pp with the per-microbatch cap) for
+both policies; sarathi chunks prefills to the token budget, orca runs whole prompts. `--workload trace`
+runs the Splitwise conversation trace instead (variable lengths), where the cap leaves sarathi's
+microbatches mostly decodes and the gap to orca is much smaller. Usage:
 
     python -m ppserve.sim.reproduce_sarathi [--out sarathi_repro.json] [--workload paper|trace]
         [--total-tokens 1024] [--pd-ratio 10] [--batch-size 16] [--token-budget 256]
@@ -92,7 +89,7 @@ def reproduce(
         runs[policy] = res.summary("active")
     s, o = runs["sarathi"], runs["orca"]
     ratios = {
-        "median_bubble_orca_over_sarathi": o["bubbles"]["per_request_bubble_p50_s"] / s["bubbles"]["per_request_bubble_p50_s"],
+        "median_bubble_orca_over_sarathi": o["bubbles"]["per_request_bubble_s"]["p50"] / s["bubbles"]["per_request_bubble_s"]["p50"],
         "throughput_sarathi_over_orca": s["throughput"]["requests_per_s"] / o["throughput"]["requests_per_s"],
         "bubble_fraction_orca_over_sarathi": o["bubbles"]["mean_bubble_fraction"] / s["bubbles"]["mean_bubble_fraction"],
         "paper": {"median_bubble": 6.29, "throughput": 1.91},
@@ -105,7 +102,7 @@ def _fmt(out: dict[str, Any]) -> str:
     for policy, r in out["runs"].items():
         b, t = r["bubbles"], r["throughput"]
         lines.append(
-            f"{policy:>8}: median per-request bubble {b['per_request_bubble_p50_s'] * 1e3:9.2f} ms, "
+            f"{policy:>8}: median per-request bubble {b['per_request_bubble_s']['p50'] * 1e3:9.2f} ms, "
             f"bubble fraction ({b['window']}) {100 * b['mean_bubble_fraction']:5.1f}%, "
             f"throughput {t['requests_per_s']:.3f} req/s ({t['output_tokens_per_s']:.0f} tok/s), "
             f"{r['num_microbatches']} microbatches, token cv {b['microbatch_token_cv']:.2f}"

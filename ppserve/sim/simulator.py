@@ -7,7 +7,7 @@ stage, hands its result to the scheduler after a fixed overhead (`schedule_overh
 way back and the engine's turnaround), and decides again. The control plane takes
 `dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
 max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives and, with the
-token ring (`scheduler.async_scheduling`), once the tokens its decodes take have come back from the last
+token ring (`scheduler.token_ring`), once the tokens its decodes take have come back from the last
 stage (the step that samples them done there, plus the slowest link's latency). The scheduler classes are used unchanged; only its clock is the simulated one.
 
 Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
@@ -27,8 +27,14 @@ from typing import Any
 
 from ppserve.config import SchedulerConfig
 from ppserve.engine.core import EngineCore
-from ppserve.metrics.bubbles import BubbleReport, Window, bubble_report
-from ppserve.metrics.latency import RequestTiming, summarize
+from ppserve.metrics.bubbles import (
+    BubbleReport,
+    Window,
+    bubble_report,
+    bubble_summary,
+    short_handed_fractions,
+)
+from ppserve.metrics.latency import RequestTiming, lifetimes_ns, summarize
 from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.metrics.trace import save_chrome_trace
 from ppserve.request import Request, SamplingParams
@@ -128,7 +134,8 @@ class SimResult:
 
     def summary(self, window: Window = "active") -> dict[str, Any]:
         rep = self.bubble_report(window)
-        per_req = list(rep.per_request_bubble_ns.values())
+        short = short_handed_fractions(self.spans, self.work_intervals, window,
+                                       lifetimes_ns(self.timings.values()), self.num_stages)
         return {
             "num_requests": self.num_finished,
             "num_rejected": len(self.rejected),
@@ -136,23 +143,8 @@ class SimResult:
             "num_preemptions": self.num_preemptions,
             "throughput": self.throughput(),
             "latency": self.latency(),
-            "bubbles": {
-                "window": rep.window,
-                "mean_bubble_fraction": rep.mean_bubble_fraction,
-                "mean_busy_fraction": rep.mean_busy_fraction,
-                "mean_starvation_fraction": rep.mean_starvation_fraction,
-                "per_request_bubble_p50_s": _s(rep.per_request_bubble_p50_ns),
-                "per_request_bubble_p90_s": _s(rep.per_request_bubble_p90_ns),
-                "per_request_bubble_p99_s": _s(rep.per_request_bubble_p99_ns),
-                "per_request_bubble_mean_s": sum(per_req) * 1e-9 / len(per_req) if per_req else None,
-                "microbatch_token_cv": rep.microbatch_token_cv,
-                "microbatch_token_mean": rep.microbatch_token_mean,
-            },
+            "bubbles": bubble_summary(rep, short),
         }
-
-
-def _s(ns: float | None) -> float | None:
-    return None if ns is None else ns * 1e-9
 
 
 def _ns(seconds: float) -> int:
@@ -170,7 +162,7 @@ class _Pipeline:
         self.spans: list[Span] = []
         # Checked once: a runtime Protocol check costs microseconds, a run has many microbatches.
         self.placed = cost if isinstance(cost, PlacedCostModel) else None
-        # The token ring (scheduler.async_scheduling): when each microbatch left the last stage, and how
+        # The token ring (scheduler.token_ring): when each microbatch left the last stage, and how
         # long its sampled tokens take back to stage 0 (a few ids: the slowest link's latency).
         self.left_ns: dict[int, int] = {}
         self.ring_ns = max(self._transfers(BatchShape(())), default=0)

@@ -7,7 +7,6 @@ certain long before: once more than half of all the run's requests have waited l
 scheduling-delay SLO, the median is over it whatever the rest do, and likewise for the TBT gaps
 against the p99 SLO. This watch counts those certainties as the run goes; it never guesses, so a run it
 stops would have failed had it gone on (and a run that passes is never stopped).
-
 Why the counts are certain, with the percentile `metrics.latency.percentile` computes (linear between
 closest ranks): of n sorted values the q-th percentile is at least v[floor(q/100 (n-1))], which is over
 a threshold X as soon as n - floor(q/100 (n-1)) of the values are. That count never falls as n grows,

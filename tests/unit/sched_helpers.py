@@ -93,7 +93,8 @@ def random_scheduler(rng: random.Random, policy: str = "sarathi", pp: int = 1, *
     s = make_scheduler(policy, token_budget=rng.choice([1, 7, 32, 128]), num_blocks=rng.randint(170, 300),
                        block_size=rng.choice([1, 4, 16]), pp=pp, max_num_seqs=rng.randint(2, 16), **cfg)
     for i in range(rng.randint(5, 40)):
-        s.add_request(make_request(f"r{i}", rng.randint(1, 120), max_tokens=rng.randint(1, 40), ignore_eos=False))
+        s.add_request(make_request(f"r{i}", rng.randint(1, 120), max_tokens=rng.randint(1, 40),
+                                   ignore_eos=False))
     return s
 
 

@@ -59,7 +59,7 @@ def test_steady_state_depth_is_p_with_decodes_only(pp):
     token ring (its extra microbatch: the oldest group's next step)."""
     for balance, ring, expect_depth in ((True, False, pp), (False, False, 1), (True, True, pp + 1)):
         s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, balance=balance,
-                           async_scheduling=ring)
+                           token_ring=ring)
         for i in range(8):
             s.add_request(make_request(f"r{i}", 16, max_tokens=400))
         depths, _ = run(s, 200)
@@ -71,7 +71,8 @@ def test_depth_is_p_for_90_percent_of_collects_with_arrivals():
     """64 requests arriving one every 3 collects (the issue's trace): once 2p or more run, the pipeline
     holds p microbatches for at least 90 % of the collects (no token ring: its extra one would make p + 1)."""
     pp = 4
-    s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, num_blocks=20_000, async_scheduling=False)
+    s = make_scheduler("sarathi", token_budget=512, pp=pp, max_num_seqs=64, num_blocks=20_000,
+                       token_ring=False)
     rng = random.Random(3)
     pending = [make_request(f"r{i}", rng.randint(8, 300), max_tokens=rng.randint(20, 120)) for i in range(64)]
 
@@ -128,10 +129,11 @@ def test_consecutive_microbatches_cost_the_same_predicted_time():
 
 def test_long_prompt_chunks_ride_in_consecutive_in_flight_microbatches():
     """One 4096-token prompt at pp=4, budget 512: eight chunks, each following the previous one down the
-    pipeline, four in flight at a time (five with the token ring, not asked for here); only the last samples."""
+    pipeline, four in flight at a time (five with the token ring, not asked for here); only the last
+    samples."""
     pp = 4
     s = make_scheduler("sarathi", token_budget=512, pp=pp, num_blocks=2000, block_size=16, max_model_len=8192,
-                       async_scheduling=False)
+                       token_ring=False)
     s.add_request(make_request("long", 4096, max_tokens=2))
     first = [s.schedule() for _ in range(pp)]
     assert [o.num_scheduled_tokens for o in first] == [(512,)] * pp
@@ -205,9 +207,9 @@ def _first_mixed_microbatch(prompt: int, rounds: int, min_chunks: float) -> tupl
     three prompts arriving a second apart (a stream)."""
     from unittest import mock
 
-    import ppserve.sched.scheduler as scheduler_module
+    import ppserve.sched.balance as balance_module
 
-    with mock.patch.object(scheduler_module, "ROUNDS_MIN_CHUNKS", min_chunks):
+    with mock.patch.object(balance_module, "ROUNDS_MIN_CHUNKS", min_chunks):
         clock = [0.0]
         s = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=2000, balance_rounds=rounds)
         stage = StepCost(1e-3, 1e-5)
@@ -259,7 +261,8 @@ def test_prompts_filling_an_empty_pipeline_split_evenly():
     for i, n in enumerate([23, 25, 24, 22, 26, 25, 24, 25]):
         clock[0] = 0.01 * i
         streamed.add_request(make_request(f"r{i}", n, max_tokens=2))
-    assert [streamed.schedule().total_tokens, streamed.schedule().total_tokens] == [first.total_tokens, second.total_tokens]
+    assert ([streamed.schedule().total_tokens, streamed.schedule().total_tokens]
+            == [first.total_tokens, second.total_tokens])
     lone = make_scheduler("sarathi", token_budget=512, pp=2, num_blocks=500)
     lone.add_request(make_request("p", 200, max_tokens=2))
     assert [lone.schedule().total_tokens, lone.schedule().total_tokens] == [128, 72]
@@ -269,7 +272,8 @@ def test_a_fill_takes_the_number_of_microbatches_that_ends_it_soonest():
     """(m + p - 1)(f + W / m) is least at m = sqrt((p - 1) W / f), rounded down; the stage that wants the
     most decides; a stage fitted with no floor asks for one round (p)."""
     assert fill_microbatches([(1e-3, 20.48e-3)] * 4, 4) == 7  # sqrt(3 x 20.48) = 7.8
-    assert fill_microbatches([(4.65e-3, 35.9e-3), (5.05e-3, 27.6e-3)], 2) == 2  # the demo's fill: as one round
+    # the demo's fill: as one round
+    assert fill_microbatches([(4.65e-3, 35.9e-3), (5.05e-3, 27.6e-3)], 2) == 2
     assert fill_microbatches([(1e-3, 0.5e-3)] * 4, 4) == 1  # little work beside the floor: one microbatch
     assert fill_microbatches([(1e-3, 20.48e-3), (2e-3, 20.48e-3)], 2) == 4  # sqrt(20.48) beats sqrt(10.24)
     assert fill_microbatches([(0.0, 5e-3)] * 4, 4) == 4
@@ -285,7 +289,8 @@ def test_a_burst_into_an_empty_pipeline_is_cut_into_equal_microbatches_by_its_ow
     stream or a batch alike."""
     for streaming in (True, False):
         clock = [0.0]
-        s = make_scheduler("sarathi", token_budget=512, pp=4, num_blocks=4000, balance_rounds=4, max_num_seqs=64)
+        s = make_scheduler("sarathi", token_budget=512, pp=4, num_blocks=4000, balance_rounds=4,
+                           max_num_seqs=64)
         stage = StepCost(1e-3, 1e-5)
         s.cost.reset(PipelineCost((stage,) * 4))
         s.clock = lambda clock=clock: clock[0]
@@ -303,8 +308,8 @@ def test_fills_keep_the_invariants_and_finish_every_request(seed):
     and every request finishes."""
     rng = random.Random(seed)
     pp = rng.choice([2, 3, 4])
-    s = make_scheduler("sarathi", token_budget=rng.choice([64, 256, 512]), pp=pp, num_blocks=4000, block_size=16,
-                       max_num_seqs=rng.choice([8, 64]), async_scheduling=rng.choice([True, False]))
+    s = make_scheduler("sarathi", token_budget=rng.choice([64, 256, 512]), pp=pp, num_blocks=4000,
+                       block_size=16, max_num_seqs=rng.choice([8, 64]), token_ring=rng.choice([True, False]))
     floor = rng.choice([1e-4, 1e-3, 5e-3])
     s.cost.reset(PipelineCost(tuple(StepCost(floor, rng.choice([1e-6, 1e-5, 2e-4])) for _ in range(pp))))
     fills = 0
@@ -404,7 +409,8 @@ def test_min_chunk_is_the_chunk_that_costs_the_step_floor():
     assert min_chunk_tokens(PipelineCost((StepCost(0.0, 1e-4),) * 2), 512) == 0
 
 
-@pytest.mark.parametrize(("stage", "kept_whole"), [(StepCost(1e-3, 1e-4), False), (StepCost(10e-3, 10e-6), True)])
+@pytest.mark.parametrize(("stage", "kept_whole"),
+                         [(StepCost(1e-3, 1e-4), False), (StepCost(10e-3, 10e-6), True)])
 def test_a_short_prompt_beside_decodes_is_cut_where_the_floor_is_cheap(stage, kept_whole):
     """A 113-token prompt arriving beside 8 decodes on a calibrated pp=2 pipeline, budget 512. Where a
     step's floor is worth ~10 tokens the prompt is shared out like any other work, so no

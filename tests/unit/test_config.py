@@ -10,7 +10,8 @@ def test_defaults_and_yaml(tmp_path):
     cfg = load_config()
     assert isinstance(cfg, EngineConfig) and cfg.scheduler.policy == "sarathi"
     p = tmp_path / "c.yaml"
-    p.write_text("scheduler:\n  token_budget: 64\nparallel:\n  pipeline_parallel_size: 2\n  layer_partition: [14, 16]\n")
+    p.write_text("scheduler:\n  token_budget: 64\n"
+                 "parallel:\n  pipeline_parallel_size: 2\n  layer_partition: [14, 16]\n")
     cfg = load_config(p, ["scheduler.policy=vllm", "cache.block_size=8"])
     assert cfg.scheduler.token_budget == 64 and cfg.scheduler.policy == "vllm"
     assert cfg.parallel.layer_partition == (14, 16) and cfg.cache.block_size == 8
@@ -22,7 +23,8 @@ def test_the_shipped_default_yaml_says_what_the_code_does():
 
     path = Path(__file__).parents[2] / "ppserve" / "configs" / "default.yaml"
     assert load_config(path) == EngineConfig()
-    assert EngineConfig().parallel.partition_mode == "cost"  # balanced out of the box: the head's stage is lighter
+    # balanced out of the box: the head's stage is lighter
+    assert EngineConfig().parallel.partition_mode == "cost"
 
 
 def test_shipped_configs_load():
@@ -67,7 +69,8 @@ def test_configs_are_frozen():
 
 
 def test_parse_overrides_yaml_scalars():
-    assert parse_overrides(["a.b=1", "a.c=true", "d.e=[1, 2]"]) == {"a": {"b": 1, "c": True}, "d": {"e": [1, 2]}}
+    assert parse_overrides(["a.b=1", "a.c=true", "d.e=[1, 2]"]) == {"a": {"b": 1, "c": True},
+                                                                    "d": {"e": [1, 2]}}
 
 
 @pytest.mark.parametrize(

@@ -80,7 +80,8 @@ def test_balanced_ttft_near_best(suite, name):
     best = min(cells.values(), key=lambda c: c["ttft_p50_s"])
     bal = cells[rg.BALANCED]["ttft_p50_s"]
     assert bal <= rg.TTFT_CEILING * best["ttft_p50_s"], (
-        f"{name}: balanced TTFT p50 {1e3 * bal:.1f} ms = {bal / best['ttft_p50_s']:.3f}x {best['formation']}'s")
+        f"{name}: balanced TTFT p50 {1e3 * bal:.1f} ms = {bal / best['ttft_p50_s']:.3f}x "
+        f"{best['formation']}'s")
 
 
 # The token ring's extra microbatch formed just in time (sched/ring_clock.py): where prompts arrive among
@@ -94,7 +95,8 @@ def test_the_token_ring_costs_no_step_of_ttft_where_prompts_arrive_among_decodes
     cells = _cells(suite, name)
     ring, bal = cells[rg.BALANCED], cells[rg.NO_RING]
     assert ring["ttft_p50_s"] <= RING_TTFT_CEILING * bal["ttft_p50_s"], (
-        f"{name}: ring TTFT p50 {1e3 * ring['ttft_p50_s']:.1f} ms = {ring['ttft_p50_s'] / bal['ttft_p50_s']:.3f}x "
+        f"{name}: ring TTFT p50 {1e3 * ring['ttft_p50_s']:.1f} ms = "
+        f"{ring['ttft_p50_s'] / bal['ttft_p50_s']:.3f}x "
         "the balanced formation's without the ring")
     assert ring["mean_bubble"] < bal["mean_bubble"]  # and it still takes the control plane off the cycle
 
@@ -151,10 +153,12 @@ def test_cells_write_their_spans_for_the_timeline(tmp_path):
     assert main(["--reduced", "--only", "one-long-prompt", "--out", str(tmp_path / "out"), "--no-progress",
                  "--no-plot", "--workers", "2", "--spans", str(spans)], "regimes") == 0
     assert {p.name for p in spans.iterdir()} == {f"one-long-prompt--{f.name}.jsonl" for f in rg.FORMATIONS}
-    cell = json.loads((tmp_path / "out" / "regimes.json").read_text())["regimes"]["one-long-prompt"]["cells"][0]
+    regimes = json.loads((tmp_path / "out" / "regimes.json").read_text())["regimes"]
+    cell = regimes["one-long-prompt"]["cells"][0]
     run = load_run(spans / f"one-long-prompt--{cell['formation']}.jsonl")
     assert run.work and run.spans
-    assert bubble_report(run.spans, run.work, "active").mean_bubble_fraction == pytest.approx(cell["mean_bubble"])
+    assert (bubble_report(run.spans, run.work, "active").mean_bubble_fraction
+            == pytest.approx(cell["mean_bubble"]))
 
 
 def test_unknown_regime_is_refused():

@@ -158,7 +158,7 @@ def test_pipeline_in_flight_bound_and_membership_unbalanced():
 
 
 def test_prompt_chunks_follow_each_other_down_the_pipeline():
-    s = make_scheduler("sarathi", token_budget=6, pp=3, async_scheduling=False)  # p in flight, no token ring
+    s = make_scheduler("sarathi", token_budget=6, pp=3, token_ring=False)  # p in flight, no token ring
     s.add_request(make_request("a", 20, max_tokens=3))
     outs = [s.schedule() for _ in range(3)]
     # A lone prompt's chunks ride in consecutive in-flight microbatches (stages run them in order).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -41,7 +42,7 @@ def equal_microbatches(m: int, budget: int = 64) -> list[WorkloadRequest]:
 
 
 def sim_cfg(budget: int = 64, ring: bool | None = None, **kw) -> SimConfig:
-    return SimConfig(SchedulerConfig(token_budget=budget, async_scheduling=ring), check_invariants=True, **kw)
+    return SimConfig(SchedulerConfig(token_budget=budget, token_ring=ring), check_invariants=True, **kw)
 
 
 @pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 3), (4, 10), (8, 8), (3, 17)])
@@ -106,8 +107,8 @@ def test_arrivals_idle_gaps_are_starvation():
 @pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
 def test_policies_run_with_invariants(policy):
     wl = with_poisson_arrivals(uniform_lengths(30, (5, 120), (1, 20), seed=1), rate=200.0, seed=2)
-    cfg = SimConfig(SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8), num_blocks=64, block_size=8,
-                    max_model_len=256, check_invariants=True)
+    cfg = SimConfig(SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8), num_blocks=64,
+                    block_size=8, max_model_len=256, check_invariants=True)
     res = simulate(wl, ConstantCostModel(3, 0.002, 0.0001), cfg)
     assert res.num_finished == 30 and not res.rejected
     assert all(len(res.timings[f"r{k}"].token_times_s) == w.output_len for k, w in enumerate(wl))
@@ -154,7 +155,8 @@ def test_cost_model_monotone(gpt3):
         t = gpt3.stage_time(0, BatchShape.uniform(num_decode_tokens=32, context=ctx))
         assert t >= prev or ctx == 0
         prev = t
-    assert gpt3.stage_time(7, BatchShape.uniform(num_decode_tokens=32)) > gpt3.stage_time(0, BatchShape.uniform(num_decode_tokens=32))
+    assert (gpt3.stage_time(7, BatchShape.uniform(num_decode_tokens=32))
+            > gpt3.stage_time(0, BatchShape.uniform(num_decode_tokens=32)))
     assert gpt3.transfer_time(BatchShape.uniform(512)) > gpt3.transfer_time(BatchShape.uniform(8))
 
 
@@ -218,7 +220,8 @@ def test_fit_profile_recovers_coefficients(tmp_path):
     prof = fit_profile(synthetic_spans(coefs))
     # In the step-cost vocabulary: every token pays b, a decode (a sampled token) c - b more.
     for fit, rms, (a, b, c) in zip(prof.cost.stages, prof.rms_residual_s, coefs, strict=True):
-        assert fit.coefficients == pytest.approx(StepCost(a, b, 0.0, 0.0, c - b).coefficients, rel=1e-5, abs=1e-9)
+        assert fit.coefficients == pytest.approx(StepCost(a, b, 0.0, 0.0, c - b).coefficients, rel=1e-5,
+                                                 abs=1e-9)
         assert rms < 1e-8
     assert prof.transfer_s == pytest.approx(50e-6)
     prof.save(tmp_path / "p.json")
@@ -233,7 +236,8 @@ def test_fit_profile_recovers_coefficients(tmp_path):
 
 def test_fit_profile_degenerate_columns():
     # Decode-only spans: the prefill column never varies and is left out.
-    spans = [Span("compute", 0, round((1e-3 + 5e-5 * d) * 1e9), 0, 0, i, 0, d) for i, d in enumerate((1, 4, 9, 30))]
+    spans = [Span("compute", 0, round((1e-3 + 5e-5 * d) * 1e9), 0, 0, i, 0, d)
+             for i, d in enumerate((1, 4, 9, 30))]
     fit = fit_profile(spans).cost.stages[0]
     assert fit.sample_s == 0 and fit.token_s == pytest.approx(5e-5) and fit.floor_s == pytest.approx(1e-3)
     assert StepCost.of([-1.0, 0.0, 0.0, 0.0, 0.0]).predict(BatchShape.uniform(0, 1)) == 0.0  # clamped at >= 0
@@ -309,6 +313,8 @@ def test_simulate_cli_and_profile_round_trip(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "finished 20 requests" in out and trace.exists()
+    bub = json.loads((tmp_path / "s.json").read_text())["bubbles"]
+    assert 0.0 <= bub["short_handed_bubble_fraction"] <= bub["mean_bubble_fraction"]
     prof = tmp_path / "p.json"
     assert main(["simulate", "--fit-from", str(trace), "--profile-out", str(prof)]) == 0
     assert Profile.load(prof).num_samples[0] > 0
@@ -329,7 +335,8 @@ def test_time_budget_mode_in_the_simulator_evens_out_long_context_microbatches()
         sc = SchedulerConfig(token_budget=512, budget_mode=mode, max_num_seqs=256)
         res = simulate(wl, cost, SimConfig(sc, num_blocks=50_000, max_model_len=8192, check_invariants=True))
         assert res.num_finished == 30
-        times = [s.duration_ns for s in res.spans if s.kind == "compute" and s.stage == 1 and s.num_prefill_tokens]
+        times = [s.duration_ns for s in res.spans if s.kind == "compute" and s.stage == 1
+                 and s.num_prefill_tokens]
         mean = sum(times) / len(times)
         cv[mode] = math.sqrt(sum((t - mean) ** 2 for t in times) / len(times)) / mean
     assert res.budget_mode is not None and res.budget_mode.cost.calibrated  # type: ignore[attr-defined]
@@ -352,7 +359,8 @@ def test_a_trace_of_token_counts_only_takes_synthetic_arrivals(tmp_path):
     path = tmp_path / "counts.csv"
     path.write_text("num_prefill_tokens,num_decode_tokens\n100,10\n200,20\n300,30\n")
     reqs = read_trace(path, need_arrivals=False)
-    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0.0, 100, 10), (0.0, 200, 20), (0.0, 300, 30)]
+    assert [(r.arrival_s, r.prompt_len, r.output_len) for r in reqs] == [(0.0, 100, 10), (0.0, 200, 20),
+                                                                         (0.0, 300, 30)]
     with pytest.raises(ValueError, match="no arrived_at column"):
         read_trace(path)
     spec = WorkloadSpec(source=f"trace:{path}", num_requests=3, rate=2.0, prefill_scale=1.0, decode_scale=1.0)
@@ -371,4 +379,10 @@ def test_a_lone_decoding_request_leaves_only_short_handed_bubble():
     assert bub["mean_bubble_fraction"] > 0.4
     assert bub["short_handed_time_fraction"] == 1.0
     assert bub["short_handed_bubble_fraction"] == pytest.approx(bub["mean_bubble_fraction"])
-    assert "short_handed_bubble_fraction" not in summarize_run(res.timings, res.spans, res.work_intervals)["bubbles"]
+    stageless = summarize_run(res.timings, res.spans, res.work_intervals)["bubbles"]
+    assert stageless["short_handed_bubble_fraction"] is None
+    # One shape for every bubble report: the simulator's summary has the same keys, the short-handed
+    # part included.
+    sim_bub = res.summary()["bubbles"]
+    assert sim_bub.keys() == bub.keys()
+    assert sim_bub["short_handed_bubble_fraction"] == pytest.approx(bub["short_handed_bubble_fraction"])

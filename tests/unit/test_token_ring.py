@@ -1,9 +1,10 @@
-"""The token ring (scheduler.async_scheduling): a decode scheduled before its last token comes back, its
+"""The token ring (scheduler.token_ring): a decode scheduled before its last token comes back, its
 input token handed from the last stage to stage 0. Torch-free: the scheduler's side and the simulator's."""
 
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 
@@ -23,7 +24,8 @@ from tests.unit.sched_helpers import (
 
 
 def _decoding(s, n: int, prompt: int = 3, max_tokens: int = 20):
-    """n requests whose prompts fit one microbatch each, scheduled and back: all decoding, nothing in flight."""
+    """n requests whose prompts fit one microbatch each, scheduled and back: all decoding, nothing in
+    flight."""
     for i in range(n):
         s.add_request(make_request(f"r{i}", prompt, max_tokens=max_tokens))
     while s.schedule() is not None:
@@ -34,7 +36,7 @@ def _decoding(s, n: int, prompt: int = 3, max_tokens: int = 20):
 
 
 def test_without_the_ring_a_full_pipeline_waits_for_a_result():
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=False)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=False)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     assert a is not None and b is not None and s.schedule() is None
@@ -42,7 +44,7 @@ def test_without_the_ring_a_full_pipeline_waits_for_a_result():
 
 
 def test_the_ring_forms_the_oldest_groups_next_microbatch_before_it_returns():
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     c = s.schedule()  # one more than the stages: a's decodes again, their tokens from a's ring message
@@ -74,7 +76,7 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     prompt's next chunk: its round trip (every stage, every hop) is longer than p stage times, and a
     prefill-only pipeline held to p microbatches idles stage 0 for the difference each round (Sarathi's
     GPT-3 case with the ring: bubble 5.84 -> 5.28 %)."""
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True)
     s.add_request(make_request("p", 40, max_tokens=4))
     a, b = s.schedule(), s.schedule()
     c = s.schedule()
@@ -88,7 +90,7 @@ def test_the_extra_slot_takes_work_that_waits_for_no_token():
     assert s.requests["p"].num_computed_tokens == sum(a.num_scheduled_tokens + b.num_scheduled_tokens
                                                       + c.num_scheduled_tokens)
     # Without the ring the pipeline holds p.
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=False)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=False)
     s.add_request(make_request("p", 40, max_tokens=4))
     assert s.schedule() is not None and s.schedule() is not None and s.schedule() is None
 
@@ -99,7 +101,7 @@ def test_the_extra_slot_stays_closed_while_the_seats_bound_the_work():
     wait for). Every seat taken without a cap, nobody waiting, keeps the slot; so does a free seat with
     every waiting request seated."""
     # Under the cap (4 seats, 2 a microbatch): the two decode groups fill the seats.
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4, per_microbatch_seq_cap=True)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True, max_num_seqs=4, per_microbatch_seq_cap=True)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     assert a is not None and b is not None and s.schedule() is None
@@ -112,19 +114,19 @@ def test_the_extra_slot_stays_closed_while_the_seats_bound_the_work():
     assert c is not None and "late" in c.order and s.schedule() is None
     s.check_invariants()
     # No cap, every seat taken, nobody waiting: the ring's slot takes the oldest group's next step.
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True, max_num_seqs=4)
     _decoding(s, 4)
     a, b = s.schedule(), s.schedule()
     c = s.schedule()
     assert c is not None and c.ring_step_id == a.step_id and s.schedule() is None
     # ... but not with a request waiting for a seat.
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=4)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True, max_num_seqs=4)
     _decoding(s, 4)
     s.schedule(), s.schedule()
     s.add_request(make_request("w", 3, max_tokens=4))
     assert len(s.in_flight) == 2 and s.schedule() is None and s.formation_due() is None
     # A free seat but more requests waiting than seats: closed.
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, max_num_seqs=5)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True, max_num_seqs=5)
     _decoding(s, 4)
     s.schedule(), s.schedule()
     s.add_request(make_request("w1", 3, max_tokens=4))
@@ -133,7 +135,7 @@ def test_the_extra_slot_stays_closed_while_the_seats_bound_the_work():
 
 
 def test_a_stop_token_on_the_ring_wastes_one_token_and_loses_nothing():
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True)
     s.add_request(make_request("x", 3, max_tokens=20, ignore_eos=False))
     s.add_request(make_request("y", 3, max_tokens=20, ignore_eos=False))
     a = s.schedule()
@@ -157,7 +159,7 @@ def test_a_stop_token_on_the_ring_wastes_one_token_and_loses_nothing():
 
 
 def test_a_request_whose_token_in_flight_is_its_last_is_not_put_on_the_ring():
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True)
     s.add_request(make_request("short", 3, max_tokens=2))
     s.add_request(make_request("long", 3, max_tokens=9))
     a, b = s.schedule(), s.schedule()
@@ -169,7 +171,7 @@ def test_a_request_whose_token_in_flight_is_its_last_is_not_put_on_the_ring():
 
 
 def test_cancel_with_a_ring_decode_in_flight_keys_only_known_tokens():
-    s = make_scheduler(pp=2, token_budget=8, block_size=4, async_scheduling=True)
+    s = make_scheduler(pp=2, token_budget=8, block_size=4, token_ring=True)
     _decoding(s, 2, prompt=3)
     a, b = s.schedule(), s.schedule()
     c = s.schedule()
@@ -195,7 +197,7 @@ def test_cancel_with_a_ring_decode_in_flight_keys_only_known_tokens():
 def test_random_traces_hold_invariants_with_the_ring(policy, pp):
     for seed in range(5):
         rng = random.Random(seed * 17 + pp)
-        s = random_scheduler(rng, policy, pp, async_scheduling=True)
+        s = random_scheduler(rng, policy, pp, token_ring=True)
         outs = drive(s, rng, eos_prob=0.05, cancel_prob=0.02)
         assert_drained(s)
         assert any(o.ring_request_ids for o in outs) or policy != "sarathi"
@@ -206,7 +208,7 @@ def test_the_ring_gives_every_request_the_same_tokens_and_counts():
     computed past its max_tokens (the ring's only waste is a token after a stop token)."""
     def run(ring: bool) -> dict[str, int]:
         rng = random.Random(5)
-        s = random_scheduler(rng, "sarathi", 3, async_scheduling=ring)
+        s = random_scheduler(rng, "sarathi", 3, token_ring=ring)
         lengths: dict[str, int] = {}
 
         def complete(done, result):
@@ -218,8 +220,8 @@ def test_the_ring_gives_every_request_the_same_tokens_and_counts():
 
 
 def test_pp1_has_no_ring():
-    s = make_scheduler(pp=1, async_scheduling=True)
-    assert not s.async_scheduling and s.max_in_flight == 1
+    s = make_scheduler(pp=1, token_ring=True)
+    assert s.ring is None and s.max_in_flight == 1
 
 
 def test_the_simulated_ring_takes_the_engine_off_the_decode_cycle():
@@ -228,7 +230,7 @@ def test_the_simulated_ring_takes_the_engine_off_the_decode_cycle():
     wl = [WorkloadRequest(0.0, 4, 40), WorkloadRequest(0.0, 4, 40)]
 
     def tbt(ring: bool) -> float:
-        cfg = SchedulerConfig(policy="sarathi", token_budget=64, async_scheduling=ring)
+        cfg = SchedulerConfig(policy="sarathi", token_budget=64, token_ring=ring)
         res = simulate(wl, ConstantCostModel(2, 0.010), SimConfig(cfg, 64, 16, 512, 0.001, 0.002,
                                                                   check_invariants=True))
         return res.latency()["tbt_s"]["p50"]
@@ -237,7 +239,7 @@ def test_the_simulated_ring_takes_the_engine_off_the_decode_cycle():
 
 
 def test_step_result_tokens_reach_the_ring_request_in_order():
-    s = make_scheduler(pp=3, token_budget=8, async_scheduling=True)
+    s = make_scheduler(pp=3, token_budget=8, token_ring=True)
     _decoding(s, 3, max_tokens=12)
     before = {rid: len(req.output_token_ids) for rid, req in s.requests.items()}
     got: dict[str, list[int]] = {}
@@ -263,7 +265,7 @@ def test_a_following_chunk_keeps_a_seat_under_the_sequence_cap():
     the other group's next microbatch holds its two decodes on the ring; without a seat kept for it, the
     prompt's next chunk waited for the round after, so its chunks rode every other microbatch (its first
     token a round late per chunk). One decode is left out instead and goes first next time."""
-    s = make_scheduler(pp=2, token_budget=8, async_scheduling=True, per_microbatch_seq_cap=True, max_num_seqs=5)
+    s = make_scheduler(pp=2, token_budget=8, token_ring=True, per_microbatch_seq_cap=True, max_num_seqs=5)
     _decoding(s, 3, max_tokens=40)
     s.add_request(make_request("p", 40, max_tokens=2))
     chunks: list[int] = []  # step ids of the microbatches that carry a chunk of the prompt
@@ -281,11 +283,30 @@ def test_a_following_chunk_keeps_a_seat_under_the_sequence_cap():
 
 
 def test_the_ring_is_on_by_default_with_sarathi_and_off_for_the_baselines():
-    """`async_scheduling` None (the default): the ring with the sarathi policy; vllm, orca and static are
+    """`token_ring` None (the default): the ring with the sarathi policy; vllm, orca and static are
     measured as published. An explicit setting wins either way."""
-    assert SchedulerConfig().async_scheduling is None and SchedulerConfig().token_ring
+    assert SchedulerConfig().token_ring is None and SchedulerConfig().token_ring_on
     for policy in ("vllm", "orca", "static"):
-        assert not SchedulerConfig(policy=policy).token_ring
-        assert SchedulerConfig(policy=policy, async_scheduling=True).token_ring
-    assert not SchedulerConfig(async_scheduling=False).token_ring
+        assert not SchedulerConfig(policy=policy).token_ring_on
+        assert SchedulerConfig(policy=policy, token_ring=True).token_ring_on
+    assert not SchedulerConfig(token_ring=False).token_ring_on
     assert make_scheduler(pp=2).max_in_flight == 3 and make_scheduler("vllm", pp=2).max_in_flight == 2
+
+
+def test_async_scheduling_is_a_deprecated_spelling_of_token_ring():
+    """The old name still works, warns once per process, and lands on `token_ring` (so that
+    dataclasses.replace carries it); both names set apart is an error."""
+    import dataclasses
+
+    import ppserve.config as config_module
+
+    config_module._WARNED.discard("scheduler.async_scheduling")
+    with pytest.warns(FutureWarning, match="scheduler.token_ring"):
+        cfg = SchedulerConfig(async_scheduling=False)
+    assert cfg.token_ring is False and cfg.async_scheduling is None and not cfg.token_ring_on
+    assert not dataclasses.replace(cfg, token_budget=64).token_ring_on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SchedulerConfig(async_scheduling=True)  # once per process: no second warning
+    with pytest.raises(ValueError, match="disagree"):
+        SchedulerConfig(token_ring=True, async_scheduling=False)
