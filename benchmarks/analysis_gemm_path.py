@@ -47,9 +47,13 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 def paths(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch.Tensor, int], torch.Tensor]]:
     """name -> f(x, weight index): each path with its weights laid out once, as at model load."""
-    out: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {"F.linear": lambda x, i: F.linear(x, weights[i])}
+    out: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+        "F.linear": lambda x, i: F.linear(x, weights[i])
+    }
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
-    out["torch oneDNN prepacked"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+    out["torch oneDNN prepacked"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(
+        x, packed[i], None, "none", [], ""
+    )
     try:
         from vllm import _custom_ops as ops  # only in the vLLM environment
     except ImportError:
@@ -82,12 +86,21 @@ def main() -> None:
             ms = median_ms(lambda f=f, xs=xs: [f(xs[k % 4], k) for k in range(len(layer_ws))], args.reps)
             head_ms = median_ms(lambda h=head_paths[name], xh=xh: h(xh, 0), args.reps)
             diff = (f(xs[2], 2) - F.linear(xs[2], layer_ws[2])).abs().max().item()
-            row = {"rows": rows, "path": name, "layers_ms": round(ms, 2), "gflops": round(flops / ms / 1e6, 1),
-                   "lm_head_ms": round(head_ms, 2), "max_abs_diff_vs_F.linear": diff,
-                   "load_average": round(os.getloadavg()[0], 2)}
+            row = {
+                "rows": rows,
+                "path": name,
+                "layers_ms": round(ms, 2),
+                "gflops": round(flops / ms / 1e6, 1),
+                "lm_head_ms": round(head_ms, 2),
+                "max_abs_diff_vs_F.linear": diff,
+                "load_average": round(os.getloadavg()[0], 2),
+            }
             rows_out.append(row)
-            print(f"rows {rows:>4} {name:>24}: 30 layers {ms:7.1f} ms ({row['gflops']:6.1f} GFLOP/s), LM head "
-                  f"{head_ms:6.2f} ms, max |diff| vs F.linear {diff:.1e} (load {row['load_average']})", flush=True)
+            print(
+                f"rows {rows:>4} {name:>24}: 30 layers {ms:7.1f} ms ({row['gflops']:6.1f} GFLOP/s), LM head "
+                f"{head_ms:6.2f} ms, max |diff| vs F.linear {diff:.1e} (load {row['load_average']})",
+                flush=True,
+            )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "threads": args.threads, "rows": rows_out}, f, indent=1)

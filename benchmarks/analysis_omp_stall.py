@@ -81,14 +81,32 @@ def main() -> None:
         for name, extra in SETTINGS.items():
             load = os.getloadavg()[0]
             env = dict(os.environ, **extra)
-            out = subprocess.run(["taskset", "-c", args.cores, sys.executable, __file__, "--inner",
-                                  "--seconds", str(args.seconds)], env=env, capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    "taskset",
+                    "-c",
+                    args.cores,
+                    sys.executable,
+                    __file__,
+                    "--inner",
+                    "--seconds",
+                    str(args.seconds),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             res = json.loads(out.stdout.split("RESULT ", 1)[1])
             res.update(setting=name, round=rnd, env=extra, load_average=round(load, 2))
             rows.append(res)
-            print(f"round {rnd} {name:>9}: threads {res['threads']} median {res['median_ms']:.2f} ms, "
-                  f"p90 {res['p90_ms']:.2f}, mean {res['mean_ms']:.2f}, >5 ms {100 * res['share_over_5ms']:.0f} % "
-                  f"(n {res['n']}, load {load:.2f})", flush=True)
+            print(
+                f"round {rnd} {name:>9}: threads {res['threads']} median {res['median_ms']:.2f} ms, "
+                f"p90 {res['p90_ms']:.2f}, mean {res['mean_ms']:.2f}, >5 ms "
+                f"{100 * res['share_over_5ms']:.0f} % "
+                f"(n {res['n']}, load {load:.2f})",
+                flush=True,
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     print(f"wrote {args.out}")

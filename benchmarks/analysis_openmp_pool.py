@@ -64,7 +64,9 @@ def run():
                         SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0), request_id=f"c{i}")
     while eng.has_unfinished:
         eng.step()
-    result.update(step_ms=1e3 * statistics.median(steps), switches_per_s=(switches() - s0) / (time.perf_counter() - t0))
+    result.update(
+        step_ms=1e3 * statistics.median(steps), switches_per_s=(switches() - s0) / (time.perf_counter() - t0)
+    )
 
 if mode == "same thread":
     run()
@@ -90,9 +92,14 @@ def main() -> None:
     for rnd in range(args.rounds):
         for mode in MODES:
             load = os.getloadavg()[0]
-            proc = subprocess.run(["taskset", "-c", args.cores, sys.executable, "-c", INNER, mode, str(args.rows)],
-                                  capture_output=True, text=True, cwd=REPO, timeout=900,
-                                  env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+            proc = subprocess.run(
+                ["taskset", "-c", args.cores, sys.executable, "-c", INNER, mode, str(args.rows)],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=900,
+                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"{mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -1,4 +1,5 @@
-"""Where the balanced pipeline's bubble goes at GPU scale: stage 0's idle time in a simulated run, cut by cause.
+"""Where the balanced pipeline's bubble goes at GPU scale: stage 0's idle time in a simulated run,
+cut by cause.
 
 Every later stage only waits for the stage before it, so the pipeline's bubble starts at stage 0: it idles
 between two microbatches while the engine has work. Each such gap, from the end of microbatch j-1 on
@@ -17,7 +18,7 @@ stage, turns around for `schedule_overhead_s`, schedules, and the stages hold th
 - `turnaround`: from the oldest microbatch's return to the schedule of j (the engine's result
   handling, `--overhead-ms`).
 - `dispatch`: from the schedule of j to the stages holding it (`--dispatch-ms`).
-- `ring_tokens`: with the token ring (`scheduler.async_scheduling`) stage 0 held j already and waited for
+- `ring_tokens`: with the token ring (`scheduler.token_ring`) stage 0 held j already and waited for
   the tokens its decodes take from an earlier microbatch, still on its way round.
 
 The parts add up to stage 0's bubble (the bubble report's, active window; checked). Across them, the
@@ -29,7 +30,7 @@ that a rule of formation can hardly take off. The runs are regimes
 of `ppserve bench regimes` (ppserve/bench/regimes.py; default the conversation trace on Llama-2-70B at
 A100 PP4 x TP4 at 2 / 4 / 8 req/s, bench_balance_sim.py's setup), each with the regime's control plane
 and with none (the bound on what taking the control plane off the decode ring can give), under the
-balanced formation, the balanced formation with the token ring (`scheduler.async_scheduling`, which
+balanced formation, the balanced formation with the token ring (`scheduler.token_ring`, which
 takes it off) and the unbalanced one.
 
 A second table cuts every stage's idle time, not only stage 0's, three ways (`every_stage_idle`): fewer than p
@@ -87,7 +88,8 @@ def first_stage_idle(res: SimResult, dispatch_s: float) -> dict[str, int]:
             continue
         formed = scheduled[j]
         if formed >= idle_from:
-            # The engine formed j only after stage 0 went idle; it last heard back from the pipeline at `came`.
+            # The engine formed j only after stage 0 went idle; it last heard back from the pipeline at
+            # `came`.
             k = bisect.bisect_right(back, formed, 0, i) - 1  # the last microbatch back before the schedule
             came = back[k] if k >= 0 else idle_from
             in_flight = sum(1 for m in range(max(0, i - p), i) if scheduled[steps[m]] <= idle_from < back[m])
@@ -106,8 +108,16 @@ def first_stage_idle(res: SimResult, dispatch_s: float) -> dict[str, int]:
 def under_p_requests(res: SimResult) -> int:
     """Stage 0's bubble, in ns, while fewer than p requests were in the system (see the module doc)."""
     work = union(res.work_intervals)
-    busy = union((sp.start_ns, sp.end_ns) for sp in res.spans if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0)
-    return total(intersect(subtract(work, busy), short_handed(lifetimes_ns(res.timings.values()), res.num_stages, work)))
+    busy = union(
+        (sp.start_ns, sp.end_ns)
+        for sp in res.spans
+        if sp.kind == "compute" and sp.stage == 0 and sp.tp_rank == 0
+    )
+    return total(
+        intersect(
+            subtract(work, busy), short_handed(lifetimes_ns(res.timings.values()), res.num_stages, work)
+        )
+    )
 
 
 # A gap between two decode-only microbatches shorter than this is a stage waiting on a slower one's pace.
@@ -126,8 +136,10 @@ def every_stage_idle(res: SimResult) -> dict[str, float]:
     parts = {"under_p": 0, "pace": 0, "rest": 0}
     pace_ns = round(PACE_GAP_S * 1e9)
     for stage in range(p):
-        spans = sorted((sp for sp in res.spans if sp.kind == "compute" and sp.stage == stage and sp.tp_rank == 0),
-                       key=lambda sp: sp.start_ns)
+        spans = sorted(
+            (sp for sp in res.spans if sp.kind == "compute" and sp.stage == stage and sp.tp_rank == 0),
+            key=lambda sp: sp.start_ns,
+        )
         idle = subtract(work, union((sp.start_ns, sp.end_ns) for sp in spans))
         under = total(intersect(idle, short))
         pace = 0
@@ -141,8 +153,11 @@ def every_stage_idle(res: SimResult) -> dict[str, float]:
     return {name: ns / p / window for name, ns in parts.items()} if window else dict.fromkeys(parts, 0.0)
 
 
-FORMATIONS = (Formation("balanced", "sarathi", True, False), Formation("balanced + ring", "sarathi", True, True),
-              Formation("balance=False", "sarathi", False, False))
+FORMATIONS = (
+    Formation("balanced", "sarathi", True, False),
+    Formation("balanced + ring", "sarathi", True, True),
+    Formation("balance=False", "sarathi", False, False),
+)
 
 
 def run(regime: Regime, formation: Formation, control_plane: bool) -> dict[str, Any]:
@@ -155,7 +170,9 @@ def run(regime: Regime, formation: Formation, control_plane: bool) -> dict[str, 
     parts = first_stage_idle(res, cfg.dispatch_latency_s)
     stage0 = rep.stages[0]
     if abs(sum(parts.values()) - stage0.bubble_ns) > 1:  # the report's ns are a mean over tp ranks (one here)
-        raise AssertionError(f"stage 0's idle parts add up to {sum(parts.values())} ns, its bubble is {stage0.bubble_ns} ns")
+        raise AssertionError(
+            f"stage 0's idle parts add up to {sum(parts.values())} ns, its bubble is {stage0.bubble_ns} ns"
+        )
     lat = res.latency()
     return {
         "mean_bubble": float(rep.mean_bubble_fraction),
@@ -180,9 +197,13 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown regime(s) {unknown}; known: {sorted(known)}")
     rows = []
-    print("| regime | formation | control plane | mean bubble | stage 0 | ring: awaited prefill | ring: awaited decodes "
-          "| ring tokens | few microbatches | turnaround | dispatch | stage 0, under p requests | out tok/s | TBT p50 ms "
-          "| TTFT p50 ms |")
+    print(
+        "| regime | formation | control plane | mean bubble | stage 0 | ring: awaited prefill | ring: "
+        "awaited decodes "
+        "| ring tokens | few microbatches | turnaround | dispatch | stage 0, under p requests | out tok/s | "
+        "TBT p50 ms "
+        "| TTFT p50 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for formation in FORMATIONS:
@@ -190,19 +211,31 @@ def main() -> None:
                 r = run(known[name], formation, plane)
                 rows.append({"regime": name, "formation": formation.name, "control_plane": plane, **r})
                 pct = {k: f"{100 * v:.1f}%" for k, v in r["stage0_parts"].items()}
-                print(f"| {name} | {formation.name} | {'measured' if plane else 'none'} | "
-                      f"{100 * r['mean_bubble']:.1f}% | {100 * r['stage_bubbles'][0]:.1f}% | {pct['ring_prefill']} | "
-                      f"{pct['ring_decode']} | {pct['ring_tokens']} | {pct['few']} | {pct['turnaround']} | "
-                      f"{pct['dispatch']} | {100 * r['stage0_under_p_requests']:.1f}% | {r['output_tokens_per_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
-                      f"{1e3 * r['ttft_p50_s']:.0f} |")
-    print("\nEvery stage's idle time (mean over the stages): fewer than p requests in the system, full-handed gaps "
-          f"under {1e3 * PACE_GAP_S:g} ms between decode-only microbatches (a slower stage's pace), the rest\n")
-    print("| regime | formation | control plane | mean bubble | under p requests | slower stage's pace | rest |")
+                print(
+                    f"| {name} | {formation.name} | {'measured' if plane else 'none'} | "
+                    f"{100 * r['mean_bubble']:.1f}% | {100 * r['stage_bubbles'][0]:.1f}% | "
+                    f"{pct['ring_prefill']} | "
+                    f"{pct['ring_decode']} | {pct['ring_tokens']} | {pct['few']} | {pct['turnaround']} | "
+                    f"{pct['dispatch']} | {100 * r['stage0_under_p_requests']:.1f}% | "
+                    f"{r['output_tokens_per_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
+                    f"{1e3 * r['ttft_p50_s']:.0f} |"
+                )
+    print(
+        "\nEvery stage's idle time (mean over the stages): fewer than p requests in the system, full-handed "
+        "gaps "
+        f"under {1e3 * PACE_GAP_S:g} ms between decode-only microbatches (a slower stage's pace), the rest\n"
+    )
+    print(
+        "| regime | formation | control plane | mean bubble | under p requests | slower stage's pace | rest |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         e = r["every_stage"]
-        print(f"| {r['regime']} | {r['formation']} | {'measured' if r['control_plane'] else 'none'} | "
-              f"{100 * r['mean_bubble']:.2f}% | {100 * e['under_p']:.2f}% | {100 * e['pace']:.2f}% | {100 * e['rest']:.2f}% |")
+        print(
+            f"| {r['regime']} | {r['formation']} | {'measured' if r['control_plane'] else 'none'} | "
+            f"{100 * r['mean_bubble']:.2f}% | {100 * e['under_p']:.2f}% | {100 * e['pace']:.2f}% | "
+            f"{100 * e['rest']:.2f}% |"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -13,10 +13,15 @@ from __future__ import annotations
 import functools
 import random
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CHUNK, drain, prompt, run_until_decoding, timed_step  # noqa: E402
 
 PARTS = ("linear", "attention", "norm", "rope", "silu_mul", "embed", "lm_head", "sample", "prepare", "layers")
 
@@ -73,8 +78,6 @@ def install(timer: PartTimer) -> None:
 
 def _steps(eng: Any, rng: random.Random, vocab: int, batch: int, context: int, n: int, mixed: bool,
            tag: str) -> list[float]:
-    from analysis_step_time import CHUNK, drain, prompt, run_until_decoding, timed_step
-
     rids = [f"{tag}-{i}" for i in range(batch)]
     for r in rids:
         eng.add(r, prompt(rng, context, vocab), max_tokens=3 * n + 8)
@@ -94,8 +97,6 @@ def _steps(eng: Any, rng: random.Random, vocab: int, batch: int, context: int, n
 def attributed(eng: Any, timer: PartTimer, rng: random.Random, vocab: int, batch: int, context: int, n: int,
                mixed: bool) -> dict[str, Any]:
     """Median per-step ms of each part over n measured steps (each measured step timed alone)."""
-    from analysis_step_time import CHUNK, drain, prompt, run_until_decoding
-
     tag = f"p{batch}{'m' if mixed else 'd'}"
     rids = [f"{tag}-{i}" for i in range(batch)]
     for r in rids:
@@ -150,8 +151,10 @@ def profile_ppserve(eng: Any, rng: random.Random, vocab: int, args: Any) -> dict
         rows.append(attributed(eng, timer, rng, vocab, b, args.context, args.steps, mixed=False))
         rows.append(attributed(eng, timer, rng, vocab, b, args.context, args.mixed, mixed=True))
     b = max(args.batches)
-    return {"what": "median ms per step, parts inclusive; host_engine = step wall - (layers + lm_head + sample "
-                    "+ prepare); layers_rest = layers - its parts (residual adds, reshapes, Python)",
-            "rows": rows,
-            "aten_top_decode": aten_top(eng, rng, vocab, b, args.context, 4, mixed=False),
-            "aten_top_mixed_and_decode": aten_top(eng, rng, vocab, b, args.context, 3, mixed=True)}
+    return {
+        "what": "median ms per step, parts inclusive; host_engine = step wall - (layers + lm_head + sample "
+        "+ prepare); layers_rest = layers - its parts (residual adds, reshapes, Python)",
+        "rows": rows,
+        "aten_top_decode": aten_top(eng, rng, vocab, b, args.context, 4, mixed=False),
+        "aten_top_mixed_and_decode": aten_top(eng, rng, vocab, b, args.context, 3, mixed=True),
+    }

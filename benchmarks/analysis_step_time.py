@@ -41,10 +41,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from analysis_step_profile import profile_ppserve  # noqa: E402
+from common import CHUNK, drain, prompt, run_until_decoding, timed_step  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_VENV = Path(os.environ.get("VLLM_VENV", "~/.cache/ppserve/vllm-venv")).expanduser()
 BUDGET = 512
-CHUNK = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,8 +94,16 @@ class VllmAdapter:
     def __init__(self, model_dir: str, temperature: float, dtype: str = "float32") -> None:
         from vllm import LLM, SamplingParams
 
-        self.llm = LLM(model=model_dir, dtype=dtype, enable_chunked_prefill=True, max_num_batched_tokens=BUDGET,
-                       max_num_seqs=256, max_model_len=2048, enable_prefix_caching=False, seed=0)
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=BUDGET,
+            max_num_seqs=256,
+            max_model_len=2048,
+            enable_prefix_caching=False,
+            seed=0,
+        )
         self.engine = self.llm.llm_engine
         self._params = SamplingParams
         self.temperature = temperature
@@ -129,33 +140,9 @@ class VllmAdapter:
 # Phases (run inside one engine's process)
 # ---------------------------------------------------------------------------------------------
 
-def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(100, vocab - 100) for _ in range(n)]
-
-
-def run_until_decoding(eng: Any, rids: list[str], max_steps: int = 200) -> None:
-    """Step until every request in `rids` has its first token (prefill done)."""
-    have: set[str] = set()
-    for _ in range(max_steps):
-        have.update(r for r in eng.step() if r in rids)
-        if have >= set(rids):
-            return
-    raise RuntimeError("prefill did not finish")
-
-
-def drain(eng: Any, rids: list[str]) -> None:
-    eng.abort(rids)
-    while eng.busy():
-        eng.step()
-
-
-def timed_step(eng: Any) -> tuple[float, dict[str, int]]:
-    t0 = time.perf_counter()
-    gained = eng.step()
-    return (time.perf_counter() - t0) * 1e3, gained
-
-
-def fixed_phases(eng: Any, rng: random.Random, vocab: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+def fixed_phases(
+    eng: Any, rng: random.Random, vocab: int, args: argparse.Namespace, tag: str
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in args.batches:
         rids = [f"{tag}-b{b}-{i}" for i in range(b)]
@@ -182,8 +169,13 @@ def fixed_phases(eng: Any, rng: random.Random, vocab: int, args: argparse.Namesp
             waited.append(before)
             eng.step()
         drain(eng, rids)
-        out[str(b)] = {"decode_ms": decode_ms, "mixed_ms": mixed_ms, "steps_before_the_mixed_one": waited,
-                       "decode_ms_median": statistics.median(decode_ms), "mixed_ms_median": statistics.median(mixed_ms)}
+        out[str(b)] = {
+            "decode_ms": decode_ms,
+            "mixed_ms": mixed_ms,
+            "steps_before_the_mixed_one": waited,
+            "decode_ms_median": statistics.median(decode_ms),
+            "mixed_ms_median": statistics.median(mixed_ms),
+        }
     return out
 
 
@@ -213,8 +205,15 @@ def arrivals_phase(eng: Any, vocab: int, args: argparse.Namespace) -> dict[str, 
         first = [r for r, n in gained.items() if not token_times[r]]
         for r, n in gained.items():
             token_times[r].extend([t1] * n)
-        steps.append({"t_ms": (t0 - start) * 1e3, "wall_ms": (t1 - t0) * 1e3, "tokens_out": sum(gained.values()),
-                      "first_tokens": len(first), "decode_rows": sum(1 for r in gained if r not in first)})
+        steps.append(
+            {
+                "t_ms": (t0 - start) * 1e3,
+                "wall_ms": (t1 - t0) * 1e3,
+                "tokens_out": sum(gained.values()),
+                "first_tokens": len(first),
+                "decode_rows": sum(1 for r in gained if r not in first),
+            }
+        )
     wall = time.perf_counter() - start
     ttft = [token_times[r][0] - added_at[r] for r in added_at]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
@@ -245,15 +244,20 @@ def composition_summary(steps: list[dict[str, Any]], inferred: bool) -> dict[str
     def med(xs: list[float]) -> float | None:
         return round(statistics.median(xs), 2) if xs else None
 
-    return {"steps": len(steps), "prefill_steps": len(pre), "decode_only_steps": len(dec), "silent_steps": len(silent),
-            "prefill_tokens_per_prefill_step_median": med([s["prefill_tokens"] for s in pre]),
-            "decode_rows_median": med([s.get("decode_tokens", s["decode_rows"]) for s in steps]),
-            "prefill_step_wall_ms_median": med([s["wall_ms"] for s in pre]),
-            "decode_step_wall_ms_median": med([s["wall_ms"] for s in dec]),
-            "silent_step_wall_ms_median": med([s["wall_ms"] for s in silent]),
-            "time_in_prefill_steps_s": round(sum(s["wall_ms"] for s in pre) / 1e3, 2),
-            "time_in_decode_steps_s": round(sum(s["wall_ms"] for s in dec) / 1e3, 2),
-            "time_in_silent_steps_s": round(sum(s["wall_ms"] for s in silent) / 1e3, 2)}
+    return {
+        "steps": len(steps),
+        "prefill_steps": len(pre),
+        "decode_only_steps": len(dec),
+        "silent_steps": len(silent),
+        "prefill_tokens_per_prefill_step_median": med([s["prefill_tokens"] for s in pre]),
+        "decode_rows_median": med([s.get("decode_tokens", s["decode_rows"]) for s in steps]),
+        "prefill_step_wall_ms_median": med([s["wall_ms"] for s in pre]),
+        "decode_step_wall_ms_median": med([s["wall_ms"] for s in dec]),
+        "silent_step_wall_ms_median": med([s["wall_ms"] for s in silent]),
+        "time_in_prefill_steps_s": round(sum(s["wall_ms"] for s in pre) / 1e3, 2),
+        "time_in_decode_steps_s": round(sum(s["wall_ms"] for s in dec) / 1e3, 2),
+        "time_in_silent_steps_s": round(sum(s["wall_ms"] for s in silent) / 1e3, 2),
+    }
 
 
 def vocab_of(model_dir: str) -> int:
@@ -262,8 +266,11 @@ def vocab_of(model_dir: str) -> int:
 
 def inner(args: argparse.Namespace) -> None:
     vocab = vocab_of(args.model_dir)
-    eng: Any = PpserveAdapter(args.model_dir, args.temperature, args.ppserve_dtype) if args.inner == "ppserve" \
+    eng: Any = (
+        PpserveAdapter(args.model_dir, args.temperature, args.ppserve_dtype)
+        if args.inner == "ppserve"
         else VllmAdapter(args.model_dir, args.temperature, args.vllm_dtype)
+    )
     rng = random.Random(0)
     # Warm-up outside the timed region: first-call costs (oneDNN primitives, compiled graphs, allocator).
     for i in range(2):
@@ -288,7 +295,6 @@ def inner(args: argparse.Namespace) -> None:
         arr["summary"] = composition_summary(arr["steps"], inferred=args.inner == "vllm")
         res["arrivals"] = arr
     if args.profile and args.inner == "ppserve":
-        from analysis_step_profile import profile_ppserve  # type: ignore[import-not-found]
         res["profile"] = profile_ppserve(eng, rng, vocab, args)
     eng.close()
     print("RESULT " + json.dumps(res), flush=True)
@@ -302,7 +308,9 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def run_engine(engine: str, model_dir: str, args: argparse.Namespace, passthrough: list[str]) -> dict[str, Any]:
+def run_engine(
+    engine: str, model_dir: str, args: argparse.Namespace, passthrough: list[str]
+) -> dict[str, Any]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if engine == "vllm":
         python = str(DEFAULT_VLLM_VENV / "bin" / "python")
@@ -311,8 +319,18 @@ def run_engine(engine: str, model_dir: str, args: argparse.Namespace, passthroug
         python = sys.executable
     if engine == "ppserve-auto":  # ppserve's own default dtype (bf16 on CPUs with native bf16)
         passthrough = [*passthrough, "--ppserve-dtype", "auto"]
-    cmd = ["taskset", "-c", args.cores, python, str(Path(__file__).resolve()), "--inner", engine.split("-")[0],
-           "--model-dir", model_dir, *passthrough]
+    cmd = [
+        "taskset",
+        "-c",
+        args.cores,
+        python,
+        str(Path(__file__).resolve()),
+        "--inner",
+        engine.split("-")[0],
+        "--model-dir",
+        model_dir,
+        *passthrough,
+    ]
     before = load_average()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
@@ -330,16 +348,25 @@ def run_engine(engine: str, model_dir: str, args: argparse.Namespace, passthroug
 def print_table(results: list[dict[str, Any]]) -> None:
     fixed = [r for r in results if "fixed" in r]
     if fixed:
-        print("\n| engine | round | batch | decode step ms (median) | mixed step ms (B + 256-token chunk) | load avg |")
+        print(
+            "\n| engine | round | batch | decode step ms (median) | mixed step ms (B + 256-token chunk) | "
+            "load avg |"
+        )
         print("|---|---|---|---|---|---|")
         for r in fixed:
             for b, f in r["fixed"].items():
-                print(f"| {r['engine']} | {r['round']} | {b} | {f['decode_ms_median']:.1f} | {f['mixed_ms_median']:.1f} "
-                      f"| {r['load_average_before']} -> {r['load_average_after']} |")
+                print(
+                    f"| {r['engine']} | {r['round']} | {b} | {f['decode_ms_median']:.1f} | "
+                    f"{f['mixed_ms_median']:.1f} "
+                    f"| {r['load_average_before']} -> {r['load_average_after']} |"
+                )
     arr = [r for r in results if "arrivals" in r]
     if arr:
-        print("\n| engine | round | out tok/s | mean TTFT ms | mean TPOT ms | steps | prefill steps | prefill tok/step "
-              "| decode rows | prefill step ms | decode step ms | s in prefill / decode steps | load avg |")
+        print(
+            "\n| engine | round | out tok/s | mean TTFT ms | mean TPOT ms | steps | prefill steps | prefill "
+            "tok/step "
+            "| decode rows | prefill step ms | decode step ms | s in prefill / decode steps | load avg |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in arr:
             a, s = r["arrivals"], r["arrivals"]["summary"]
@@ -371,8 +398,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--mixed", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--ppserve-dtype", default="float32", help="ppserve's model dtype (auto: bf16 on CPUs with "
-                    "native bf16, what `ppserve serve` picks by default); vLLM always runs float32 here")
+    ap.add_argument(
+        "--ppserve-dtype",
+        default="float32",
+        help="ppserve's model dtype (auto: bf16 on CPUs with "
+        "native bf16, what `ppserve serve` picks by default); vLLM always runs float32 here",
+    )
     ap.add_argument("--vllm-dtype", default="float32", help="vLLM's model dtype (bfloat16 to match "
                     "ppserve-auto on CPUs with native bf16)")
     ap.add_argument("--no-fixed", dest="fixed", action="store_false")
@@ -383,17 +414,33 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="ppserve: attributed decode and mixed steps")
     args = ap.parse_args()
     if args.inner:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         inner(args)
         return
     from ppserve.model.loader import resolve_model
 
     model_dir = str(resolve_model(args.model))
-    passthrough = ["--batches", ",".join(map(str, args.batches)), "--context", str(args.context),
-                   "--steps", str(args.steps), "--mixed", str(args.mixed), "--temperature", str(args.temperature),
-                   "--ppserve-dtype", args.ppserve_dtype, "--vllm-dtype", args.vllm_dtype,
-                   "--num-prompts", str(args.num_prompts), "--rate", str(args.rate),
-                   "--output-len", str(args.output_len)]
+    passthrough = [
+        "--batches",
+        ",".join(map(str, args.batches)),
+        "--context",
+        str(args.context),
+        "--steps",
+        str(args.steps),
+        "--mixed",
+        str(args.mixed),
+        "--temperature",
+        str(args.temperature),
+        "--ppserve-dtype",
+        args.ppserve_dtype,
+        "--vllm-dtype",
+        args.vllm_dtype,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--rate",
+        str(args.rate),
+        "--output-len",
+        str(args.output_len),
+    ]
     passthrough += [flag for flag, on in (("--no-fixed", not args.fixed), ("--arrivals", args.arrivals),
                                           ("--profile", args.profile)) if on]
     engines = args.engines.split(",")
@@ -408,8 +455,12 @@ def main() -> None:
             results.append(r)
     print_table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("inner",)},
-                                          "results": results}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {"args": {k: v for k, v in vars(args).items() if k not in ("inner",)}, "results": results},
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

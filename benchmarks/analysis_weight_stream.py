@@ -90,8 +90,12 @@ def result(proc: subprocess.Popen[str]) -> dict[str, float] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=24, help="rows of one decode group (pp = 1 runs twice as many)")
-    ap.add_argument("--split", type=int, default=17, help="stage 0's layers at pp = 2 (the cost split's 17 / 13)")
+    ap.add_argument(
+        "--rows", type=int, default=24, help="rows of one decode group (pp = 1 runs twice as many)"
+    )
+    ap.add_argument(
+        "--split", type=int, default=17, help="stage 0's layers at pp = 2 (the cost split's 17 / 13)"
+    )
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--out", default="results/analysis_weight_stream.json")
     args = ap.parse_args()
@@ -115,13 +119,22 @@ def main() -> None:
         "pp2_round_ms": pp2_round, "pp2_over_pp1_round": pp2_round / pp1["pass_ms"],
         "load_average": os.getloadavg(),
     }
-    print(f"panel kernel {pp1['kernel']}; a decode round of {2 * args.rows} sequences, the default model's linears")
+    print(
+        f"panel kernel {pp1['kernel']}; a decode round of {2 * args.rows} sequences, the default model's "
+        "linears"
+    )
     print("| layout | weights read per round | GEMM ms per round | GB/s per stream |")
     print("|---|---|---|---|")
-    print(f"| pp = 1, 2 threads, one pass of {2 * args.rows} rows | {pp1['mb']:.0f} MB | {pp1['pass_ms']:.2f} | "
-          f"{report['pp1']['gb_s']:.1f} |")
-    print(f"| pp = 2, stage 0 ({args.split} layers), 1 thread, two passes of {args.rows} rows | {2 * s0['mb']:.0f} MB | "
-          f"{2 * s0['pass_ms']:.2f} | {report['pp2_stage0']['gb_s']:.1f} |")
+    print(
+        f"| pp = 1, 2 threads, one pass of {2 * args.rows} rows | {pp1['mb']:.0f} MB | {pp1['pass_ms']:.2f} "
+        "| "
+        f"{report['pp1']['gb_s']:.1f} |"
+    )
+    print(
+        f"| pp = 2, stage 0 ({args.split} layers), 1 thread, two passes of {args.rows} rows | "
+        f"{2 * s0['mb']:.0f} MB | "
+        f"{2 * s0['pass_ms']:.2f} | {report['pp2_stage0']['gb_s']:.1f} |"
+    )
     print(f"| pp = 2, stage 1 ({LAYERS - args.split} layers + LM head), the same | {2 * s1['mb']:.0f} MB | "
           f"{2 * s1['pass_ms']:.2f} | {report['pp2_stage1']['gb_s']:.1f} |")
     print(f"pp = 2's round (its slower stage) / pp = 1's: {report['pp2_over_pp1_round']:.2f}x "

@@ -1,4 +1,5 @@
-"""What sharing the work in reach over k rounds buys and costs (`scheduler.balance_rounds`, issue 21), in the simulator.
+"""What sharing the work in reach over k rounds buys and costs (`scheduler.balance_rounds`, issue 21),
+in the simulator.
 
 The balanced formation shares the work in reach among the p microbatches of one round by default. With
 k > 1, while requests keep arriving (`ppserve.sched.balance.ArrivalWatch`), it shares it among k rounds:
@@ -12,7 +13,8 @@ and more microbatches per prompt (TTFT). This runs the same seeded workloads at 
 
 Per cell: mean bubble (active window), TTFT p50 / p99, TBT p99, output tok/s.
 
-    python benchmarks/bench_balance_rounds.py [--rounds 1,2,4] [--jobs 2] [--out results/bench_balance_rounds.json]
+    python benchmarks/bench_balance_rounds.py [--rounds 1,2,4] [--jobs 2]
+        [--out results/bench_balance_rounds.json]
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from ppserve.sim.workload import (
 
 
 def _trace(start: int, rate: float, seed: int, n: int = 400) -> list[WorkloadRequest]:
-    return with_poisson_arrivals(clip_to_context(read_trace(default_trace_path(), n, start=start), 4096), rate, seed=seed)
+    return with_poisson_arrivals(
+        clip_to_context(read_trace(default_trace_path(), n, start=start), 4096), rate, seed=seed
+    )
 
 
 def setups() -> list[Regime]:
@@ -61,9 +65,15 @@ def cell(name: str, rounds: int) -> dict[str, Any]:
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, balance_rounds=rounds))
     s = simulate(wl, cost, cfg).summary("active")
     lat = s["latency"]
-    return {"setup": regime.name, "rounds": rounds, "mean_bubble": s["bubbles"]["mean_bubble_fraction"],
-            "ttft_p50_s": lat["ttft_s"]["p50"], "ttft_p99_s": lat["ttft_s"]["p99"], "tbt_p99_s": lat["tbt_s"]["p99"],
-            "output_tokens_per_s": s["throughput"]["output_tokens_per_s"]}
+    return {
+        "setup": regime.name,
+        "rounds": rounds,
+        "mean_bubble": s["bubbles"]["mean_bubble_fraction"],
+        "ttft_p50_s": lat["ttft_s"]["p50"],
+        "ttft_p99_s": lat["ttft_s"]["p99"],
+        "tbt_p99_s": lat["tbt_s"]["p99"],
+        "output_tokens_per_s": s["throughput"]["output_tokens_per_s"],
+    }
 
 
 def _cell(args: tuple[str, int]) -> dict[str, Any]:
@@ -72,7 +82,9 @@ def _cell(args: tuple[str, int]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", default="1,2,4", help="values of scheduler.balance_rounds, the first the baseline")
+    ap.add_argument(
+        "--rounds", default="1,2,4", help="values of scheduler.balance_rounds, the first the baseline"
+    )
     ap.add_argument("--jobs", type=int, default=2, help="simulations in parallel processes")
     ap.add_argument("--out", default="results/bench_balance_rounds.json")
     args = ap.parse_args()
@@ -83,15 +95,22 @@ def main() -> None:
     with ProcessPoolExecutor(max(1, args.jobs)) as pool:
         rows = list(pool.map(_cell, todo))
     base = {row["setup"]: row for row in rows if row["rounds"] == ks[0]}
-    print(f"| setup | rounds | mean bubble | TTFT p50 ms | TTFT p99 ms | TBT p99 ms | out tok/s | vs rounds={ks[0]}: "
-          "TTFT p50 / TBT p99 |")
+    print(
+        "| setup | rounds | mean bubble | TTFT p50 ms | TTFT p99 ms | TBT p99 ms | out tok/s | vs "
+        f"rounds={ks[0]}: "
+        "TTFT p50 / TBT p99 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         b = base[row["setup"]]
         tbt = row["tbt_p99_s"] / b["tbt_p99_s"] if b["tbt_p99_s"] else float("nan")
-        print(f"| {row['setup']} | {row['rounds']} | {100 * row['mean_bubble']:.1f}% | {1e3 * row['ttft_p50_s']:.1f} | "
-              f"{1e3 * row['ttft_p99_s']:.1f} | {1e3 * row['tbt_p99_s']:.1f} | {row['output_tokens_per_s']:.0f} | "
-              f"{row['ttft_p50_s'] / b['ttft_p50_s']:.2f}x / {tbt:.2f}x |")
+        print(
+            f"| {row['setup']} | {row['rounds']} | {100 * row['mean_bubble']:.1f}% | "
+            f"{1e3 * row['ttft_p50_s']:.1f} | "
+            f"{1e3 * row['ttft_p99_s']:.1f} | {1e3 * row['tbt_p99_s']:.1f} | "
+            f"{row['output_tokens_per_s']:.0f} | "
+            f"{row['ttft_p50_s'] / b['ttft_p50_s']:.2f}x / {tbt:.2f}x |"
+        )
     write_json(args.out, {"args": vars(args), "rows": rows})
     print(f"wrote {args.out}")
 

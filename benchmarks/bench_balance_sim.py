@@ -6,7 +6,7 @@ Two tables, one run:
    the old control-plane figures (0.2 ms turnaround, no dispatch latency, no token ring: what the issue
    measured); then, with ppserve's measured control plane (--dispatch-ms / --overhead-ms), the
    unbalanced and the balanced formation each without and with the token ring
-   (`scheduler.async_scheduling`, its extra microbatch formed just in time; ARCHITECTURE.md §3). The
+   (`scheduler.token_ring`, its extra microbatch formed just in time; ARCHITECTURE.md §3). The
    default is the balanced formation with the ring. Mean bubble (active window), microbatch token CV,
    throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
@@ -85,26 +85,42 @@ def main() -> None:
     blocks = kv_cache_blocks(model, hw, pp, tp, 16)
     base = SchedulerConfig(policy="sarathi", token_budget=512, max_num_seqs=128, per_microbatch_seq_cap=True,
                            max_waiting=max(4096, args.num_requests))
-    no_ring = dataclasses.replace(base, async_scheduling=False)
-    trace = clip_to_context(read_trace(default_trace_path("splitwise_conv.csv"), args.num_requests), model.max_model_len)
+    no_ring = dataclasses.replace(base, token_ring=False)
+    trace = clip_to_context(
+        read_trace(default_trace_path("splitwise_conv.csv"), args.num_requests), model.max_model_len
+    )
     variants = [
         ("unbalanced, old control plane", dataclasses.replace(no_ring, balance=False), 0.2, 0.0),
         ("unbalanced", dataclasses.replace(no_ring, balance=False), args.overhead_ms, args.dispatch_ms),
-        ("unbalanced + token ring", dataclasses.replace(base, balance=False), args.overhead_ms, args.dispatch_ms),
+        (
+            "unbalanced + token ring",
+            dataclasses.replace(base, balance=False),
+            args.overhead_ms,
+            args.dispatch_ms,
+        ),
         ("balanced", no_ring, args.overhead_ms, args.dispatch_ms),
         ("balanced + token ring (default)", base, args.overhead_ms, args.dispatch_ms),
     ]
     rows = []
-    print("| rate (req/s) | formation | bubble | token CV | req/s | out tok/s | TTFT p50 ms | TBT p50 ms | TBT p99 ms |")
+    print(
+        "| rate (req/s) | formation | bubble | token CV | req/s | out tok/s | TTFT p50 ms | TBT p50 ms | TBT "
+        "p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for rate in [float(r) for r in args.rates.split(",")]:
         wl = with_poisson_arrivals(trace, rate, seed=0)
         for name, sched, overhead, dispatch in variants:
             r = run(cost, wl, sched, blocks, model.max_model_len, overhead, dispatch)
-            rows.append({"rate": rate, "formation": name, "overhead_ms": overhead, "dispatch_ms": dispatch, **r})
-            print(f"| {rate:g} | {name} | {100 * r['bubble']:.1f}% | {r['token_cv']:.2f} | {r['requests_per_s']:.2f} | "
-                  f"{r['output_tokens_per_s']:.0f} | {1e3 * r['ttft_p50_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} | "
-                  f"{1e3 * r['tbt_p99_s']:.1f} |")
+            rows.append(
+                {"rate": rate, "formation": name, "overhead_ms": overhead, "dispatch_ms": dispatch, **r}
+            )
+            print(
+                f"| {rate:g} | {name} | {100 * r['bubble']:.1f}% | {r['token_cv']:.2f} | "
+                f"{r['requests_per_s']:.2f} | "
+                f"{r['output_tokens_per_s']:.0f} | {1e3 * r['ttft_p50_s']:.0f} | {1e3 * r['tbt_p50_s']:.1f} "
+                "| "
+                f"{1e3 * r['tbt_p99_s']:.1f} |"
+            )
     prompt = [WorkloadRequest(0.0, 4096, 1)]
     ideal = pipelined_ideal_ttft(cost, 4096, 512)
     long_rows = {"ideal_ttft_s": ideal}
@@ -114,7 +130,9 @@ def main() -> None:
         long_rows[name] = r["ttft_p50_s"]
         print(f"  {name}: TTFT {1e3 * r['ttft_p50_s']:.1f} ms = {r['ttft_p50_s'] / ideal:.2f}x the ideal")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "trace_rows": rows, "long_prompt": long_rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "trace_rows": rows, "long_prompt": long_rows}, indent=2)
+    )
     print(f"wrote {args.out}")
 
 

@@ -25,9 +25,13 @@ from ppserve.bench.report import write_json
 from ppserve.metrics.control_plane import control_plane_latency
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about pipelines.", "Explain in one sentence what a GPU does.",
-    "List three prime numbers.", "What is the boiling point of water in Celsius?",
-    "Give me a short tip for writing clean Python code.", "Name three planets of the solar system.",
+    "What is the capital of France?",
+    "Write a haiku about pipelines.",
+    "Explain in one sentence what a GPU does.",
+    "List three prime numbers.",
+    "What is the boiling point of water in Celsius?",
+    "Give me a short tip for writing clean Python code.",
+    "Name three planets of the solar system.",
     "Why is the sky blue? Answer briefly.",
 ]
 
@@ -44,8 +48,12 @@ def run(plane: str, partition: str, max_tokens: int) -> dict[str, Any]:
     with LLM(pipeline_parallel_size=2, partition_mode=partition, max_num_seqs=len(QUESTIONS),
              overrides=[f"parallel.dispatch={plane}"]) as llm:
         tok = llm.tokenizer
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-                   for q in QUESTIONS]
+        prompts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            )
+            for q in QUESTIONS
+        ]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
         llm.engine.reset_observations()
         t0 = time.perf_counter()
@@ -76,17 +84,28 @@ def main() -> None:
     for _ in range(args.rounds):
         for plane in planes:
             runs[plane].append(run(plane, args.partition, args.max_tokens))
-    print("| control plane | out tok/s | bubble (active) | dispatch ms | stage->stage ms | turnaround ms | ring ms "
-          "| idle actor CPU |")
+    print(
+        "| control plane | out tok/s | bubble (active) | dispatch ms | stage->stage ms | turnaround ms | "
+        "ring ms "
+        "| idle actor CPU |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for plane, rs in runs.items():
         def med(key: str, rs: list[dict[str, Any]] = rs) -> str:
-            # Under the token ring a figure may have no sample in a run (every formation ahead: no turnaround).
-            got = [r["control_plane"][key]["p50_s"] * 1e3 for r in rs if r["control_plane"][key]["p50_s"] is not None]
+            # Under the token ring a figure may have no sample in a run (every formation ahead: no
+            # turnaround).
+            got = [
+                r["control_plane"][key]["p50_s"] * 1e3
+                for r in rs
+                if r["control_plane"][key]["p50_s"] is not None
+            ]
             return f"{statistics.median(got):.2f}" if got else "-"
-        print(f"| {plane} | {statistics.median(r['tokens_per_s'] for r in rs):.1f} | "
-              f"{100 * statistics.median(r['bubble'] for r in rs):.1f}% | {med('dispatch')} | {med('hop')} | "
-              f"{med('turnaround')} | {med('ring')} | {statistics.median(r['idle_actor_cpu_per_s'] for r in rs):.2f} cores |")
+        print(
+            f"| {plane} | {statistics.median(r['tokens_per_s'] for r in rs):.1f} | "
+            f"{100 * statistics.median(r['bubble'] for r in rs):.1f}% | {med('dispatch')} | {med('hop')} | "
+            f"{med('turnaround')} | {med('ring')} | "
+            f"{statistics.median(r['idle_actor_cpu_per_s'] for r in rs):.2f} cores |"
+        )
     write_json(args.out, {"args": vars(args), "runs": runs})
     print(f"wrote {args.out} (medians over {args.rounds} round(s))")
 

@@ -17,7 +17,8 @@ Beside it, the stages' start-up step costs alone (worker/startup_cost.py, the on
 updated) against every microbatch from the first: how true the profile is that a pipeline starts from
 and that `plan_then_run.py` plans with.
 
-    python benchmarks/bench_cost_model.py [--rate 3.0] [--num-requests 48] [--out results/bench_cost_model.json]
+    python benchmarks/bench_cost_model.py [--rate 3.0] [--num-requests 48]
+        [--out results/bench_cost_model.json]
         [--set parallel.partition_mode=calibrated]
 """
 
@@ -39,7 +40,8 @@ def _errors(pred: Sequence[float], meas: Sequence[float]) -> dict[str, float] | 
     signed = [(p - m) / m for p, m in zip(pred, meas, strict=True) if m > 0]
     errs = [abs(e) for e in signed]
     if not errs:
-        return None  # nothing scored: at pp = 1 the scheduler fits no online model (it has no stages to level)
+        # nothing scored: at pp = 1 the scheduler fits no online model (it has no stages to level)
+        return None
     # `bias`: the median signed error, below 0 where the model prices steps faster than they run
     return {"median": percentile(errs, 50), "p90": percentile(errs, 90), "bias": percentile(signed, 50),
             "n": len(errs)}
@@ -77,21 +79,31 @@ def measure(spec: EngineSpec, workload: WorkloadSpec, skip: int) -> dict[str, An
     finally:
         llm.shutdown()
     summary = run.summary()
-    # The online cost prices the two kinds with two pieces (sched/cost.py, DECODE_ONLY_WEIGHT): scored apart too.
+    # The online cost prices the two kinds with two pieces (sched/cost.py, DECODE_ONLY_WEIGHT): scored apart
+    # too.
     by_kind = {kind: _errors([max(p) for (p, _), c in zip(rows, with_chunk, strict=True) if c == chunk],
                              [max(m) for (_, m), c in zip(rows, with_chunk, strict=True) if c == chunk])
                for kind, chunk in (("with_chunk", True), ("decode_only", False))}
-    return {**_scored(rows), "pace_by_kind": by_kind, "hindsight_by_kind": _hindsight(rows, feats, with_chunk),
-            "num_microbatches": len(rows), "skip": skip,
-            "startup_prior": {**_scored(prior_rows), "num_microbatches": len(prior_rows),
-                              "cost": startup.to_json() if startup is not None else None},
-            "mean_bubble_fraction": summary.get("bubbles", {}).get("mean_bubble_fraction"),
-            "final_cost": sched.cost.current.to_json()}
+    return {
+        **_scored(rows),
+        "pace_by_kind": by_kind,
+        "hindsight_by_kind": _hindsight(rows, feats, with_chunk),
+        "num_microbatches": len(rows),
+        "skip": skip,
+        "startup_prior": {
+            **_scored(prior_rows),
+            "num_microbatches": len(prior_rows),
+            "cost": startup.to_json() if startup is not None else None,
+        },
+        "mean_bubble_fraction": summary.get("bubbles", {}).get("mean_bubble_fraction"),
+        "final_cost": sched.cost.current.to_json(),
+    }
 
 
 def _hindsight(rows: Sequence[tuple[Sequence[float], tuple[float, ...]]], feats: Sequence[Sequence[float]],
                with_chunk: Sequence[bool]) -> dict[str, dict[str, float] | None]:
-    """Per kind, the pace's errors of one fit per stage over that kind's own scored microbatches (in sample)."""
+    """Per kind, the pace's errors of one fit per stage over that kind's own scored microbatches
+    (in sample)."""
     out: dict[str, dict[str, float] | None] = {}
     for kind, chunk in (("with_chunk", True), ("decode_only", False)):
         idx = [i for i, c in enumerate(with_chunk) if c == chunk]
@@ -104,7 +116,9 @@ def _hindsight(rows: Sequence[tuple[Sequence[float], tuple[float, ...]]], feats:
             for s, fit in enumerate(fits):
                 fit.observe(feats[i], rows[i][1][s])
         costs = [fit.cost for fit in fits]
-        out[kind] = _errors([max(c.of_features(feats[i]) for c in costs) for i in idx], [max(rows[i][1]) for i in idx])
+        out[kind] = _errors(
+            [max(c.of_features(feats[i]) for c in costs) for i in idx], [max(rows[i][1]) for i in idx]
+        )
     return out
 
 
@@ -125,18 +139,30 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--pp", type=int, default=2)
-    ap.add_argument("--skip", type=int, default=32, help="microbatches the model learns from before it is scored")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value (repeatable)")
+    ap.add_argument(
+        "--skip", type=int, default=32, help="microbatches the model learns from before it is scored"
+    )
+    ap.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="section.key=value (repeatable)"
+    )
     ap.add_argument("--out", default="results/bench_cost_model.json")
     args = ap.parse_args()
     spec = EngineSpec(pp=args.pp, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
                       overrides=tuple(args.overrides))
-    workload = WorkloadSpec(source=args.workload, num_requests=args.num_requests, prefill_scale=args.prefill_scale,
-                            decode_scale=args.decode_scale, rate=args.rate)
+    workload = WorkloadSpec(
+        source=args.workload,
+        num_requests=args.num_requests,
+        prefill_scale=args.prefill_scale,
+        decode_scale=args.decode_scale,
+        rate=args.rate,
+    )
     fig = measure(spec, workload, args.skip)
     print(f"{fig['num_microbatches']} microbatches scored (after the model's first {args.skip})")
     prior = fig["startup_prior"]
-    for title, f in [("online model", fig), (f"start-up step costs alone, all {prior['num_microbatches']}", prior)]:
+    for title, f in [
+        ("online model", fig),
+        (f"start-up step costs alone, all {prior['num_microbatches']}", prior),
+    ]:
         print(title)
         for name, e in [*((f"stage {s}", e) for s, e in enumerate(f["per_stage"])), ("pace", f["pace"])]:
             if e is None:
@@ -146,12 +172,18 @@ def main() -> None:
                   f"p90 {100 * e['p90']:.1f} %  (goal <= 10 % / <= 25 %)  bias {100 * e['bias']:+.1f} %")
     for kind, e in fig["pace_by_kind"].items():
         if e is not None:
-            print(f"online model, pace, {kind.replace('_', ' ')} ({e['n']} microbatches): median {100 * e['median']:.1f} %  "
-                  f"p90 {100 * e['p90']:.1f} %  bias {100 * e['bias']:+.1f} %")
+            print(
+                f"online model, pace, {kind.replace('_', ' ')} ({e['n']} microbatches): median "
+                f"{100 * e['median']:.1f} %  "
+                f"p90 {100 * e['p90']:.1f} %  bias {100 * e['bias']:+.1f} %"
+            )
     for kind, e in fig["hindsight_by_kind"].items():
         if e is not None:
-            print(f"in hindsight (in sample), pace, {kind.replace('_', ' ')}: median {100 * e['median']:.1f} %  "
-                  f"p90 {100 * e['p90']:.1f} %  bias {100 * e['bias']:+.1f} %")
+            print(
+                f"in hindsight (in sample), pace, {kind.replace('_', ' ')}: median {100 * e['median']:.1f} % "
+                " "
+                f"p90 {100 * e['p90']:.1f} %  bias {100 * e['bias']:+.1f} %"
+            )
     write_json(args.out, {"args": vars(args), **fig})
     print(f"wrote {args.out}")
 

@@ -40,9 +40,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--variant", action="append", default=[],
-                    help="comma-separated section.key=value overrides run beside the defaults (repeatable; a list "
-                    "value in brackets: parallel.layer_partition=[18,12])")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="comma-separated section.key=value overrides run beside the defaults (repeatable; a list "
+        "value in brackets: parallel.layer_partition=[18,12])",
+    )
     ap.add_argument("--out", default="results/bench_default_chat.json")
     args = ap.parse_args()
     rows = [run([], args.requests, args.max_tokens)]

@@ -35,7 +35,12 @@ from ppserve.model.ops import gemm, native, silu_mul
 from ppserve.model.ops.gemm import PackedWeight, can_prepack
 
 LAYERS, HIDDEN, INTER, QKV, VOCAB = 30, 576, 1536, 960, 49152
-PROJECTIONS = {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
+PROJECTIONS = {
+    "qkv": (QKV, HIDDEN),
+    "o": (HIDDEN, HIDDEN),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
 
 
 class Weight:
@@ -60,7 +65,9 @@ class Weight:
         return silu_mul(out) if self.name == "gate_up" else out
 
 
-def one_pass(weights: list[Weight], inputs: dict[int, torch.Tensor], run: Callable[[Weight, torch.Tensor], object]) -> None:
+def one_pass(
+    weights: list[Weight], inputs: dict[int, torch.Tensor], run: Callable[[Weight, torch.Tensor], object]
+) -> None:
     for weight in weights:
         run(weight, inputs[weight.w.shape[1]])
 
@@ -76,7 +83,9 @@ def main() -> None:
     panel = native.panel_gemm()
     probe = torch.zeros(32, 32, dtype=torch.bfloat16)
     if panel is None or not can_prepack(probe):
-        raise SystemExit("this CPU has no panel GEMM (AMX or AVX512-BF16) or no native bf16: nothing to compare")
+        raise SystemExit(
+            "this CPU has no panel GEMM (AMX or AVX512-BF16) or no native bf16: nothing to compare"
+        )
     g = torch.Generator().manual_seed(0)
     weights = [Weight(name, *shape, g, panel) for _ in range(LAYERS) for name, shape in PROJECTIONS.items()]
     weights.append(Weight("lm_head", VOCAB, HIDDEN, g, panel))
@@ -88,8 +97,11 @@ def main() -> None:
     results = []
     print(f"panel kernel: {panel.kernel}; {args.threads} threads; one pass = {len(weights)} GEMMs over "
           f"{weight_bytes / 1e6:.0f} MB of bf16 weights; load {os.getloadavg()[0]:.2f}")
-    print("| rows | panels ms | oneDNN served ms | oneDNN exact ms | served / panels | exact / panels | panels GB/s | "
-          "panels GFLOP/s | max rel. diff |")
+    print(
+        "| rows | panels ms | oneDNN served ms | oneDNN exact ms | served / panels | exact / panels | panels "
+        "GB/s | "
+        "panels GFLOP/s | max rel. diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
@@ -121,8 +133,17 @@ def main() -> None:
                   f"{row['served_over_panels']:.2f}x | {row['exact_over_panels']:.2f}x | "
                   f"{row['panels_weight_gb_s']:.1f} | {row['panels_gflop_s']:.0f} | {err:.1e} |", flush=True)
     served_paths = sorted({f"{k[0]}x{k[1]}@{k[2]}: {v[0]}@{v[1]}" for k, v in gemm._FASTEST.items()})
-    write_json(args.out, {"args": vars(args), "kernel": panel.kernel, "weight_bytes": weight_bytes,
-                          "load_avg": os.getloadavg(), "results": results, "onednn_served_paths": served_paths})
+    write_json(
+        args.out,
+        {
+            "args": vars(args),
+            "kernel": panel.kernel,
+            "weight_bytes": weight_bytes,
+            "load_avg": os.getloadavg(),
+            "results": results,
+            "onednn_served_paths": served_paths,
+        },
+    )
     print(f"wrote {args.out}")
 
 

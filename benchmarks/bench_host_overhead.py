@@ -34,15 +34,33 @@ from ppserve.gpu_check.models import build_random_llama
 from ppserve.worker.null_model import install_null_model
 
 GOAL_MS = 0.3
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-            vocab_size=256, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=256,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 STAGE_KINDS = ("prepare", "compute", "send")
 
 
 def measure(model_dir: Path, requests: int, pp: int, steps: int, warm_steps: int = 8) -> dict[str, Any]:
-    with LLM(str(model_dir), executor="inproc", dtype="float32", pipeline_parallel_size=pp, max_num_seqs=requests,
-             token_budget=requests, block_size=16, max_model_len=256, num_kv_blocks=requests * 4,
-             cuda_graphs="off") as llm:
+    with LLM(
+        str(model_dir),
+        executor="inproc",
+        dtype="float32",
+        pipeline_parallel_size=pp,
+        max_num_seqs=requests,
+        token_budget=requests,
+        block_size=16,
+        max_model_len=256,
+        num_kv_blocks=requests * 4,
+        cuda_graphs="off",
+    ) as llm:
         nulls = [install_null_model(worker) for worker in llm.engine.executor.workers]
         engine = llm.engine
         sampling = SamplingParams(max_tokens=warm_steps + steps + 8, ignore_eos=True)
@@ -75,15 +93,21 @@ def measure(model_dir: Path, requests: int, pp: int, steps: int, warm_steps: int
             by_kind[(sp.stage, sp.kind)].append(ns)
         if sp.kind == "compute":
             decodes[sp.step_id] = sp.num_decode_tokens
-    stage_ms = {s: statistics.median(ns for (st, _), ns in per_mb.items() if st == s) / 1e6 for s in range(pp)}
+    stage_ms = {
+        s: statistics.median(ns for (st, _), ns in per_mb.items() if st == s) / 1e6 for s in range(pp)
+    }
     microbatches = len({step for _, step in per_mb})
     steps = sorted({step for _, step in per_mb})
     sampling = [sample_ns[s] for s in steps if s in sample_ns]
     engine_ns = (sum(walls) - sum(per_mb.values()) - sum(sampling)) / max(microbatches, 1)
     # compute = the null forward (and the step's bookkeeping around it); the last stage's sampling of its
     # rows is reported apart (here the CPU sampler's compute; on a GPU a device op).
-    parts = {str(s): {k: round(statistics.median(by_kind[(s, k)]) / 1e6, 4) for k in STAGE_KINDS if by_kind[(s, k)]}
-             for s in range(pp)}
+    parts = {
+        str(s): {
+            k: round(statistics.median(by_kind[(s, k)]) / 1e6, 4) for k in STAGE_KINDS if by_kind[(s, k)]
+        }
+        for s in range(pp)
+    }
     return {"requests": requests, "pp": pp, "microbatches": microbatches,
             "decodes_per_microbatch": statistics.median(decodes.values()) if decodes else 0,
             "decodes_per_step": [decodes[s] for s in sorted(decodes)],
@@ -116,8 +140,11 @@ def main() -> None:
     at_256 = next((r for r in rows if r["requests"] == 256), None)
     verdict = None if at_256 is None else at_256["worst_stage_host_ms"] <= GOAL_MS
     if verdict is not None:
-        print(f"goal <= {GOAL_MS} ms per stage per microbatch at 256 requests: {'met' if verdict else 'NOT met'} "
-              f"({at_256['worst_stage_host_ms']:.3f} ms)")
+        print(
+            f"goal <= {GOAL_MS} ms per stage per microbatch at 256 requests: "
+            f"{'met' if verdict else 'NOT met'} "
+            f"({at_256['worst_stage_host_ms']:.3f} ms)"
+        )
     write_json(args.out, {"rows": rows, "goal_ms": GOAL_MS, "goal_met_at_256": verdict})
     print(f"wrote {args.out}")
 

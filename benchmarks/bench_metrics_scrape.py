@@ -2,7 +2,8 @@
 at 0 Hz and at --hz, for this tree and (with --before-src) another one, side by side in one run.
 
     git worktree add /tmp/wt22 <commit before the change>
-    python benchmarks/bench_metrics_scrape.py --before-src /tmp/wt22          # JSON: results/metrics_scrape.json
+    # JSON: results/metrics_scrape.json
+    python benchmarks/bench_metrics_scrape.py --before-src /tmp/wt22
     python benchmarks/bench_metrics_scrape.py --pp 2 --before-src /tmp/wt22   # through Ray
 
 Each source tree runs in its own process (PYTHONPATH), which builds one AsyncEngine with the server's
@@ -10,7 +11,8 @@ metrics exporter as its observer (the default model, float32) and serves --round
 load, after one unmeasured warm-up round of it: --requests sampled requests (temperature 1,
 ignore_eos) of --prompt-len random tokens and --output-len outputs, all at once. Rounds alternate the
 scrape rate (0, hz, hz, 0, ...) so drift in the machine's load falls on both. A scrape is exactly the
-HTTP `/metrics` handler (OpenAIFrontDoor.metrics_text) on the engine's event loop. The engine-thread figure is the time the "ppserve-engine" thread spends
+HTTP `/metrics` handler (OpenAIFrontDoor.metrics_text) on the engine's event loop. The engine-thread
+figure is the time the "ppserve-engine" thread spends
 inside the statistics code (the stats window's methods and the AsyncEngine's stats helpers, whichever
 the tree has; nested calls counted once), so it includes the periodic span drains as well as whatever a
 scrape asks of that thread; per scrape is its growth from 0 Hz to hz, divided by the scrapes.
@@ -110,9 +112,16 @@ async def _one_round(engine: Any, door: Any, prompts: list[list[int]], args: arg
     wall = time.perf_counter() - t0
     stop.set()
     await scraper
-    return {"hz": hz, "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-            "scrapes": len(latencies), "scrape_latency_ms_mean": 1e3 * sum(latencies) / max(1, len(latencies)),
-            "engine_stats_s": timer.seconds - seconds0, "engine_stats_calls": timer.calls - calls0}
+    return {
+        "hz": hz,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "scrapes": len(latencies),
+        "scrape_latency_ms_mean": 1e3 * sum(latencies) / max(1, len(latencies)),
+        "engine_stats_s": timer.seconds - seconds0,
+        "engine_stats_calls": timer.calls - calls0,
+    }
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -186,7 +195,9 @@ def run_tree(src: str | None, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before-src", help="also run this source tree (e.g. a git worktree of the commit before)")
+    ap.add_argument(
+        "--before-src", help="also run this source tree (e.g. a git worktree of the commit before)"
+    )
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--hz", type=float, default=10.0, help="scrape rate of the scraped rounds")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per tree, alternating 0 Hz and --hz")

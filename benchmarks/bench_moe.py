@@ -15,7 +15,8 @@
    sarathi against the vllm policy, over the Splitwise conversation trace: throughput and mean bubble.
 
     python benchmarks/bench_moe.py [--parts decode,grouped,breakdown,sim] [--sizes 128x128,512x1024]
-        [--batches 1,16,64] [--new-tokens 32] [--repeats 5] [--sim-requests 300] [--out results/bench_moe.json]
+        [--batches 1,16,64] [--new-tokens 32] [--repeats 5] [--sim-requests 300]
+        [--out results/bench_moe.json]
 """
 
 from __future__ import annotations
@@ -39,16 +40,14 @@ from ppserve.bench.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "splitwise_conv.csv"
-sys.path.insert(0, str(ROOT))  # the tiny checkpoints and prompts come from tests/ (model_helpers, oracle)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import make_tiny_qwen3_moe_dir, random_prompts  # noqa: E402
 
 
 def tiny_qwen3_moe(hidden: int, expert_intermediate: int) -> Path:
     """The issue's shape: 8 experts, top-2, 4 layers, all sparse; 4 heads, 2 KV heads of 32, vocab 256."""
-    from tests.model_helpers import make_tiny_qwen3_dir
-
-    return make_tiny_qwen3_dir(Path(tempfile.mkdtemp()) / f"qwen3moe-{hidden}x{expert_intermediate}",
-                               arch="qwen3_moe", hidden=hidden, intermediate=256,
-                               expert_intermediate=expert_intermediate, dense_layers=())
+    return make_tiny_qwen3_moe_dir(Path(tempfile.mkdtemp()) / f"qwen3moe-{hidden}x{expert_intermediate}",
+                                   hidden=hidden, intermediate=256, expert_intermediate=expert_intermediate)
 
 
 @contextlib.contextmanager
@@ -63,8 +62,15 @@ def per_expert_matmuls_only():
         yield
 
 
-def decode_grid(sizes: list[tuple[int, int]], batches: list[int], prompt_len: int, new_tokens: int, repeats: int,
-                threads: int, dtype: str) -> list[dict[str, object]]:
+def decode_grid(
+    sizes: list[tuple[int, int]],
+    batches: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    threads: int,
+    dtype: str,
+) -> list[dict[str, object]]:
     """For each model size and batch: the same prompts through transformers `generate` (batched, equal
     lengths, no padding), ppserve pp=1 in process, and ppserve with the per-expert loop, greedy, eos
     ignored, the same new tokens; all warmed up at that batch, run `repeats` times interleaved (the machine
@@ -72,8 +78,6 @@ def decode_grid(sizes: list[tuple[int, int]], batches: list[int], prompt_len: in
     from transformers import AutoModelForCausalLM
 
     from ppserve import LLM
-    from tests.oracle import random_prompts
-
     torch_dtype = getattr(torch, dtype)
     rows = []
     for hidden, inter in sizes:
@@ -81,14 +85,33 @@ def decode_grid(sizes: list[tuple[int, int]], batches: list[int], prompt_len: in
         # transformers' default experts implementation here is grouped_mm (one grouped GEMM per projection).
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
         hf.generation_config.eos_token_id = None
-        with LLM(str(model_dir), dtype=dtype, executor="inproc", pipeline_parallel_size=1,
-                 max_num_seqs=max(batches), token_budget=max(512, max(batches) * prompt_len),
-                 overrides=[f"parallel.num_threads={threads}"] if threads else []) as llm, torch.inference_mode():
+        with (
+            LLM(
+                str(model_dir),
+                dtype=dtype,
+                executor="inproc",
+                pipeline_parallel_size=1,
+                max_num_seqs=max(batches),
+                token_budget=max(512, max(batches) * prompt_len),
+                overrides=[f"parallel.num_threads={threads}"] if threads else [],
+            ) as llm,
+            torch.inference_mode(),
+        ):
             for batch in batches:
                 cell = decode_cell(hf, llm, random_prompts(0, [prompt_len] * batch), new_tokens, repeats)
-                rows.append({"hidden": hidden, "expert_intermediate": inter, "batch": batch, "prompt_len": prompt_len,
-                             "new_tokens": new_tokens, "repeats": repeats, "dtype": dtype,
-                             **cell, "tokens_equal": cell["tokens_equal"] if dtype == "float32" else None})
+                rows.append(
+                    {
+                        "hidden": hidden,
+                        "expert_intermediate": inter,
+                        "batch": batch,
+                        "prompt_len": prompt_len,
+                        "new_tokens": new_tokens,
+                        "repeats": repeats,
+                        "dtype": dtype,
+                        **cell,
+                        "tokens_equal": cell["tokens_equal"] if dtype == "float32" else None,
+                    }
+                )
     return rows
 
 
@@ -100,12 +123,19 @@ def decode_cell(hf, llm, prompts: list[list[int]], new_tokens: int, repeats: int
     prompt_len = ids.shape[1]
 
     def run_hf() -> list[list[int]]:
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return out[:, prompt_len:].tolist()
 
     def run_ppserve() -> list[list[int]]:
-        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))]
+        return [
+            o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        ]
 
     def run_per_expert() -> list[list[int]]:
         with per_expert_matmuls_only():
@@ -137,13 +167,12 @@ def decode_cell(hf, llm, prompts: list[list[int]], new_tokens: int, repeats: int
 
 def step_breakdown(hidden: int, inter: int, batch: int, prompt_len: int, new_tokens: int, repeats: int,
                    threads: int, dtype: str = "float32") -> dict[str, object]:
-    """Per-phase milliseconds of one decode step in `dtype`, ppserve against transformers (moe_step_breakdown.py)."""
+    """Per-phase milliseconds of one decode step in `dtype`, ppserve against transformers
+    (moe_step_breakdown.py)."""
     from moe_step_breakdown import ppserve_timers, transformers_timers  # beside this file
     from transformers import AutoModelForCausalLM
 
     from ppserve import LLM, SamplingParams
-    from tests.oracle import random_prompts
-
     model_dir = tiny_qwen3_moe(hidden, inter)
     prompts = random_prompts(0, [prompt_len] * batch)
     ids = torch.tensor(prompts)
@@ -155,9 +184,20 @@ def step_breakdown(hidden: int, inter: int, batch: int, prompt_len: int, new_tok
              token_budget=max(512, batch * prompt_len),
              overrides=[f"parallel.num_threads={threads}"] if threads else []) as llm, torch.inference_mode():
         sides = {
-            "ppserve": (ppserve_timers(), lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))),
-            "transformers": (transformers_timers(hf), lambda n: hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0)),
+            "ppserve": (
+                ppserve_timers(),
+                lambda n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True)),
+            ),
+            "transformers": (
+                transformers_timers(hf),
+                lambda n: hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                ),
+            ),
         }
         try:
             for _, run in sides.values():
@@ -209,7 +249,9 @@ def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: i
         assert torch.equal(fns["grouped_mm"](), fns["per_expert"]())
         tol = 1e-4 if dtype == "float32" else 3e-2
         for name in ("grouped_mm", "panels") if packed is not None else ("grouped_mm",):
-            torch.testing.assert_close(fns[name]().float(), fns["per_token_loop"]().float(), atol=tol, rtol=tol)
+            torch.testing.assert_close(
+                fns[name]().float(), fns["per_token_loop"]().float(), atol=tol, rtol=tol
+            )
         for _ in range(repeats):  # interleaved, so all see the same load
             for name, fn in fns.items():
                 t0 = time.perf_counter()
@@ -217,30 +259,66 @@ def grouped_vs_loop(tokens: int, hidden: int, inter: int, experts: int, top_k: i
                 runs[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(r) for name, r in runs.items()}
     best = {name: min(r) for name, r in runs.items()}  # the least disturbed by the other processes
-    return {"tokens": tokens, "hidden": hidden, "expert_intermediate": inter, "experts": experts, "top_k": top_k,
-            "dtype": dtype, "served_path": served,
-            **{f"{name}_ms": v * 1e3 for name, v in median.items()},
-            **{f"{name}_best_ms": v * 1e3 for name, v in best.items()},
-            "speedup": median["per_token_loop"] / median[served],
-            "speedup_best": best["per_token_loop"] / best[served],
-            "speedup_per_expert": median["per_token_loop"] / median["per_expert"],
-            "grouped_mm_gain": median["per_expert"] / median["grouped_mm"]}
+    return {
+        "tokens": tokens,
+        "hidden": hidden,
+        "expert_intermediate": inter,
+        "experts": experts,
+        "top_k": top_k,
+        "dtype": dtype,
+        "served_path": served,
+        **{f"{name}_ms": v * 1e3 for name, v in median.items()},
+        **{f"{name}_best_ms": v * 1e3 for name, v in best.items()},
+        "speedup": median["per_token_loop"] / median[served],
+        "speedup_best": best["per_token_loop"] / best[served],
+        "speedup_per_expert": median["per_token_loop"] / median["per_expert"],
+        "grouped_mm_gain": median["per_expert"] / median["grouped_mm"],
+    }
 
 
 def simulate(model: str, pp: int, tp: int, policy: str, requests: int, at_once: bool) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "sim.json"
-        subprocess.run([sys.executable, "-m", "ppserve.cli", "simulate", "--model", model, "--hardware", "h100",
-                        "--pp", str(pp), "--tp", str(tp), "--policy", policy, "--workload", str(TRACE),
-                        "--num-requests", str(requests), "--json", str(out), *(["--at-once"] if at_once else [])],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ppserve.cli",
+                "simulate",
+                "--model",
+                model,
+                "--hardware",
+                "h100",
+                "--pp",
+                str(pp),
+                "--tp",
+                str(tp),
+                "--policy",
+                policy,
+                "--workload",
+                str(TRACE),
+                "--num-requests",
+                str(requests),
+                "--json",
+                str(out),
+                *(["--at-once"] if at_once else []),
+            ],
+            check=True,
+            capture_output=True,
+        )
         data = json.loads(out.read_text())
     summary = data.get("summary", data)
-    return {"model": model, "pp": pp, "tp": tp, "policy": policy, "arrivals": "at once" if at_once else "trace",
-            "output_tok_s": summary["throughput"]["output_tokens_per_s"],
-            "requests_per_s": summary["throughput"]["requests_per_s"],
-            "mean_bubble": summary["bubbles"]["mean_bubble_fraction"],
-            "tbt_p99_ms": summary["latency"]["tbt_s"]["p99"] * 1e3 if "tbt_s" in summary["latency"] else None}
+    return {
+        "model": model,
+        "pp": pp,
+        "tp": tp,
+        "policy": policy,
+        "arrivals": "at once" if at_once else "trace",
+        "output_tok_s": summary["throughput"]["output_tokens_per_s"],
+        "requests_per_s": summary["throughput"]["requests_per_s"],
+        "mean_bubble": summary["bubbles"]["mean_bubble_fraction"],
+        "tbt_p99_ms": summary["latency"]["tbt_s"]["p99"] * 1e3 if "tbt_s" in summary["latency"] else None,
+    }
 
 
 def sizes_arg(text: str) -> list[tuple[int, int]]:
@@ -248,7 +326,9 @@ def sizes_arg(text: str) -> list[tuple[int, int]]:
     try:
         return [(int(h), int(i)) for h, i in (item.split("x") for item in text.split(","))]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"sizes are HIDDENxEXPERT_INTERMEDIATE, comma-separated: {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"sizes are HIDDENxEXPERT_INTERMEDIATE, comma-separated: {text!r}"
+        ) from None
 
 
 def main() -> None:
@@ -264,7 +344,9 @@ def main() -> None:
     # One thread by default: on this shared 2-core machine a two-thread OpenMP region waits ~40 ms whenever
     # its second thread is descheduled, which swamps every multi-threaded op (both sides alike).
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    ap.add_argument("--breakdown", default="128x128x16", help="breakdown part: HIDDENxEXPERT_INTERMEDIATExBATCH")
+    ap.add_argument(
+        "--breakdown", default="128x128x16", help="breakdown part: HIDDENxEXPERT_INTERMEDIATExBATCH"
+    )
     ap.add_argument("--sim-requests", type=int, default=300)
     ap.add_argument("--out", default="results/bench_moe.json")
     args = ap.parse_args()
@@ -278,46 +360,79 @@ def main() -> None:
         r = grouped_vs_loop(64, 512, 256, 8, 2, repeats=30, dtype=args.dtype)
         results["grouped"] = r
         panels = f", grouped (panel GEMM) {r['panels_ms']:.2f} ms" if "panels_ms" in r else ""
-        print(f"one MoE layer, 64 tokens, {args.dtype}: grouped (grouped_mm) {r['grouped_mm_ms']:.2f} ms, grouped "
-              f"(per-expert loop) {r['per_expert_ms']:.2f} ms{panels}, per-token loop {r['per_token_loop_ms']:.2f} ms: "
-              f"{r['speedup']:.1f}x for the served path ({r['served_path']}; per-expert {r['speedup_per_expert']:.1f}x; "
-              f"medians); fastest runs {r['speedup_best']:.1f}x")
+        print(
+            f"one MoE layer, 64 tokens, {args.dtype}: grouped (grouped_mm) {r['grouped_mm_ms']:.2f} ms, "
+            "grouped "
+            f"(per-expert loop) {r['per_expert_ms']:.2f} ms{panels}, per-token loop "
+            f"{r['per_token_loop_ms']:.2f} ms: "
+            f"{r['speedup']:.1f}x for the served path ({r['served_path']}; per-expert "
+            f"{r['speedup_per_expert']:.1f}x; "
+            f"medians); fastest runs {r['speedup_best']:.1f}x"
+        )
     if "decode" in parts:
-        rows = decode_grid(args.sizes, [int(b) for b in args.batches.split(",")], args.prompt_len, args.new_tokens,
-                           args.repeats, args.threads, args.dtype)
+        rows = decode_grid(
+            args.sizes,
+            [int(b) for b in args.batches.split(",")],
+            args.prompt_len,
+            args.new_tokens,
+            args.repeats,
+            args.threads,
+            args.dtype,
+        )
         results["decode"] = rows
-        print(f"tiny Qwen3-MoE decode (8 experts, top-2, 4 layers), {args.dtype}, {args.new_tokens} new tokens, "
-              f"output tok/s (medians of {args.repeats}):")
+        print(
+            f"tiny Qwen3-MoE decode (8 experts, top-2, 4 layers), {args.dtype}, {args.new_tokens} new "
+            "tokens, "
+            f"output tok/s (medians of {args.repeats}):"
+        )
         print("median (fastest run)")
-        print("| hidden x expert inter | batch | transformers | ppserve | ppserve, per-expert torch loop | ppserve / "
-              "transformers | fast-path gain | tokens equal |")
+        print(
+            "| hidden x expert inter | batch | transformers | ppserve | ppserve, per-expert torch loop | "
+            "ppserve / "
+            "transformers | fast-path gain | tokens equal |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['hidden']}x{r['expert_intermediate']} | {r['batch']} | {r['transformers_tok_s']:.0f} "
-                  f"({r['transformers_best_tok_s']:.0f}) | {r['ppserve_tok_s']:.0f} ({r['ppserve_best_tok_s']:.0f}) | "
-                  f"{r['ppserve_per_expert_tok_s']:.0f} ({r['ppserve_per_expert_best_tok_s']:.0f}) | "
-                  f"{r['speedup']:.2f}x ({r['speedup_best']:.2f}x) | {r['fast_path_gain']:.2f}x "
-                  f"({r['fast_path_gain_best']:.2f}x) | {r['tokens_equal']} |")
+            print(
+                f"| {r['hidden']}x{r['expert_intermediate']} | {r['batch']} | {r['transformers_tok_s']:.0f} "
+                f"({r['transformers_best_tok_s']:.0f}) | {r['ppserve_tok_s']:.0f} "
+                f"({r['ppserve_best_tok_s']:.0f}) | "
+                f"{r['ppserve_per_expert_tok_s']:.0f} ({r['ppserve_per_expert_best_tok_s']:.0f}) | "
+                f"{r['speedup']:.2f}x ({r['speedup_best']:.2f}x) | {r['fast_path_gain']:.2f}x "
+                f"({r['fast_path_gain_best']:.2f}x) | {r['tokens_equal']} |"
+            )
     if "breakdown" in parts:
         hidden, inter, batch = (int(v) for v in args.breakdown.split("x"))
         r = step_breakdown(hidden, inter, batch, args.prompt_len, args.new_tokens, args.repeats, args.threads,
                            args.dtype)
         results["breakdown"] = r
-        print(f"one {args.dtype} decode step, {hidden}x{inter}, batch {batch}, ms (fastest of {args.repeats} interleaved):")
+        print(
+            f"one {args.dtype} decode step, {hidden}x{inter}, batch {batch}, ms (fastest of {args.repeats} "
+            "interleaved):"
+        )
         for side in ("ppserve", "transformers"):
             print(f"  {side}: {r[side]['step_ms']:.3f} ms per step")
             for name, ms in r[side]["phases_ms"].items():
                 print(f"    {name:68s} {ms:7.3f}")
-    if "sim" in parts:        # The trace's own arrivals (what a service sees) and all at once (what the pipeline can take).
-        rows = [simulate(model, pp, 8, policy, args.sim_requests, at_once)
-                for at_once in (False, True) for model in ("qwen3-235b-a22b", "mixtral-8x22b") for pp in (4, 2)
-                for policy in ("sarathi", "vllm")]
+    if (
+        "sim" in parts
+    ):  # The trace's own arrivals (what a service sees) and all at once (what the pipeline can take).
+        rows = [
+            simulate(model, pp, 8, policy, args.sim_requests, at_once)
+            for at_once in (False, True)
+            for model in ("qwen3-235b-a22b", "mixtral-8x22b")
+            for pp in (4, 2)
+            for policy in ("sarathi", "vllm")
+        ]
         results["sim"] = rows
         print("| arrivals | model | PP x TP | policy | output tok/s | req/s | mean bubble |")
         print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['arrivals']} | {r['model']} | {r['pp']}x{r['tp']} | {r['policy']} | {r['output_tok_s']:.0f} | "
-                  f"{r['requests_per_s']:.2f} | {100 * r['mean_bubble']:.1f}% |")
+            print(
+                f"| {r['arrivals']} | {r['model']} | {r['pp']}x{r['tp']} | {r['policy']} | "
+                f"{r['output_tok_s']:.0f} | "
+                f"{r['requests_per_s']:.2f} | {100 * r['mean_bubble']:.1f}% |"
+            )
     results["load_average_end"] = os.getloadavg()
     print(f"load average at end: {results['load_average_end']}")
     write_json(args.out, results)

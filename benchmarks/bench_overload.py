@@ -29,8 +29,12 @@ from ppserve.server.client import AsyncPPServeClient
 MAX_RUNNING = 4
 MAX_WAITING = 4
 MAX_TOKENS = 24
-SERVER_OVERRIDES = ["cache.block_size=4", "scheduler.token_budget=32", f"scheduler.max_num_seqs={MAX_RUNNING}",
-                    f"scheduler.max_waiting={MAX_WAITING}"]
+SERVER_OVERRIDES = [
+    "cache.block_size=4",
+    "scheduler.token_budget=32",
+    f"scheduler.max_num_seqs={MAX_RUNNING}",
+    f"scheduler.max_waiting={MAX_WAITING}",
+]
 
 
 @dataclass
@@ -53,7 +57,9 @@ class OverloadFigures:
     burst: int
     max_tokens: int
     calls: list[Call] = field(default_factory=list)  # the burst, one per request
-    sustained: list[list[Call]] = field(default_factory=list)  # per client: its refusals, then the last answer
+    sustained: list[list[Call]] = field(
+        default_factory=list
+    )  # per client: its refusals, then the last answer
     probes: list[Probe] = field(default_factory=list)
     final: dict[str, Any] = field(default_factory=dict)  # GetStats once the load is over
     wall_s: float = 0.0
@@ -78,8 +84,15 @@ class OverloadFigures:
         }
 
 
-async def run_overload(address: str, burst: int, max_tokens: int = MAX_TOKENS, timeout_s: float = 120.0,
-                       retry_sleep_s: float = 0.05, probe_sleep_s: float = 0.05, **client_kwargs: Any) -> OverloadFigures:
+async def run_overload(
+    address: str,
+    burst: int,
+    max_tokens: int = MAX_TOKENS,
+    timeout_s: float = 120.0,
+    retry_sleep_s: float = 0.05,
+    probe_sleep_s: float = 0.05,
+    **client_kwargs: Any,
+) -> OverloadFigures:
     """One burst of `burst` requests at once, then `burst` clients that retry until served."""
     fig = OverloadFigures(burst=burst, max_tokens=max_tokens)
     async with AsyncPPServeClient(address, **client_kwargs) as ac:
@@ -160,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             stop_server(proc)
     print(report(fig))
-    Path(args.out).write_text(json.dumps({"summary": fig.summary(), **asdict(fig), "args": vars(args)}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"summary": fig.summary(), **asdict(fig), "args": vars(args)}, indent=2)
+    )
     print(f"figures written to {args.out}")
     return 0
 

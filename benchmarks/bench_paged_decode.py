@@ -75,17 +75,27 @@ def main() -> None:
         query = torch.randn(args.decodes, args.heads, args.head_dim).to(dtype)
         want = torch_path._decodes(query, cache, meta, scale)
         got = native._decodes(query, cache, meta, scale)
-        t_torch = _time_calls(partial(torch_path._decodes, query, cache, meta, scale), args.calls, args.repeats)
+        t_torch = _time_calls(
+            partial(torch_path._decodes, query, cache, meta, scale), args.calls, args.repeats
+        )
         t_native = _time_calls(partial(native._decodes, query, cache, meta, scale), args.calls, args.repeats)
         kv_bytes = 2 * sum(meta.context_lens) * args.kv_heads * args.head_dim * cache.element_size()
-        row = {"dtype": str(dtype).removeprefix("torch."), "torch_gather_sdpa_ms": t_torch * 1e3,
-               "native_ms": t_native * 1e3, "speedup": t_torch / t_native, "kv_mib_per_call": kv_bytes / 2**20,
-               "native_gb_per_s": kv_bytes / t_native / 1e9,
-               "max_abs_diff": (got.float() - want.float()).abs().max().item()}
+        row = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch_gather_sdpa_ms": t_torch * 1e3,
+            "native_ms": t_native * 1e3,
+            "speedup": t_torch / t_native,
+            "kv_mib_per_call": kv_bytes / 2**20,
+            "native_gb_per_s": kv_bytes / t_native / 1e9,
+            "max_abs_diff": (got.float() - want.float()).abs().max().item(),
+        }
         rows.append(row)
-        print(f"{row['dtype']:>8}: torch gather+SDPA {row['torch_gather_sdpa_ms']:7.2f} ms | native {row['native_ms']:6.2f} ms "
-              f"| {row['speedup']:5.2f}x | K/V {row['kv_mib_per_call']:.1f} MiB per call = "
-              f"{row['native_gb_per_s']:.1f} GB/s | max |diff| {row['max_abs_diff']:.2e}")
+        print(
+            f"{row['dtype']:>8}: torch gather+SDPA {row['torch_gather_sdpa_ms']:7.2f} ms | native "
+            f"{row['native_ms']:6.2f} ms "
+            f"| {row['speedup']:5.2f}x | K/V {row['kv_mib_per_call']:.1f} MiB per call = "
+            f"{row['native_gb_per_s']:.1f} GB/s | max |diff| {row['max_abs_diff']:.2e}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                     "contexts": meta.context_lens, "rows": rows}, indent=1))

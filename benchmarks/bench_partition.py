@@ -14,7 +14,8 @@ round: the machine is shared and noisy, compare same-round ratios):
 Per cell: output tok/s (wall), mean bubble (active window, the stages' own spans) and each stage's mean
 compute ms per microbatch.
 
-    python benchmarks/bench_partition.py [--partitions cost,19/11,even] [--rounds 2] [--workloads decode,prefill]
+    python benchmarks/bench_partition.py [--partitions cost,19/11,even] [--rounds 2]
+        [--workloads decode,prefill]
         [--out results/bench_partition.json]
 """
 
@@ -64,7 +65,9 @@ def run(partition: str, loads: dict[str, tuple[list[list[int]], int]]) -> dict[s
             outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             wall = time.perf_counter() - start
             spans = [s for s in llm.spans() if s.kind == "compute"]
-            stages = {st: statistics.fmean(s.duration_ns / 1e6 for s in spans if s.stage == st) for st in (0, 1)}
+            stages = {
+                st: statistics.fmean(s.duration_ns / 1e6 for s in spans if s.stage == st) for st in (0, 1)
+            }
             out[name] = {"output_tok_s": sum(len(o.token_ids) for o in outs) / wall, "wall_s": wall,
                          "mean_bubble": llm.bubble_stats(window="active").mean_bubble_fraction,
                          "compute_ms_mean": stages}
@@ -73,7 +76,9 @@ def run(partition: str, loads: dict[str, tuple[list[list[int]], int]]) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--partitions", default="cost,19/11,even", help="modes (even, cost, calibrated) or counts (17/13)")
+    ap.add_argument(
+        "--partitions", default="cost,19/11,even", help="modes (even, cost, calibrated) or counts (17/13)"
+    )
     ap.add_argument("--workloads", default="decode,prefill")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decode-requests", type=int, default=8)
@@ -90,12 +95,20 @@ def main() -> None:
         for p in parts:
             row = {"round": r, **run(p, loads)}
             rows.append(row)
-            print(f"round {r} {p} {row['layers']}: " + ", ".join(
-                f"{w} {row[w]['output_tok_s']:.1f} tok/s, bubble {100 * row[w]['mean_bubble']:.1f}%" for w in loads),
-                flush=True)
+            print(
+                f"round {r} {p} {row['layers']}: "
+                + ", ".join(
+                    f"{w} {row[w]['output_tok_s']:.1f} tok/s, bubble {100 * row[w]['mean_bubble']:.1f}%"
+                    for w in loads
+                ),
+                flush=True,
+            )
     base = parts[0]
-    print(f"\n| partition | layers | workload | output tok/s per round | / {base}, same round | bubble per round | "
-          "stage 0 / 1 compute ms (mean) |")
+    print(
+        f"\n| partition | layers | workload | output tok/s per round | / {base}, same round | bubble per "
+        "round | "
+        "stage 0 / 1 compute ms (mean) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for p in parts:
         mine = [row for row in rows if row["partition"] == p]
@@ -106,7 +119,10 @@ def main() -> None:
             bubbles = " / ".join(f"{100 * row[w]['mean_bubble']:.1f}%" for row in mine)
             comp = statistics.fmean(row[w]["compute_ms_mean"][0] for row in mine), \
                 statistics.fmean(row[w]["compute_ms_mean"][1] for row in mine)
-            print(f"| {p} | {mine[0]['layers']} | {w} | {rates} | {ratios} | {bubbles} | {comp[0]:.1f} / {comp[1]:.1f} |")
+            print(
+                f"| {p} | {mine[0]['layers']} | {w} | {rates} | {ratios} | {bubbles} | {comp[0]:.1f} / "
+                f"{comp[1]:.1f} |"
+            )
     write_json(args.out, {"args": vars(args), "runs": rows})
     print(f"wrote {args.out}")
 

@@ -30,13 +30,19 @@ from ppserve.bench.prompts import PromptBuilder
 from ppserve.sim.workload import shared_prefix
 
 
-def shared_prefix_run(llm: Any, builder: PromptBuilder, args: argparse.Namespace, name: str) -> dict[str, Any]:
+def shared_prefix_run(
+    llm: Any, builder: PromptBuilder, args: argparse.Namespace, name: str
+) -> dict[str, Any]:
     reqs = shared_prefix(args.groups, args.per_group, args.prefix, args.question, args.output)
     prompts = builder.build_for(reqs)
     s = replay(llm.engine, reqs, prompts, name=name, progress=False).summary("active")
-    return {"ttft_p50_s": s["latency"]["ttft_s"]["p50"], "output_tok_s": s["throughput"]["output_tokens_per_s"],
-            "mean_bubble": s["bubbles"]["mean_bubble_fraction"], "prefix_cache_hit_rate": s["prefix_cache_hit_rate"],
-            "num_requests": s["latency"]["num_requests"]}
+    return {
+        "ttft_p50_s": s["latency"]["ttft_s"]["p50"],
+        "output_tok_s": s["throughput"]["output_tokens_per_s"],
+        "mean_bubble": s["bubbles"]["mean_bubble_fraction"],
+        "prefix_cache_hit_rate": s["prefix_cache_hit_rate"],
+        "num_requests": s["latency"]["num_requests"],
+    }
 
 
 def multi_turn_run(llm: Any, builder: PromptBuilder, args: argparse.Namespace) -> list[dict[str, int]]:
@@ -55,7 +61,14 @@ def multi_turn_run(llm: Any, builder: PromptBuilder, args: argparse.Namespace) -
         outs = llm.generate(prompts, sp)
         cached = sum(o.num_cached_tokens for o in outs)
         total = sum(len(p) for p in prompts)
-        turns.append({"turn": t + 1, "prompt_tokens": total, "cached_tokens": cached, "computed_tokens": total - cached})
+        turns.append(
+            {
+                "turn": t + 1,
+                "prompt_tokens": total,
+                "cached_tokens": cached,
+                "computed_tokens": total - cached,
+            }
+        )
         histories = [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
     return turns
 
@@ -82,7 +95,9 @@ def main() -> None:
         order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
         res: dict[str, Any] = {}
         for mode in order:
-            eng = dataclasses.replace(spec, overrides=(f"cache.enable_prefix_caching={str(mode == 'on').lower()}",))
+            eng = dataclasses.replace(
+                spec, overrides=(f"cache.enable_prefix_caching={str(mode == 'on').lower()}",)
+            )
             with build_llm(eng, "sarathi") as llm:
                 builder = PromptBuilder(llm.tokenizer, llm.engine.arch.vocab_size, seed=rnd)
                 warm_up(llm.engine)
@@ -93,27 +108,40 @@ def main() -> None:
     on_sp = [r["on"]["shared_prefix"] for r in rounds]
     off_sp = [r["off"]["shared_prefix"] for r in rounds]
     ttft_x = statistics.median(f["ttft_p50_s"] / n["ttft_p50_s"] for f, n in zip(off_sp, on_sp, strict=True))
-    tput_x = statistics.median(n["output_tok_s"] / f["output_tok_s"] for f, n in zip(off_sp, on_sp, strict=True))
+    tput_x = statistics.median(
+        n["output_tok_s"] / f["output_tok_s"] for f, n in zip(off_sp, on_sp, strict=True)
+    )
     print(f"\nshared prefix: {args.groups} x {args.per_group} requests, {args.prefix}-token system prompt + "
           f"{args.question}-token question, {args.output} out, pp={args.pp}, budget {args.token_budget}")
     print("| caching | TTFT p50 (s) | out tok/s | mean bubble | prefix hit |\n|---|---|---|---|---|")
     for mode, sp in (("off", off_sp[-1]), ("on", on_sp[-1])):
-        print(f"| {mode} | {sp['ttft_p50_s']:.2f} | {sp['output_tok_s']:.1f} | {100 * sp['mean_bubble']:.1f}% "
-              f"| {100 * sp['prefix_cache_hit_rate']:.1f}% |")
+        print(
+            f"| {mode} | {sp['ttft_p50_s']:.2f} | {sp['output_tok_s']:.1f} | {100 * sp['mean_bubble']:.1f}% "
+            f"| {100 * sp['prefix_cache_hit_rate']:.1f}% |"
+        )
     print(f"TTFT p50 {ttft_x:.2f}x lower (goal >= 3x), throughput {tput_x:.2f}x higher (goal >= 2x); "
           f"medians over {args.rounds} round(s)")
-    print(f"\nmulti-turn: {args.conversations} conversations x {args.turns} turns, {args.prefix}-token system prompt, "
-          f"{args.question}-token questions, {args.output}-token answers (the model's own)")
+    print(
+        f"\nmulti-turn: {args.conversations} conversations x {args.turns} turns, {args.prefix}-token system "
+        "prompt, "
+        f"{args.question}-token questions, {args.output}-token answers (the model's own)"
+    )
     print("| turn | prompt tokens | computed off | computed on | fewer |\n|---|---|---|---|---|")
     last = rounds[-1]
     for off_t, on_t in zip(last["off"]["multi_turn"], last["on"]["multi_turn"], strict=True):
         ratio = off_t["computed_tokens"] / max(1, on_t["computed_tokens"])
-        print(f"| {off_t['turn']} | {off_t['prompt_tokens']} | {off_t['computed_tokens']} | {on_t['computed_tokens']} "
-              f"| {ratio:.1f}x |")
+        print(
+            f"| {off_t['turn']} | {off_t['prompt_tokens']} | {off_t['computed_tokens']} | "
+            f"{on_t['computed_tokens']} "
+            f"| {ratio:.1f}x |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rounds": rounds, "ttft_p50_x": ttft_x, "throughput_x": tput_x},
-                              indent=2))
+    out.write_text(
+        json.dumps(
+            {"args": vars(args), "rounds": rounds, "ttft_p50_x": ttft_x, "throughput_x": tput_x}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -48,7 +48,9 @@ def load_sampler(path: str) -> Any:
     return module
 
 
-def sampler_alone(rows: int, vocab: int, repeats: int, other: str | None) -> dict[str, dict[str, float | None]]:
+def sampler_alone(
+    rows: int, vocab: int, repeats: int, other: str | None
+) -> dict[str, dict[str, float | None]]:
     """Best-of-`repeats` ms per kind; with `other`, that sampler too, the two interleaved call by call."""
     from ppserve.request import SamplingParams
     from ppserve.worker import sampler
@@ -74,7 +76,9 @@ def sampler_alone(rows: int, vocab: int, repeats: int, other: str | None) -> dic
     return out
 
 
-def share_of_step(kind: dict[str, Any], num_prompts: int, prompt_len: int, output_len: int) -> dict[str, float]:
+def share_of_step(
+    kind: dict[str, Any], num_prompts: int, prompt_len: int, output_len: int
+) -> dict[str, float]:
     from ppserve import LLM, SamplingParams
     from ppserve.worker import stage_worker
 
@@ -105,8 +109,13 @@ def share_of_step(kind: dict[str, Any], num_prompts: int, prompt_len: int, outpu
                 steps, step_s = steps + 1, step_s + time.perf_counter() - t0
     finally:
         stage_worker.sample = original
-    return {"steps": steps, "mean_step_ms": step_s / steps * 1e3, "sampling_ms_per_step": spent[0] / steps * 1e3,
-            "sampling_share": spent[0] / step_s, "output_tok_s": num_prompts * output_len / step_s}
+    return {
+        "steps": steps,
+        "mean_step_ms": step_s / steps * 1e3,
+        "sampling_ms_per_step": spent[0] / steps * 1e3,
+        "sampling_share": spent[0] / step_s,
+        "output_tok_s": num_prompts * output_len / step_s,
+    }
 
 
 def main() -> None:
@@ -126,8 +135,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"sampler alone: {args.rows} rows x {args.vocab} tokens, best of {args.repeats} "
           f"({torch.get_num_threads()} threads)")
-    report: dict[str, Any] = {"rows": args.rows, "vocab": args.vocab, "threads": torch.get_num_threads(),
-                              "alone_ms": sampler_alone(args.rows, args.vocab, args.repeats, args.compare_with)}
+    report: dict[str, Any] = {
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "threads": torch.get_num_threads(),
+        "alone_ms": sampler_alone(args.rows, args.vocab, args.repeats, args.compare_with),
+    }
     if not args.skip_engine:
         report["engine"] = {}
         for label in ("temperature 1", "top_p 0.9", "top_k 50 + top_p 0.9"):

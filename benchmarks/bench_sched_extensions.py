@@ -56,7 +56,9 @@ def _setup(model: str, hw: str, pp: int, tp: int) -> tuple[Any, Any, int]:
     return m, RooflineCostModel(m, h, pp, tp), kv_cache_blocks(m, h, pp, tp, BLOCK)
 
 
-def run_one(model: str, hw: str, pp: int, tp: int, wl: list[WorkloadRequest], sched: SchedulerConfig) -> dict[str, Any]:
+def run_one(
+    model: str, hw: str, pp: int, tp: int, wl: list[WorkloadRequest], sched: SchedulerConfig
+) -> dict[str, Any]:
     m, cost, blocks = _setup(model, hw, pp, tp)
     t0 = time.perf_counter()
     res = simulate(wl, cost, SimConfig(sched, blocks, BLOCK, m.max_model_len, OVERHEAD_S))
@@ -86,18 +88,44 @@ def run_one(model: str, hw: str, pp: int, tp: int, wl: list[WorkloadRequest], sc
 def time_budget_cases(quick: bool) -> list[dict[str, Any]]:
     n = 120 if quick else 300
     cases = [
-        ("llama3-8b", "a100", 4, 1, uniform_lengths(n, (512, 7800), (16, 128), seed=1), "uniform prompts 512-7800, out 16-128, at t=0"),
-        ("llama2-70b", "a100", 4, 4, uniform_lengths(n, (512, 3800), (16, 128), seed=1), "uniform prompts 512-3800, out 16-128, at t=0"),
+        (
+            "llama3-8b",
+            "a100",
+            4,
+            1,
+            uniform_lengths(n, (512, 7800), (16, 128), seed=1),
+            "uniform prompts 512-7800, out 16-128, at t=0",
+        ),
+        (
+            "llama2-70b",
+            "a100",
+            4,
+            4,
+            uniform_lengths(n, (512, 3800), (16, 128), seed=1),
+            "uniform prompts 512-3800, out 16-128, at t=0",
+        ),
     ]
     rows = []
     for model, hw, pp, tp, wl, desc in cases:
         for mode in ("tokens", "time"):
             sched = SchedulerConfig(token_budget=512, budget_mode=mode, max_num_seqs=512, max_waiting=10_000)
             r = run_one(model, hw, pp, tp, wl, sched)
-            rows.append({"model": model, "hardware": hw, "pp": pp, "tp": tp, "workload": desc, "requests": len(wl),
-                         "budget_mode": mode, "token_budget": 512,
-                         "time_budget": "predicted time of a 512-token chunk from an empty cache" if mode == "time" else None,
-                         **r})
+            rows.append(
+                {
+                    "model": model,
+                    "hardware": hw,
+                    "pp": pp,
+                    "tp": tp,
+                    "workload": desc,
+                    "requests": len(wl),
+                    "budget_mode": mode,
+                    "token_budget": 512,
+                    "time_budget": "predicted time of a 512-token chunk from an empty cache"
+                    if mode == "time"
+                    else None,
+                    **r,
+                }
+            )
     return rows
 
 
@@ -105,14 +133,25 @@ def adaptive_cases(quick: bool) -> list[dict[str, Any]]:
     model, hw, pp, tp = "llama2-70b", "a100", 4, 4
     m = load_model_spec(model)
     n, rate = (400, 4.0) if quick else (1000, 4.0)
-    wl = clip_to_context(with_poisson_arrivals(read_trace(default_trace_path(), n), rate=rate, seed=0), m.max_model_len)
+    wl = clip_to_context(
+        with_poisson_arrivals(read_trace(default_trace_path(), n), rate=rate, seed=0), m.max_model_len
+    )
     rows = []
     for slo in (None, 50.0, 100.0, 200.0, 400.0):
         sched = SchedulerConfig(token_budget=512, max_waiting=10_000, tbt_slo_ms=slo)
         r = run_one(model, hw, pp, tp, wl, sched)
-        rows.append({"model": model, "hardware": hw, "pp": pp, "tp": tp,
-                     "workload": f"splitwise_conv first {len(wl)} rows, Poisson {rate}/s seed 0", "tbt_slo_ms": slo,
-                     "meets_target": None if slo is None else r["tbt_p99_ms"] <= slo, **r})
+        rows.append(
+            {
+                "model": model,
+                "hardware": hw,
+                "pp": pp,
+                "tp": tp,
+                "workload": f"splitwise_conv first {len(wl)} rows, Poisson {rate}/s seed 0",
+                "tbt_slo_ms": slo,
+                "meets_target": None if slo is None else r["tbt_p99_ms"] <= slo,
+                **r,
+            }
+        )
     return rows
 
 
@@ -127,21 +166,44 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     tb = time_budget_cases(args.quick)
-    print("1) token budget vs time budget (token_budget 512; bubbles in window 'active'; slowest stage's compute times)")
-    print(f"{'model':<11} {'mode':<6} {'mbs':>5} {'cv all':>7} {'cv pf-mb':>8} {'bubble%':>8} {'req bubble p50 ms':>17}"
-          f" {'tok/s':>7} {'tbt p99 ms':>10}")
+    print(
+        "1) token budget vs time budget (token_budget 512; bubbles in window 'active'; slowest stage's "
+        "compute times)"
+    )
+    print(
+        f"{'model':<11} {'mode':<6} {'mbs':>5} {'cv all':>7} {'cv pf-mb':>8} {'bubble%':>8} "
+        f"{'req bubble p50 ms':>17}"
+        f" {'tok/s':>7} {'tbt p99 ms':>10}"
+    )
     for r in tb:
-        print(f"{r['model']:<11} {r['budget_mode']:<6} {r['num_microbatches']:>5} {_f(r['compute_cv_all'], '.3f'):>7}"
-              f" {_f(r['compute_cv_prefill_microbatches'], '.3f'):>8} {100 * r['mean_bubble_fraction_active']:>7.2f}%"
-              f" {r['per_request_bubble_p50_ms']:>17.1f} {r['output_tokens_per_s']:>7.0f} {r['tbt_p99_ms']:>10.1f}")
+        print(
+            f"{r['model']:<11} {r['budget_mode']:<6} {r['num_microbatches']:>5} "
+            f"{_f(r['compute_cv_all'], '.3f'):>7}"
+            f" {_f(r['compute_cv_prefill_microbatches'], '.3f'):>8} "
+            f"{100 * r['mean_bubble_fraction_active']:>7.2f}%"
+            f" {r['per_request_bubble_p50_ms']:>17.1f} {r['output_tokens_per_s']:>7.0f} "
+            f"{r['tbt_p99_ms']:>10.1f}"
+        )
     ad = adaptive_cases(args.quick)
     print("\n2) automatic token budget from a TBT target (llama2-70b pp4 tp4 on A100, Poisson arrivals)")
     print(f"{'target ms':>9} {'p99 TBT ms':>10} {'p50 TBT ms':>10} {'meets':>6} {'budget':>7} {'tok/s':>7}")
     for r in ad:
-        print(f"{_f(r['tbt_slo_ms'], '.0f'):>9} {r['tbt_p99_ms']:>10.1f} {r['tbt_p50_ms']:>10.1f}"
-              f" {_f(r['meets_target'], ''):>6} {r['final_token_budget']:>7} {r['output_tokens_per_s']:>7.0f}")
-    Path(args.out).write_text(json.dumps({"time_budget": tb, "adaptive_budget": ad,
-                                          "schedule_overhead_s": OVERHEAD_S, "block_size": BLOCK}, indent=2) + "\n")
+        print(
+            f"{_f(r['tbt_slo_ms'], '.0f'):>9} {r['tbt_p99_ms']:>10.1f} {r['tbt_p50_ms']:>10.1f}"
+            f" {_f(r['meets_target'], ''):>6} {r['final_token_budget']:>7} {r['output_tokens_per_s']:>7.0f}"
+        )
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "time_budget": tb,
+                "adaptive_budget": ad,
+                "schedule_overhead_s": OVERHEAD_S,
+                "block_size": BLOCK,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"json: {args.out}")
     return 0
 

@@ -57,7 +57,10 @@ def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[s
     """Median schedule() and update_from_output() per microbatch, prefix caching on and off: two
     schedulers stepped in turn (the order alternating every step), so that a burst of noise on this shared
     machine slows both sides alike instead of whichever ran in it."""
-    scheds = {"on": settled_scheduler(num_requests, pp, True), "off": settled_scheduler(num_requests, pp, False)}
+    scheds = {
+        "on": settled_scheduler(num_requests, pp, True),
+        "off": settled_scheduler(num_requests, pp, False),
+    }
     times: dict[str, tuple[list[int], list[int]]] = {mode: ([], []) for mode in scheds}
     for step in range(steps):
         for mode in (("on", "off") if step % 2 == 0 else ("off", "on")):
@@ -67,7 +70,8 @@ def pure_schedule_us(num_requests: int, steps: int = 200, pp: int = 1) -> dict[s
             t1 = time.perf_counter_ns()
             out = s.schedule()
             t2 = time.perf_counter_ns()
-            # One slot freed, one microbatch formed: the pipeline is full again (p slots, p + 1 with the token ring).
+            # One slot freed, one microbatch formed: the pipeline is full again (p slots, p + 1 with the
+            # token ring).
             assert out is not None and len(s.in_flight) == s.max_in_flight and s.schedule() is None
             times[mode][0].append(t2 - t1)
             times[mode][1].append(t1 - t0)
@@ -81,7 +85,9 @@ def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
 
     blocks = num_requests * -(-(16 + max_tokens) // 16)  # room for every request: no preemption
     # A budget that holds every prompt at once: one prefill step, then every microbatch decodes all requests.
-    with LLM(token_budget=num_requests * 16, max_num_seqs=num_requests, dtype="float32", num_kv_blocks=blocks) as llm:
+    with LLM(
+        token_budget=num_requests * 16, max_num_seqs=num_requests, dtype="float32", num_kv_blocks=blocks
+    ) as llm:
         prompts = [[1 + (i * 7 + j) % 4000 for j in range(16)] for i in range(num_requests)]
         llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         spans = llm.spans()
@@ -103,7 +109,9 @@ def engine_ratio(num_requests: int, max_tokens: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--pp", type=int, nargs="+", default=[1, 4], help="pipeline depths for the pure measurement")
+    ap.add_argument(
+        "--pp", type=int, nargs="+", default=[1, 4], help="pipeline depths for the pure measurement"
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--skip-engine", action="store_true", help="only the pure-Python measurement")
     ap.add_argument("--out", default="results/bench_schedule.json")
@@ -116,16 +124,23 @@ def main() -> None:
             total = r["schedule_us_median"] + r["update_us_median"]
             total_off = off["schedule_us_median"] + off["update_us_median"]
             result["pure"][f"pp{pp}-{n}"] = {**r, "caching_off": off, "on_over_off": total / total_off}
-            print(f"pure scheduler, pp={pp}, {n} decoding requests: schedule() {r['schedule_us_median']:.0f} us + "
-                  f"update_from_output() {r['update_us_median']:.0f} us = {total:.0f} us per microbatch of {n // pp} "
-                  f"decodes ({1e3 * total / n:.0f} ns per running request; medians); prefix caching off "
-                  f"{total_off:.0f} us: on/off {total / total_off:.2f}x (goal <= 1.1x)")
+            print(
+                f"pure scheduler, pp={pp}, {n} decoding requests: schedule() {r['schedule_us_median']:.0f} "
+                "us + "
+                f"update_from_output() {r['update_us_median']:.0f} us = {total:.0f} us per microbatch of "
+                f"{n // pp} "
+                f"decodes ({1e3 * total / n:.0f} ns per running request; medians); prefix caching off "
+                f"{total_off:.0f} us: on/off {total / total_off:.2f}x (goal <= 1.1x)"
+            )
     if not args.skip_engine:
         eng = engine_ratio(args.requests, args.max_tokens)
         result["engine"] = eng
-        print(f"engine, default model pp=1, {eng['decode_steps']} decode microbatches of {args.requests} tokens: "
-              f"schedule {eng['schedule_ms_median']:.2f} ms vs compute {eng['compute_ms_median']:.1f} ms "
-              f"-> {100 * eng['schedule_fraction_median']:.2f} % of a step (goal <= 1 %)")
+        print(
+            f"engine, default model pp=1, {eng['decode_steps']} decode microbatches of {args.requests} "
+            "tokens: "
+            f"schedule {eng['schedule_ms_median']:.2f} ms vs compute {eng['compute_ms_median']:.1f} ms "
+            f"-> {100 * eng['schedule_fraction_median']:.2f} % of a step (goal <= 1 %)"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -39,7 +39,14 @@ DEFAULT_VLLM_VENV = Path(os.environ.get("VLLM_VENV", "~/.cache/ppserve/vllm-venv
 SERVED_NAME = "SmolLM2-135M-Instruct"
 ALL_ENGINES = ("ppserve-pp1", "ppserve-pp2", "vllm")
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 48, 256, 64
-RANDOM = ["--dataset-name", "random", "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN)]
+RANDOM = [
+    "--dataset-name",
+    "random",
+    "--random-input-len",
+    str(INPUT_LEN),
+    "--random-output-len",
+    str(OUTPUT_LEN),
+]
 SHARED_PREFIX = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "192",
                  "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
                  "--prefix-repetition-output-len", str(OUTPUT_LEN)]
@@ -68,7 +75,9 @@ def pin_cores(cores: str) -> None:
     os.sched_setaffinity(0, ids)
 
 
-def server_command(engine: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+def server_command(
+    engine: str, model_dir: str, port: int, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     if engine == "vllm":
         env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=args.cores)
@@ -111,22 +120,50 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def run_client(scenario: str, model_dir: str, port: int, out_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_client(
+    scenario: str, model_dir: str, port: int, out_dir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     spec = SCENARIOS[scenario]
     name = f"{scenario}-{time.monotonic_ns()}.json"
-    cmd = [str(DEFAULT_VLLM_VENV / "bin" / "python"), str(Path(__file__).with_name("vllm_bench_client.py")),
-           "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-           "--model", SERVED_NAME, "--tokenizer", model_dir, *spec["dataset"], "--num-prompts", str(args.num_prompts),
-           "--request-rate", "inf" if math.isinf(spec["rate"]) else str(spec["rate"]), "--ignore-eos",
-           "--seed", str(scenario_seed(args.seed, scenario)), "--num-warmups", "2", "--disable-tqdm", "--save-result",
-           "--result-dir", str(out_dir), "--result-filename", name]
+    cmd = [
+        str(DEFAULT_VLLM_VENV / "bin" / "python"),
+        str(Path(__file__).with_name("vllm_bench_client.py")),
+        "--backend",
+        "openai",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        SERVED_NAME,
+        "--tokenizer",
+        model_dir,
+        *spec["dataset"],
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        "inf" if math.isinf(spec["rate"]) else str(spec["rate"]),
+        "--ignore-eos",
+        "--seed",
+        str(scenario_seed(args.seed, scenario)),
+        "--num-warmups",
+        "2",
+        "--disable-tqdm",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name,
+    ]
     if spec["temperature"] is not None:
         cmd += ["--temperature", str(spec["temperature"])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout,
                           preexec_fn=lambda: pin_cores(args.cores))
     path = out_dir / name
     if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(f"bench serve failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-3000:]}")
+        raise RuntimeError(
+            f"bench serve failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-3000:]}"
+        )
     full = json.loads(path.read_text())
     return {k: full.get(k) for k in FIGURES}
 
@@ -184,7 +221,9 @@ print("RESULT " + json.dumps(out))
                           timeout=args.client_timeout, preexec_fn=lambda: pin_cores(args.cores))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"offline run failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-3000:]}")
+        raise RuntimeError(
+            f"offline run failed (exit {proc.returncode}):\n{(proc.stderr or proc.stdout)[-3000:]}"
+        )
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -207,13 +246,21 @@ def same_round_ratios(rounds: list[dict[str, Any]]) -> dict[str, list[float]]:
                 if "vllm" in eng and sc in eng["vllm"]:
                     add(f"{e}/vllm output tok/s, {sc}", ratio(eng[e][sc]["output_throughput"],
                                                               eng["vllm"][sc]["output_throughput"]))
-                    add(f"{e}/vllm mean TTFT, {sc}", ratio(eng[e][sc]["mean_ttft_ms"], eng["vllm"][sc]["mean_ttft_ms"]))
+                    add(
+                        f"{e}/vllm mean TTFT, {sc}",
+                        ratio(eng[e][sc]["mean_ttft_ms"], eng["vllm"][sc]["mean_ttft_ms"]),
+                    )
             if {"moderate", "moderate-greedy"} <= eng[e].keys():
                 add(f"{e} sampled/greedy output tok/s", ratio(eng[e]["moderate"]["output_throughput"],
                                                               eng[e]["moderate-greedy"]["output_throughput"]))
             if "offline" in rd and "saturation" in eng[e]:
-                add(f"{e} HTTP saturation / offline (sampled) output tok/s",
-                    ratio(eng[e]["saturation"]["output_throughput"], rd["offline"]["sampled"]["output_throughput"]))
+                add(
+                    f"{e} HTTP saturation / offline (sampled) output tok/s",
+                    ratio(
+                        eng[e]["saturation"]["output_throughput"],
+                        rd["offline"]["sampled"]["output_throughput"],
+                    ),
+                )
         if {"ppserve-pp1", "ppserve-pp2"} <= eng.keys():
             for sc in eng["ppserve-pp1"].keys() & eng["ppserve-pp2"].keys():
                 add(f"pp2/pp1 output tok/s, {sc}", ratio(eng["ppserve-pp2"][sc]["output_throughput"],
@@ -226,8 +273,10 @@ def table(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]
     for engine, by_sc in report["median"].items():
         for sc, r in by_sc.items():
-            lines.append(f"| {engine} | {sc} | {r['output_throughput']:.1f} | {r['mean_ttft_ms'] / 1000:.2f} | "
-                         f"{r['mean_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | {r['runs']} |")
+            lines.append(
+                f"| {engine} | {sc} | {r['output_throughput']:.1f} | {r['mean_ttft_ms'] / 1000:.2f} | "
+                f"{r['mean_tpot_ms']:.0f} | {r['p99_tpot_ms']:.0f} | {r['runs']} |"
+            )
     if report.get("offline"):
         for label, r in report["offline"].items():
             lines.append(f"| ppserve offline LLM.generate (pp=1, all at once) | {label} | "
@@ -254,16 +303,28 @@ def medians(rounds: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {tuple(SCENARIOS)}")
+    ap.add_argument(
+        "--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}"
+    )
+    ap.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {tuple(SCENARIOS)}"
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--token-budget", type=int, default=512, help="vLLM's --max-num-batched-tokens (ppserve's "
-                    "default budget is 512 already)")
+    ap.add_argument(
+        "--token-budget",
+        type=int,
+        default=512,
+        help="vLLM's --max-num-batched-tokens (ppserve's default budget is 512 already)",
+    )
     ap.add_argument("--offline", action="store_true", help="also run ppserve's offline API on the same shape")
-    ap.add_argument("--ppserve-set", action="append", default=[], help="extra --set for ppserve serve (repeatable)")
-    ap.add_argument("--ppserve-src", help="run ppserve from this source tree (PYTHONPATH), e.g. a before snapshot")
+    ap.add_argument(
+        "--ppserve-set", action="append", default=[], help="extra --set for ppserve serve (repeatable)"
+    )
+    ap.add_argument(
+        "--ppserve-src", help="run ppserve from this source tree (PYTHONPATH), e.g. a before snapshot"
+    )
     ap.add_argument("--cores", default="0-1", help="cores every server and the client are pinned to")
     ap.add_argument("--port", type=int, default=8400)
     ap.add_argument("--start-timeout", type=float, default=900.0)
@@ -282,7 +343,9 @@ def main() -> None:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [e for e in engines if e not in ALL_ENGINES] + [s for s in scenarios if s not in SCENARIOS]
     if bad:
-        raise SystemExit(f"unknown engines or scenarios {bad}; engines {ALL_ENGINES}, scenarios {tuple(SCENARIOS)}")
+        raise SystemExit(
+            f"unknown engines or scenarios {bad}; engines {ALL_ENGINES}, scenarios {tuple(SCENARIOS)}"
+        )
     if not (DEFAULT_VLLM_VENV / "bin" / "python").exists():
         raise SystemExit(f"no vLLM environment at {DEFAULT_VLLM_VENV}: its `bench serve` is the client here "
                          "(bash benchmarks/install_vllm_cpu.sh builds it)")
@@ -298,15 +361,27 @@ def main() -> None:
             rounds.append(rd)
             for engine in engines:
                 rd["engines"][engine] = run_engine(engine, scenarios, model_dir, Path(tmp), args)
-                out_path.write_text(json.dumps({"partial": True, "rounds": rounds}, indent=1))  # a long run's progress
+                out_path.write_text(
+                    json.dumps({"partial": True, "rounds": rounds}, indent=1)
+                )  # a long run's progress
             if args.offline:
                 rd["offline"] = run_offline(model_dir, args)
                 print(f"[offline] {rd['offline']}", flush=True)
-    report = {"model_dir": model_dir, "cores": args.cores, "num_prompts": args.num_prompts,
-              "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "token_budget": args.token_budget,
-              "dtype": args.dtype, "ppserve_set": args.ppserve_set, "ppserve_src": args.ppserve_src, "rounds": rounds,
-              "median": medians(rounds), "ratios": same_round_ratios(rounds),
-              "offline": rounds[-1].get("offline") if rounds else None}
+    report = {
+        "model_dir": model_dir,
+        "cores": args.cores,
+        "num_prompts": args.num_prompts,
+        "input_len": INPUT_LEN,
+        "output_len": OUTPUT_LEN,
+        "token_budget": args.token_budget,
+        "dtype": args.dtype,
+        "ppserve_set": args.ppserve_set,
+        "ppserve_src": args.ppserve_src,
+        "rounds": rounds,
+        "median": medians(rounds),
+        "ratios": same_round_ratios(rounds),
+        "offline": rounds[-1].get("offline") if rounds else None,
+    }
     out_path.write_text(json.dumps(report, indent=1))
     print(table(report))
     print(f"\nwritten {out_path}")

@@ -8,7 +8,8 @@ bursts (`--contenders`, default 1: the engine and Ray beside the stages on a 2-c
 for the cores, which is where gloo's rendezvous costs: its data is written by the sending process's
 background thread once the receiver asks, and that thread must find a core.
 
-    python benchmarks/bench_stage_link.py [--steps 60] [--rounds 2] [--contenders 1] [--out results/bench_stage_link.json]
+    python benchmarks/bench_stage_link.py [--steps 60] [--rounds 2] [--contenders 1]
+        [--out results/bench_stage_link.json]
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def stage(rank: int, link: str, port: int, steps: int, out: Any) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     device = torch.device("cpu")
     if link == "socket":
-        inbound, outbound = connect_links(store, rank, 0 if rank == 1 else None, 1 if rank == 0 else None, "127.0.0.1")
+        inbound, outbound = connect_links(
+            store, rank, 0 if rank == 1 else None, 1 if rank == 0 else None, "127.0.0.1"
+        )
     else:
         inbound = TorchP2PChannel(0, device) if rank == 1 else None
         outbound = TorchP2PChannel(1, device) if rank == 0 else None
@@ -120,9 +123,15 @@ def main() -> None:
         for link in ("torch", "socket"):
             s = summary(measure(link, args.steps, args.contenders))
             rows.append({"round": r, "link": link, **s})
-            print(f"round {r}  {link:6s} (gloo p2p)  " if link == "torch" else f"round {r}  {link:6s} (TCP)       ",
-                  f"receive of data sent >= 6 ms before: median {s['median_ms']:.3f} ms, p90 {s['p90_ms']:.3f}, "
-                  f"max {s['max_ms']:.3f}", flush=True)
+            print(
+                f"round {r}  {link:6s} (gloo p2p)  "
+                if link == "torch"
+                else f"round {r}  {link:6s} (TCP)       ",
+                f"receive of data sent >= 6 ms before: median {s['median_ms']:.3f} ms, p90 "
+                f"{s['p90_ms']:.3f}, "
+                f"max {s['max_ms']:.3f}",
+                flush=True,
+            )
     write_json(Path(args.out), {"benchmark": "stage_link", "contenders": args.contenders, "steps": args.steps,
                                 "message": {"tokens": TOKENS, "hidden": HIDDEN, "dtype": "bfloat16"},
                                 "rows": rows})

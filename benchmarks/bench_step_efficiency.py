@@ -115,15 +115,27 @@ def run_ppserve(workload: Path, pp: int, dtype: str, token_budget: int, partitio
         llm_stats = llm.engine.stats()
     ttft, tbt, p99 = latency_figures(start, [o.token_times for o in outs])
     return EngineResult(
-        engine=f"ppserve-pp{pp}", wall_s=wall, num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
-        output_tokens=sum(len(o.token_ids) for o in outs), mean_ttft_s=ttft, mean_tbt_s=tbt, p99_tbt_s=p99,
+        engine=f"ppserve-pp{pp}",
+        wall_s=wall,
+        num_requests=len(prompts),
+        prompt_tokens=sum(map(len, prompts)),
+        output_tokens=sum(len(o.token_ids) for o in outs),
+        mean_ttft_s=ttft,
+        mean_tbt_s=tbt,
+        p99_tbt_s=p99,
         peak_rss_mib=rss,
-        extra={"dtype": dtype, "threads_per_stage": threads, "token_budget": token_budget, "partition": partition,
-               "prefix_caching": prefix_caching,
-               "prefix_cache_hit_rate": llm_stats.prefix_cache_hit_rate,
-               "layers": [list(r) for r in llm_ranges],
-               "kv_blocks": blocks, "kv_tokens": blocks * block_size,
-               "first_tokens": [o.token_ids[:8] for o in outs]},
+        extra={
+            "dtype": dtype,
+            "threads_per_stage": threads,
+            "token_budget": token_budget,
+            "partition": partition,
+            "prefix_caching": prefix_caching,
+            "prefix_cache_hit_rate": llm_stats.prefix_cache_hit_rate,
+            "layers": [list(r) for r in llm_ranges],
+            "kv_blocks": blocks,
+            "kv_tokens": blocks * block_size,
+            "first_tokens": [o.token_ids[:8] for o in outs],
+        },
     )
 
 
@@ -202,9 +214,22 @@ def spawn(name: str, args: argparse.Namespace, workload: Path) -> EngineResult |
         if args.prefix_caching:
             cmd.append("--enable-prefix-caching")
     else:
-        cmd = [sys.executable, __file__, "--run-engine", name, "--workload", str(workload), "--dtype", args.dtype,
-               "--token-budget", str(args.token_budget), "--hf-batch", str(args.hf_batch),
-               "--partition-mode", args.partition_mode]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--run-engine",
+            name,
+            "--workload",
+            str(workload),
+            "--dtype",
+            args.dtype,
+            "--token-budget",
+            str(args.token_budget),
+            "--hf-batch",
+            str(args.hf_batch),
+            "--partition-mode",
+            args.partition_mode,
+        ]
         if args.prefix_caching:
             cmd.append("--prefix-caching")
     print(f"[{name}] running ...", flush=True)
@@ -251,7 +276,9 @@ def same_round_ratios(by_round: list[dict[str, EngineResult]]) -> dict[str, dict
     out: dict[str, dict[str, Any]] = {}
     others = sorted({e for rr in by_round for e in rr} - {"ppserve-pp1"})
     for e in others:
-        ratios = [rr[e].wall_s / rr["ppserve-pp1"].wall_s for rr in by_round if e in rr and "ppserve-pp1" in rr]
+        ratios = [
+            rr[e].wall_s / rr["ppserve-pp1"].wall_s for rr in by_round if e in rr and "ppserve-pp1" in rr
+        ]
         if ratios:
             out[e] = {"per_round": [round(x, 3) for x in ratios], "median": statistics.median(ratios)}
     return out
@@ -271,18 +298,40 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--trace", help="take prompt lengths from this request trace CSV (e.g. ../shared/traces/"
                     "splitwise_conv.csv) instead of --min-len/--max-len")
-    ap.add_argument("--prefill-scale", type=float, default=0.25, help="with --trace: prompt lengths scaled by this")
+    ap.add_argument(
+        "--prefill-scale", type=float, default=0.25, help="with --trace: prompt lengths scaled by this"
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shared-prefix", metavar="GROUPS,PREFIX,QUESTION",
-                    help="prompts share system prompts: GROUPS prefixes of PREFIX tokens, each followed by "
-                         "num_requests / GROUPS distinct QUESTION-token questions (instead of --min/--max-len)")
-    ap.add_argument("--prefix-caching", action="store_true", help="prefix caching on in ppserve and vLLM alike")
-    ap.add_argument("--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}")
-    ap.add_argument("--dtype", default="bfloat16", help="ppserve's and transformers' dtype, and vLLM's unless --vllm-dtype")
-    ap.add_argument("--vllm-dtype", help="vLLM's dtype (default: --dtype); on a CPU without native bf16 both serve "
-                                         "float32 (bf16 there is emulated, slower in every engine)")
-    ap.add_argument("--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens")
-    ap.add_argument("--partition-mode", default="even", help="ppserve pp>1: parallel.partition_mode (even|cost|calibrated)")
+    ap.add_argument(
+        "--shared-prefix",
+        metavar="GROUPS,PREFIX,QUESTION",
+        help="prompts share system prompts: GROUPS prefixes of PREFIX tokens, each followed by "
+        "num_requests / GROUPS distinct QUESTION-token questions (instead of --min/--max-len)",
+    )
+    ap.add_argument(
+        "--prefix-caching", action="store_true", help="prefix caching on in ppserve and vLLM alike"
+    )
+    ap.add_argument(
+        "--engines", default=",".join(ALL_ENGINES), help=f"comma-separated subset of {ALL_ENGINES}"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="ppserve's and transformers' dtype, and vLLM's unless --vllm-dtype",
+    )
+    ap.add_argument(
+        "--vllm-dtype",
+        help="vLLM's dtype (default: --dtype); on a CPU without native bf16 both serve "
+        "float32 (bf16 there is emulated, slower in every engine)",
+    )
+    ap.add_argument(
+        "--token-budget", type=int, default=512, help="ppserve token budget = vLLM max_num_batched_tokens"
+    )
+    ap.add_argument(
+        "--partition-mode",
+        default="even",
+        help="ppserve pp>1: parallel.partition_mode (even|cost|calibrated)",
+    )
     ap.add_argument("--hf-batch", type=int, default=8, help="transformers static batch size")
     ap.add_argument("--cores", default="0-1", help="cores every engine is pinned to")
     ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, alternating; "
@@ -354,24 +403,45 @@ def main() -> None:
     hf_tps = ref.output_tok_s if ref else None
     rows = []
     for r in results:
-        row = {"engine": r.engine, "wall_s": r.wall_s, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s,
-               "mean_ttft_s": r.mean_ttft_s, "mean_tbt_ms": r.mean_tbt_s * 1e3, "p99_tbt_ms": r.p99_tbt_s * 1e3,
-               "peak_rss_mib": r.peak_rss_mib, "achieved_gflops": flops / r.wall_s / 1e9,
-               "mfu_bf16_peak": flops / r.wall_s / peak,
-               "mfu_bf16_model_shapes": flops / r.wall_s / (rate["bf16_model_shapes_gflops"] * 1e9),
-               "speedup_vs_hf": (r.output_tok_s / hf_tps) if hf_tps else None}
+        row = {
+            "engine": r.engine,
+            "wall_s": r.wall_s,
+            "output_tok_s": r.output_tok_s,
+            "total_tok_s": r.total_tok_s,
+            "mean_ttft_s": r.mean_ttft_s,
+            "mean_tbt_ms": r.mean_tbt_s * 1e3,
+            "p99_tbt_ms": r.p99_tbt_s * 1e3,
+            "peak_rss_mib": r.peak_rss_mib,
+            "achieved_gflops": flops / r.wall_s / 1e9,
+            "mfu_bf16_peak": flops / r.wall_s / peak,
+            "mfu_bf16_model_shapes": flops / r.wall_s / (rate["bf16_model_shapes_gflops"] * 1e9),
+            "speedup_vs_hf": (r.output_tok_s / hf_tps) if hf_tps else None,
+        }
         if ref is not None and r is not ref:
             a, b = r.extra.get("first_tokens"), ref.extra.get("first_tokens")
             if a and b:
                 row["first8_agree_with_hf"] = agreement(a, b, 8)
                 row["first1_agree_with_hf"] = agreement(a, b, 1)
         rows.append(row)
-    report = {"workload": {"num_requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                           "output_len": args.output_len, "min_len": args.min_len, "max_len": args.max_len,
-                           "model_dir": str(model_dir), "model_flops": flops, "cores": args.cores},
-              "matmul_rate": rate, "rows": rows, "raw": [asdict(r) for r in results],
-              "rounds": args.rounds, "walls_per_round": walls, "ratios_vs_ppserve_pp1": same_round_ratios(by_round),
-              "command": " ".join(sys.argv)}
+    report = {
+        "workload": {
+            "num_requests": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)),
+            "output_len": args.output_len,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "model_dir": str(model_dir),
+            "model_flops": flops,
+            "cores": args.cores,
+        },
+        "matmul_rate": rate,
+        "rows": rows,
+        "raw": [asdict(r) for r in results],
+        "rounds": args.rounds,
+        "walls_per_round": walls,
+        "ratios_vs_ppserve_pp1": same_round_ratios(by_round),
+        "command": " ".join(sys.argv),
+    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2))
     print_table(report)
@@ -380,19 +450,30 @@ def main() -> None:
 
 def print_table(report: dict[str, Any]) -> None:
     w, rate = report["workload"], report["matmul_rate"]
-    print(f"\nworkload: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_len']} output "
-          f"tokens each; model FLOPs {w['model_flops'] / 1e12:.2f} TFLOP; cores {w['cores']}")
-    print(f"matmul rate (same run): bf16 {rate['bf16_model_shapes_gflops']:.0f} GFLOP/s at model shapes x512, "
-          f"{rate['bf16_square_gflops']:.0f} square 2048; fp32 {rate['fp32_model_shapes_gflops']:.0f} at model shapes\n")
-    print("| engine | wall s | out tok/s | total tok/s | mean TTFT s | mean TBT ms | p99 TBT ms | peak RSS MiB "
-          "| GFLOP/s | MFU (bf16 peak) | x HF | first-8 agree w/ HF |")
+    print(
+        f"\nworkload: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_len']} "
+        "output "
+        f"tokens each; model FLOPs {w['model_flops'] / 1e12:.2f} TFLOP; cores {w['cores']}"
+    )
+    print(
+        f"matmul rate (same run): bf16 {rate['bf16_model_shapes_gflops']:.0f} GFLOP/s at model shapes x512, "
+        f"{rate['bf16_square_gflops']:.0f} square 2048; fp32 {rate['fp32_model_shapes_gflops']:.0f} at model "
+        "shapes\n"
+    )
+    print(
+        "| engine | wall s | out tok/s | total tok/s | mean TTFT s | mean TBT ms | p99 TBT ms | peak RSS MiB "
+        "| GFLOP/s | MFU (bf16 peak) | x HF | first-8 agree w/ HF |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
         sp = f"{r['speedup_vs_hf']:.2f}" if r.get("speedup_vs_hf") else "-"
         ag = f"{r['first8_agree_with_hf']:.0%}" if "first8_agree_with_hf" in r else "-"
-        print(f"| {r['engine']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
-              f"{r['mean_ttft_s']:.2f} | {r['mean_tbt_ms']:.0f} | {r['p99_tbt_ms']:.0f} | {r['peak_rss_mib']:.0f} | "
-              f"{r['achieved_gflops']:.0f} | {r['mfu_bf16_peak']:.1%} | {sp} | {ag} |")
+        print(
+            f"| {r['engine']} | {r['wall_s']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
+            f"{r['mean_ttft_s']:.2f} | {r['mean_tbt_ms']:.0f} | {r['p99_tbt_ms']:.0f} | "
+            f"{r['peak_rss_mib']:.0f} | "
+            f"{r['achieved_gflops']:.0f} | {r['mfu_bf16_peak']:.1%} | {sp} | {ag} |"
+        )
     if report.get("rounds", 1) > 1:
         print(f"\n{report['rounds']} rounds; rows are each engine's median run. Wall s per round: "
               + "; ".join(f"{e} {walls}" for e, walls in report["walls_per_round"].items()))

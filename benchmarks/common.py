@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +18,8 @@ from typing import Any
 
 
 def trace_prompt_lengths(path: str | Path, n: int, scale: float) -> list[int]:
-    """Prompt lengths of the first `n` rows of a request trace (arrived_at, num_prefill_tokens, ...), scaled."""
+    """Prompt lengths of the first `n` rows of a request trace (arrived_at, num_prefill_tokens, ...),
+    scaled."""
     import csv
     import itertools
 
@@ -42,9 +45,15 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelShape:
         heads = int(cfg["num_attention_heads"])
-        return cls(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["intermediate_size"]), heads,
-                   int(cfg.get("num_key_value_heads") or heads),
-                   int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), int(cfg["vocab_size"]))
+        return cls(
+            int(cfg["num_hidden_layers"]),
+            int(cfg["hidden_size"]),
+            int(cfg["intermediate_size"]),
+            heads,
+            int(cfg.get("num_key_value_heads") or heads),
+            int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            int(cfg["vocab_size"]),
+        )
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -100,7 +109,8 @@ class EngineResult:
 
 
 def latency_figures(start: float, token_times: Sequence[Sequence[float]]) -> tuple[float, float, float]:
-    """(mean TTFT, mean TBT, p99 TBT) from each request's token timestamps; every request arrived at `start`."""
+    """(mean TTFT, mean TBT, p99 TBT) from each request's token timestamps; every request arrived at
+    `start`."""
     ttft = [t[0] - start for t in token_times if t]
     gaps = [b - a for t in token_times for a, b in zip(t, t[1:], strict=False)]
     p99 = sorted(gaps)[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
@@ -157,3 +167,73 @@ def save_workload(path: Path, prompts: list[list[int]], output_len: int, model_d
 def load_workload(path: Path) -> tuple[list[list[int]], int, str]:
     d = json.loads(Path(path).read_text())
     return d["prompts"], int(d["output_len"]), d["model_dir"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeded prompts and a tiny MoE checkpoint (bench_moe.py; no benchmark imports from tests/)
+# ---------------------------------------------------------------------------------------------
+
+
+def random_prompts(seed: int, lengths: Sequence[int], vocab: int = 256) -> list[list[int]]:
+    """Seeded random token-id prompts of the given lengths (ids from 3 up: clear of the special ones).
+    The same ids as the test suite's oracle gives for the same seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_tiny_qwen3_moe_dir(path: Path, *, hidden: int, intermediate: int, expert_intermediate: int,
+                            num_layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+                            vocab: int = 256, experts: int = 8, top_k: int = 2,
+                            dense_layers: Sequence[int] = (), seed: int = 0) -> Path:
+    """Save a random-weight Qwen3-MoE as a real HF directory (`dense_layers` keep a dense MLP): the same
+    weights as the test suite's tiny Qwen3-MoE for the same arguments. Needs torch and transformers."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, head_dim=head_dim, intermediate_size=intermediate,
+        moe_intermediate_size=expert_intermediate, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, mlp_only_layers=list(dense_layers))
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # peaked logits; routers sharp enough to pick distinct experts
+        for name, p in model.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path, save_original_format=True)
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driving an engine step by step (analysis_step_time.py, analysis_step_profile.py)
+# ---------------------------------------------------------------------------------------------
+
+CHUNK = 256  # the prompt chunk a mixed step adds beside the decodes
+
+
+def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def run_until_decoding(eng: Any, rids: list[str], max_steps: int = 200) -> None:
+    """Step until every request in `rids` has its first token (prefill done)."""
+    have: set[str] = set()
+    for _ in range(max_steps):
+        have.update(r for r in eng.step() if r in rids)
+        if have >= set(rids):
+            return
+    raise RuntimeError("prefill did not finish")
+
+
+def drain(eng: Any, rids: list[str]) -> None:
+    eng.abort(rids)
+    while eng.busy():
+        eng.step()
+
+
+def timed_step(eng: Any) -> tuple[float, dict[str, int]]:
+    t0 = time.perf_counter()
+    gained = eng.step()
+    return (time.perf_counter() - t0) * 1e3, gained

@@ -1,4 +1,5 @@
-"""Where a decode step's milliseconds go, ppserve (pp=1, in process) against transformers `generate`, per phase.
+"""Where a decode step's milliseconds go, ppserve (pp=1, in process) against transformers `generate`,
+per phase.
 
 Each phase is a function or module `forward` wrapped in a timer that counts its exclusive time (a phase
 called inside another is subtracted from the outer one), switched on only while measuring. A decode-only

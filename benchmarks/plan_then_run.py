@@ -42,9 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's 30 decoder layers, split evenly where the profile is measured: the planner re-splits a
 # profile by telling one layer's cost from the last stage's head, which takes two stages or more.
 PROFILE_LAYERS = (15, 15)
-# The real search brackets the winner's capacity as finely as the planner brackets a simulated one, starting at
-# the predicted rate: a search from 1 req/s doubling to a fail left a 20 % bracket (5 passed, 6 failed) after
-# its six probes, wider than the 0.85-1.15 the check asks of predicted / measured.
+# The real search brackets the winner's capacity as finely as the planner brackets a simulated one,
+# starting at the predicted rate: a search from 1 req/s doubling to a fail left a 20 % bracket (5 passed,
+# 6 failed) after its six probes, wider than the 0.85-1.15 the check asks of predicted / measured.
 REL_TOL = 0.05
 
 
@@ -65,7 +65,8 @@ from ppserve.sim.cost_model import Profile
 out, transfer_s, layers, dtype = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 with LLM(None, pipeline_parallel_size=len(layers), layer_partition=layers, dtype=dtype) as llm:
     cost = llm.engine.executor.startup_cost
-Profile(cost, transfer_s=transfer_s, note="the stages' start-up step costs (worker/startup_cost.py)").save(out)
+note = "the stages' start-up step costs (worker/startup_cost.py)"
+Profile(cost, transfer_s=transfer_s, note=note).save(out)
 """
 
 
@@ -103,34 +104,62 @@ def workload_args(args: argparse.Namespace, bench: bool) -> list[str]:
     fewest = max(args.num_requests, MIN_PROBE_REQUESTS) if bench else args.num_requests
     out += ["--workload", trace, "--prefill-scale", str(args.scale), "--decode-scale", str(args.scale),
            "--num-requests", str(fewest), "--seed", str(args.seed)]
-    return out + (["--probe-duration", str(args.probe_duration)] if bench else ["--duration-s", str(args.probe_duration)])
+    return out + (
+        ["--probe-duration", str(args.probe_duration)]
+        if bench
+        else ["--duration-s", str(args.probe_duration)]
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "results" / "plan_then_run"))
-    ap.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="the cluster: this many cores")
-    ap.add_argument("--trace", default="splitwise_conv", help="a trace in ../shared/traces (its name, without .csv)")
+    ap.add_argument(
+        "--cores", type=int, default=len(os.sched_getaffinity(0)), help="the cluster: this many cores"
+    )
+    ap.add_argument(
+        "--trace", default="splitwise_conv", help="a trace in ../shared/traces (its name, without .csv)"
+    )
     ap.add_argument("--scale", type=float, default=0.05, help="prompt and output lengths scaled by this")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--probe-duration", type=float, default=30.0, help="seconds of arrivals per probe")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", default="float32",
-                    help="what the probes, the start-up profile and the real run serve in (one for all three: "
-                         "a bf16 start-up profile planned a float32 run at 0.43x its capacity on a Xeon with AMX)")
-    ap.add_argument("--tbt-p99-ms", type=float, default=None,
-                    help="the p99 TBT SLO (default: `bench capacity`'s own, --tbt-factor x the decode step that "
-                         "step 1 measures on this machine)")
-    ap.add_argument("--tbt-factor", type=float, default=5.0,
-                    help="the default SLO in decode steps. The fixed 400 ms this check used to hold was 1.8 decode "
-                         "steps (222 ms) on a slow Xeon VM: the budget it allowed (16) put every step at the SLO's "
-                         "edge, and predicted / measured read 2.0 there")
-    ap.add_argument("--max-evals", type=int, default=8, help="real probes of the winner: its search starts at the "
-                    "predicted rate and brackets the capacity to the planner's own 5 %%, as far as these allow")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="what the probes, the start-up profile and the real run serve in (one for all three: "
+        "a bf16 start-up profile planned a float32 run at 0.43x its capacity on a Xeon with AMX)",
+    )
+    ap.add_argument(
+        "--tbt-p99-ms",
+        type=float,
+        default=None,
+        help="the p99 TBT SLO (default: `bench capacity`'s own, --tbt-factor x the decode step that "
+        "step 1 measures on this machine)",
+    )
+    ap.add_argument(
+        "--tbt-factor",
+        type=float,
+        default=5.0,
+        help="the default SLO in decode steps. The fixed 400 ms this check used to hold was 1.8 decode "
+        "steps (222 ms) on a slow Xeon VM: the budget it allowed (16) put every step at the SLO's "
+        "edge, and predicted / measured read 2.0 there",
+    )
+    ap.add_argument(
+        "--max-evals",
+        type=int,
+        default=8,
+        help="real probes of the winner: its search starts at the "
+        "predicted rate and brackets the capacity to the planner's own 5 %%, as far as these allow",
+    )
     ap.add_argument("--policies", default="sarathi,vllm")
-    ap.add_argument("--profile-source", choices=("probes", "startup"), default="startup",
-                    help="whose plan's winner runs for real: the profile fitted from the probes' spans, or the "
-                         "stages' start-up step costs (both plans are written and reported)")
+    ap.add_argument(
+        "--profile-source",
+        choices=("probes", "startup"),
+        default="startup",
+        help="whose plan's winner runs for real: the profile fitted from the probes' spans, or the "
+        "stages' start-up step costs (both plans are written and reported)",
+    )
     ap.add_argument("--reuse", action="store_true", help="keep what an earlier run under --out measured: its "
                     "probes' profile, and its real run when it was of this winner")
     args = ap.parse_args()
@@ -138,15 +167,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "ppserve.cli"]
     # The SLO: given, or `bench capacity`'s own default, measured by step 1 on this machine.
-    step1_slo = ["--tbt-slo-ms", str(args.tbt_p99_ms)] if args.tbt_p99_ms else ["--tbt-factor", str(args.tbt_factor)]
+    step1_slo = (
+        ["--tbt-slo-ms", str(args.tbt_p99_ms)] if args.tbt_p99_ms else ["--tbt-factor", str(args.tbt_factor)]
+    )
 
     # 1. This machine's profile, from one real run at pp = 2 (the stage link's cost is in it too).
     profile = out / "profile" / "profile.json"
     if not (args.reuse and profile.exists()):
-        run([*cli, "bench", "capacity", "--on", "sim", "--pp", str(len(PROFILE_LAYERS)), "--policies", "sarathi",
-             *step1_slo, "--set", f"parallel.layer_partition={json.dumps(list(PROFILE_LAYERS))}",
-             *workload_args(args, bench=True), "--sim-max-evals", "1", "--no-progress", "--no-traces",
-             "--out", str(out / "profile")])
+        run(
+            [
+                *cli,
+                "bench",
+                "capacity",
+                "--on",
+                "sim",
+                "--pp",
+                str(len(PROFILE_LAYERS)),
+                "--policies",
+                "sarathi",
+                *step1_slo,
+                "--set",
+                f"parallel.layer_partition={json.dumps(list(PROFILE_LAYERS))}",
+                *workload_args(args, bench=True),
+                "--sim-max-evals",
+                "1",
+                "--no-progress",
+                "--no-traces",
+                "--out",
+                str(out / "profile"),
+            ]
+        )
     slo_s = json.loads((out / "profile" / "results.json").read_text())["slo"]
     if args.tbt_p99_ms is None:
         args.tbt_p99_ms = round(slo_s["tbt_p99_s"] * 1e3, 1)  # the plan and the real run hold the same SLO
@@ -157,8 +207,12 @@ def main() -> None:
 
     # 2. The plan over the cores, priced by each profile: the probes' fit and the stages' start-up timing.
     winners = {"probes": plan(cli, args, profile, out / "plan-probes")}
-    winners["startup"] = plan(cli, args, startup_profile(profile, out / "profile" / "startup.json", args.dtype),
-                              out / "plan-startup")
+    winners["startup"] = plan(
+        cli,
+        args,
+        startup_profile(profile, out / "profile" / "startup.json", args.dtype),
+        out / "plan-startup",
+    )
     winner = winners[args.profile_source]
 
     # 3. The winner for real: one replica on its share of the cores.
@@ -168,15 +222,44 @@ def main() -> None:
                 "--set", f"parallel.layer_partition={json.dumps(winner['layer_counts'])}"]
     marker = out / "run" / "deployment.txt"  # which deployment run/ measured (for --reuse)
     if not (args.reuse and marker.exists() and marker.read_text() == winner["deployment"]):
-        run([*cli, "bench", "capacity", "--on", "real", "--pp", str(winner["pp"]), "--policies", winner["policy"],
-             "--token-budget", str(winner["token_budget"]), "--max-num-seqs", str(winner["max_num_seqs"]),
-             "--num-kv-blocks", str(winner["kv_blocks_per_replica"]), *settings, *slo,
-             *workload_args(args, bench=True), "--start-rate", f"{winner['capacity_req_s'] / winner['replicas']:.4g}",
-             "--rel-tol", str(REL_TOL), "--max-evals", str(args.max_evals), "--no-progress", "--no-traces",
-             "--out", str(out / "run")], cores=cores if winner["replicas"] > 1 else None)
+        run(
+            [
+                *cli,
+                "bench",
+                "capacity",
+                "--on",
+                "real",
+                "--pp",
+                str(winner["pp"]),
+                "--policies",
+                winner["policy"],
+                "--token-budget",
+                str(winner["token_budget"]),
+                "--max-num-seqs",
+                str(winner["max_num_seqs"]),
+                "--num-kv-blocks",
+                str(winner["kv_blocks_per_replica"]),
+                *settings,
+                *slo,
+                *workload_args(args, bench=True),
+                "--start-rate",
+                f"{winner['capacity_req_s'] / winner['replicas']:.4g}",
+                "--rel-tol",
+                str(REL_TOL),
+                "--max-evals",
+                str(args.max_evals),
+                "--no-progress",
+                "--no-traces",
+                "--out",
+                str(out / "run"),
+            ],
+            cores=cores if winner["replicas"] > 1 else None,
+        )
         marker.write_text(winner["deployment"])
     real = json.loads((out / "run" / "results.json").read_text())["results"][f"real/{winner['policy']}"]
-    measured = float(real["capacity"] or 0.0) * winner["replicas"]  # no capacity: even the lowest probe failed
+    measured = (
+        float(real["capacity"] or 0.0) * winner["replicas"]
+    )  # no capacity: even the lowest probe failed
     # The highest rate that failed, above the capacity (none where every probe passed): the true capacity
     # lies between, so predicted / measured lies between predicted over each.
     failed = real["bracket"][1]
@@ -184,15 +267,21 @@ def main() -> None:
     rows = {}
     for source, w in winners.items():
         same = w["deployment"] == winner["deployment"]  # the run measures the run winner's deployment only
-        rows[source] = {"winner": w, "predicted_req_s": w["capacity_req_s"],
-                        "predicted_over_measured": w["capacity_req_s"] / measured if same and measured else None,
-                        "predicted_over_lowest_fail": w["capacity_req_s"] / above if same and above else None}
+        rows[source] = {
+            "winner": w,
+            "predicted_req_s": w["capacity_req_s"],
+            "predicted_over_measured": w["capacity_req_s"] / measured if same and measured else None,
+            "predicted_over_lowest_fail": w["capacity_req_s"] / above if same and above else None,
+        }
     report = {"run": winner["deployment"], "profile_source": args.profile_source, "measured_req_s": measured,
               "measured_per_replica": real, "plans": rows, "settings": vars(args)}
     (out / "plan_then_run.json").write_text(json.dumps(report, indent=2) + "\n")
     fails = f"{above:.3g} failed" if above else "no probe failed"
-    print(f"\nran {winner['deployment']}: measured {measured:.3g} req/s (one replica {measured / winner['replicas']:.3g} "
-          f"x {winner['replicas']}; {fails})")
+    print(
+        f"\nran {winner['deployment']}: measured {measured:.3g} req/s (one replica "
+        f"{measured / winner['replicas']:.3g} "
+        f"x {winner['replicas']}; {fails})"
+    )
     for source, r in rows.items():
         ratio, top = r["predicted_over_measured"], r["predicted_over_lowest_fail"]
         shown = (f"{ratio:.2f}" + (f" (over the lowest fail: {top:.2f})" if top is not None else "")

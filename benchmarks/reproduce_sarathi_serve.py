@@ -1,4 +1,5 @@
-"""Sarathi-Serve's capacity table (Agrawal et al., OSDI'24) on ppserve's simulator, the paper's figures beside ours.
+"""Sarathi-Serve's capacity table (Agrawal et al., OSDI'24) on ppserve's simulator, the paper's figures
+beside ours.
 
 Capacity: the highest Poisson rate at which p99 TBT meets the SLO and the median scheduling delay is
 <= 2 s (ARCHITECTURE.md §6), searched to 5 % on the simulator by `ppserve.plan.search.capacities`, for
@@ -43,7 +44,8 @@ bw_eff: right at batch 1, a third of the measured step at batch 128); `no-floor`
 before either (bw_eff 0.8, no floor: half the measured step at both ends). With the paper's probes a
 variant takes ~5 min a SLO on two cores.
 
-    python benchmarks/reproduce_sarathi_serve.py [--out results/sarathi_serve] [--quick] [--jobs 2] [--variants calibrated]
+    python benchmarks/reproduce_sarathi_serve.py [--out results/sarathi_serve] [--quick] [--jobs 2]
+        [--variants calibrated]
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # measured ~1k context, dearer at longer ones. The measurement cannot tell the two apart; a100-pcie.yaml
     # says why it takes the per-sequence reading. (This was the shipped table until 2026-12-02.)
     "kv-read": {"decode_attn_bw_eff": 0.059, "seq_overhead_s": 0.0},
-    "floor-only": {"bw_eff": 0.8, "decode_attn_bw_eff": None, "seq_overhead_s": 0.0, "layer_overhead_s": 0.4e-3},
+    "floor-only": {
+        "bw_eff": 0.8,
+        "decode_attn_bw_eff": None,
+        "seq_overhead_s": 0.0,
+        "layer_overhead_s": 0.4e-3,
+    },
     "no-floor": {"bw_eff": 0.8, "decode_attn_bw_eff": None, "seq_overhead_s": 0.0, "layer_overhead_s": 0.0},
 }
 # The variants a plain run compares (each takes ~5 min a SLO on two cores with the paper's probes).
@@ -151,10 +158,17 @@ def run_setup(setup: Setup, workload: str, duration_s: float, slos: tuple[str, .
     reqs = tuple(LENGTH_DISTRIBUTIONS[workload].sample(num_requests, max_len, seed=0))
     deps = [deployment(setup, p, k, max_len, blocks, layers) for p, k in POLICIES]
     hw = cluster.hardware
-    out: dict[str, Any] = {"setup": setup.__dict__, "variant": variant, "kv_blocks": blocks, "max_model_len": max_len,
-                           "tp_ring_bw": cluster.hardware.nvlink_bw,
-                           "layer_overhead_ms": hw.layer_overhead_s * 1e3, "bw_eff": hw.bw_eff,
-                           "decode_attn_bw_eff": hw.decode_attn_bw / hw.mem_bw, "slos": {}}
+    out: dict[str, Any] = {
+        "setup": setup.__dict__,
+        "variant": variant,
+        "kv_blocks": blocks,
+        "max_model_len": max_len,
+        "tp_ring_bw": cluster.hardware.nvlink_bw,
+        "layer_overhead_ms": hw.layer_overhead_s * 1e3,
+        "bw_eff": hw.bw_eff,
+        "decode_attn_bw_eff": hw.decode_attn_bw / hw.mem_bw,
+        "slos": {},
+    }
     for name in slos:
         slo = SLO(setup.slo_s[0 if name == "strict" else 1] * slo_scale)
         ctx = PlanContext(model, cluster, reqs, slo, duration_s, max_requests=max_probe_requests)
@@ -166,27 +180,40 @@ def run_setup(setup: Setup, workload: str, duration_s: float, slos: tuple[str, .
         gain = best_s / best_v if best_v > 0 else None
         paper = setup.paper_gain if name == "strict" else None
         out["slos"][name] = {
-            "tbt_p99_ms": slo.tbt_p99_s * 1e3, "capacity_req_s": caps, "gain": gain, "paper_gain": paper,
+            "tbt_p99_ms": slo.tbt_p99_s * 1e3,
+            "capacity_req_s": caps,
+            "gain": gain,
+            "paper_gain": paper,
             "gain_over_paper": None if gain is None or paper is None else gain / paper,
             "wall_s": time.perf_counter() - t0,
-            "probes": {f"{d.policy} {k}": c.result.to_dict() for (p, k), d, c in zip(POLICIES, deps, cands, strict=True)}}
+            "probes": {
+                f"{d.policy} {k}": c.result.to_dict()
+                for (p, k), d, c in zip(POLICIES, deps, cands, strict=True)
+            },
+        }
     return out
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| setup | SLO (p99 TBT) | vllm 32 | vllm 64 | vllm 128 | sarathi 512 | sarathi 2048 | gain (sim) | "
-             "gain (paper) | sim / paper | within 30 % |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setup | SLO (p99 TBT) | vllm 32 | vllm 64 | vllm 128 | sarathi 512 | sarathi 2048 | gain (sim) | "
+        "gain (paper) | sim / paper | within 30 % |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         s = r["setup"]
         label = f"{s['model']} tp{s['tp']}·pp{s['pp']} {s['hardware']}"
         for name, v in r["slos"].items():
             caps, gain, paper, ratio = v["capacity_req_s"], v["gain"], v["paper_gain"], v["gain_over_paper"]
             within = "-" if ratio is None else ("yes" if abs(ratio - 1) <= 0.3 else "no")
-            cells = " | ".join(f"{caps[k]:.3g}" for k in ("vllm 32", "vllm 64", "vllm 128", "sarathi 512", "sarathi 2048"))
-            lines.append(f"| {label} | {name} {v['tbt_p99_ms']:.0f} ms | {cells} | "
-                         f"{'-' if gain is None else f'{gain:.2f}x'} | {'-' if paper is None else f'{paper}x'} | "
-                         f"{'-' if ratio is None else f'{ratio:.2f}'} | {within} |")
+            cells = " | ".join(
+                f"{caps[k]:.3g}" for k in ("vllm 32", "vllm 64", "vllm 128", "sarathi 512", "sarathi 2048")
+            )
+            lines.append(
+                f"| {label} | {name} {v['tbt_p99_ms']:.0f} ms | {cells} | "
+                f"{'-' if gain is None else f'{gain:.2f}x'} | {'-' if paper is None else f'{paper}x'} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {within} |"
+            )
     return "\n".join(lines)
 
 
@@ -203,7 +230,10 @@ def step_check(variant: str) -> dict[str, Any]:
 
 def step_table(checks: dict[str, dict[str, Any]]) -> str:
     names = list(checks)
-    lines = ["| Yi-34B TP2 step | measured (ms) | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    lines = [
+        "| Yi-34B TP2 step | measured (ms) | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
     first = checks[names[0]]
     for kind, label in (("decode_batch", "decode batch"), ("prefill_tokens", "prefill")):
         for key, row in first[kind].items():
@@ -225,9 +255,13 @@ def gains_table(by_variant: dict[str, list[dict[str, Any]]]) -> str:
             paper = v["paper_gain"]
             cells = [by_variant[n][i]["slos"][slo] for n in names]
             gains = " | ".join("-" if c["gain"] is None else f"{c['gain']:.2f}x" for c in cells)
-            ratios = " | ".join("-" if c["gain_over_paper"] is None else f"{c['gain_over_paper']:.2f}" for c in cells)
-            lines.append(f"| {label} | {slo} {v['tbt_p99_ms']:.0f} ms | {'-' if paper is None else f'{paper}x'} | "
-                         f"{gains} | {ratios} |")
+            ratios = " | ".join(
+                "-" if c["gain_over_paper"] is None else f"{c['gain_over_paper']:.2f}" for c in cells
+            )
+            lines.append(
+                f"| {label} | {slo} {v['tbt_p99_ms']:.0f} ms | {'-' if paper is None else f'{paper}x'} | "
+                f"{gains} | {ratios} |"
+            )
     return "\n".join(lines)
 
 
@@ -244,10 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--setups", default=",".join(s.model for s in SETUPS))
     p.add_argument("--quick", action="store_true", help="strict SLO only, 30 s of arrivals per probe")
     p.add_argument("--jobs", type=int)
-    p.add_argument("--slo-scale", type=float, default=1.0, help="multiply the paper's SLOs (a sensitivity check)")
+    p.add_argument(
+        "--slo-scale", type=float, default=1.0, help="multiply the paper's SLOs (a sensitivity check)"
+    )
     p.add_argument("--layer-overhead-ms", type=float,
                    help="fixed cost per layer and step (default: the hardware table's layer_overhead_s)")
-    p.add_argument("--slos", default="strict,relaxed", help="which of the paper's SLOs: strict, relaxed or both")
+    p.add_argument(
+        "--slos", default="strict,relaxed", help="which of the paper's SLOs: strict, relaxed or both"
+    )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"step-time models to compare, comma-separated, of {sorted(VARIANTS)}")
     args = p.parse_args(argv)
@@ -266,8 +304,20 @@ def main(argv: list[str] | None = None) -> int:
         results = by_variant.setdefault(variant, [])
         print(f"variant {variant}", flush=True)
         for s in chosen:
-            results.append(run_setup(s, args.workload, duration, slos, args.jobs, args.num_requests,
-                                     args.slo_scale, args.layer_overhead_ms, variant, args.max_probe_requests))
+            results.append(
+                run_setup(
+                    s,
+                    args.workload,
+                    duration,
+                    slos,
+                    args.jobs,
+                    args.num_requests,
+                    args.slo_scale,
+                    args.layer_overhead_ms,
+                    variant,
+                    args.max_probe_requests,
+                )
+            )
             print("\n".join(table(results[-1:]).splitlines()[2:]), flush=True)
     text = "\n\n".join(f"**{v}**\n\n{table(rs)}" for v, rs in by_variant.items())
     text += "\n\n**gains side by side**\n\n" + gains_table(by_variant)
@@ -276,10 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"workload": args.workload, "duration_s": duration, "max_probe_requests": args.max_probe_requests,
-                "num_requests": args.num_requests,
-                "slo_scale": args.slo_scale, "layer_overhead_ms": args.layer_overhead_ms, "variants": variants,
-                "wall_s": time.perf_counter() - t0}
+    settings = {
+        "workload": args.workload,
+        "duration_s": duration,
+        "max_probe_requests": args.max_probe_requests,
+        "num_requests": args.num_requests,
+        "slo_scale": args.slo_scale,
+        "layer_overhead_ms": args.layer_overhead_ms,
+        "variants": variants,
+        "wall_s": time.perf_counter() - t0,
+    }
     gains = [{"setup": r["setup"]["model"], "slo": slo, "paper_gain": v["paper_gain"],
               **{f"gain_{n}": by_variant[n][i]["slos"][slo]["gain"] for n in by_variant}}
              for i, r in enumerate(by_variant[variants[0]]) for slo, v in r["slos"].items()]

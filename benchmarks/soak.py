@@ -48,7 +48,9 @@ class SoakFigures:
     in_flight_after: int = -1
     rss_mib: dict[str, float] = field(default_factory=dict)  # checkpoint -> server VmRSS
     peak_rss_mib: float = 0.0  # server VmHWM at the end
-    group_rss_mib: dict[str, float] = field(default_factory=dict)  # checkpoint -> RSS of the whole process session
+    group_rss_mib: dict[str, float] = field(
+        default_factory=dict
+    )  # checkpoint -> RSS of the whole process session
 
     @property
     def leaked_blocks(self) -> int:
@@ -88,7 +90,9 @@ async def _one(ac: AsyncPPServeClient, rng: random.Random, i: int, vocab: int, m
         mode = "rpc" if rng.random() < 0.5 else "disconnect"
     after_chunks = rng.randint(0, 3)  # the random moment: before the first chunk, or after a few
     rid = f"soak-{i}"
-    agen = ac.stream(prompt, max_tokens=max_tokens, ignore_eos=rng.random() < 0.8, request_id=rid, timeout=300)
+    agen = ac.stream(
+        prompt, max_tokens=max_tokens, ignore_eos=rng.random() < 0.8, request_id=rid, timeout=300
+    )
     chunks = 0
 
     async def cancel_rpc() -> None:
@@ -146,9 +150,19 @@ async def _wait_idle(ac: AsyncPPServeClient, timeout_s: float = 60.0) -> dict[st
         await asyncio.sleep(0.2)
 
 
-async def run_soak(address: str, server_pid: int | None, requests: int = 2000, concurrency: int = 64,
-                   cancel_fraction: float = 0.2, seed: int = 0, vocab: int = 256, max_prompt: int = 48,
-                   max_new: int = 24, checkpoints: tuple[int, ...] = (500,), progress: bool = True) -> SoakFigures:
+async def run_soak(
+    address: str,
+    server_pid: int | None,
+    requests: int = 2000,
+    concurrency: int = 64,
+    cancel_fraction: float = 0.2,
+    seed: int = 0,
+    vocab: int = 256,
+    max_prompt: int = 48,
+    max_new: int = 24,
+    checkpoints: tuple[int, ...] = (500,),
+    progress: bool = True,
+) -> SoakFigures:
     fig = SoakFigures(requests=requests)
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
@@ -167,12 +181,18 @@ async def run_soak(address: str, server_pid: int | None, requests: int = 2000, c
         async def task(i: int) -> None:
             nonlocal done
             async with sem:
-                await _one(ac, random.Random(rng.random()), i, vocab, max_prompt, max_new, cancel_fraction, fig)
+                await _one(
+                    ac, random.Random(rng.random()), i, vocab, max_prompt, max_new, cancel_fraction, fig
+                )
             done += 1
             if done in checkpoints:
                 memory(str(done))
             if progress and done % 250 == 0:
-                print(f"  {done}/{requests} requests, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"  {done}/{requests} requests, {time.monotonic() - t0:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         await asyncio.gather(*(task(i) for i in range(requests)))
         fig.wall_s = time.monotonic() - t0
@@ -190,8 +210,20 @@ async def run_soak(address: str, server_pid: int | None, requests: int = 2000, c
 def launch_server(model: str, pp: int, overrides: list[str], log_path: Path,
                   timeout_s: float = 300.0) -> tuple[subprocess.Popen[str], str]:
     """Start `ppserve serve --port 0` in its own session; returns the process and its address."""
-    cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--port", "0", "--http-port", "-1", "--set", f"model.model={model}",
-           "--set", f"parallel.pipeline_parallel_size={pp}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ppserve.cli",
+        "serve",
+        "--port",
+        "0",
+        "--http-port",
+        "-1",
+        "--set",
+        f"model.model={model}",
+        "--set",
+        f"parallel.pipeline_parallel_size={pp}",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     log = open(log_path, "w")  # noqa: SIM115 - handed to the child; closed by the OS with it
@@ -235,8 +267,10 @@ def report(fig: SoakFigures) -> str:
         f"{fig.tokens_received} tokens\n"
         f"after: leaked KV blocks {fig.leaked_blocks} of {fig.kv_blocks_total}, running {fig.running_after}, "
         f"waiting {fig.waiting_after}, in flight {fig.in_flight_after}\n"
-        f"server RSS MiB {', '.join(f'{k}: {v:.0f}' for k, v in fig.rss_mib.items())}; peak {fig.peak_rss_mib:.0f}; "
-        f"whole session (server + Ray + stages) {', '.join(f'{k}: {v:.0f}' for k, v in fig.group_rss_mib.items())}"
+        f"server RSS MiB {', '.join(f'{k}: {v:.0f}' for k, v in fig.rss_mib.items())}; peak "
+        f"{fig.peak_rss_mib:.0f}; "
+        "whole session (server + Ray + stages) "
+        f"{', '.join(f'{k}: {v:.0f}' for k, v in fig.group_rss_mib.items())}"
     )
 
 
@@ -260,11 +294,23 @@ def main(argv: list[str] | None = None) -> int:
     if address is None:
         if not args.model:
             p.error("give --model (start a server) or --address")
-        proc, address = launch_server(args.model, args.pp, SERVER_OVERRIDES + args.overrides, Path(args.out).with_suffix(".log"))
+        proc, address = launch_server(
+            args.model, args.pp, SERVER_OVERRIDES + args.overrides, Path(args.out).with_suffix(".log")
+        )
         pid = proc.pid
     try:
-        fig = asyncio.run(run_soak(address, pid, args.requests, args.concurrency, args.cancel_fraction, args.seed,
-                                   args.vocab, checkpoints=(min(500, args.requests),)))
+        fig = asyncio.run(
+            run_soak(
+                address,
+                pid,
+                args.requests,
+                args.concurrency,
+                args.cancel_fraction,
+                args.seed,
+                args.vocab,
+                checkpoints=(min(500, args.requests),),
+            )
+        )
     finally:
         if proc is not None:
             stop_server(proc)
