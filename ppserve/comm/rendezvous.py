@@ -1,22 +1,18 @@
 """A stage link with NCCL's strictest point-to-point semantics, on CPU: `parallel.stage_link: rendezvous`.
 
-The CPU links forgive what NCCL does not: a socket buffers a message whether or not the peer has asked
-for it, and gloo never blocks a send. NCCL may block a send until the peer has posted the matching
+The CPU links forgive what NCCL does not: NCCL may block a send until the peer has posted the matching
 receive, sets a pair's connection up lazily at its first contact (blocking both sides until both
-arrive), and matches messages to receives by order alone. Code that relies on anything kinder can
-hang on GPUs and pass every CPU test. This link enforces the strict contract (comm/channel.py) so a
-CPU pipeline shows what a GPU one would:
+arrive), and matches messages to receives by order alone. Code that relies on anything kinder can hang
+on GPUs and pass every CPU test, so this link enforces the strict contract (comm/channel.py):
 
-- the first operation on a link, either side, blocks the host until the other side's first operation
-  (NCCL creates a pair's communicator then, on both ranks at once);
-- a message is delivered only once the receiver has posted its receive (`post_recv` or `recv`). NCCL's
-  send blocks the GPU, not the host, so `send` returns at once and the link's own thread (its "stream")
-  waits for the posted receive; the host blocks where a stage waits on that send: its next send on the
-  link (one message in flight, as every channel allows) and `close`;
-- each message carries its sequence number, step and shape, and a receive that does not match the
-  message sent (another step, another shape) is an error on both sides, naming both stages and steps;
-- a wait longer than the link's timeout is reported as the deadlock it almost surely is, naming the
-  stage that blocks, what it waits for and on whom (NCCL itself would hang silently).
+- the first operation on a link, either side, blocks the host until the other side's first operation;
+- a message is delivered only once the receiver has posted its receive (`post_recv` or `recv`). As
+  NCCL's send blocks the GPU, not the host, `send` returns at once and the link's own thread (its
+  "stream") waits for the posted receive; the host blocks at its next send on the link and at `close`;
+- each message carries its sequence number, step and shape; a receive that does not match is an error
+  on both sides, naming both stages and steps;
+- a wait longer than the link's timeout is reported as the deadlock it almost surely is, naming who
+  blocks, on what and on whom (NCCL itself would hang silently).
 
 Each end is a TCP socket met through the distributed store like the socket link's
 (`socket_channel.connect_links`); the receiver's posts travel back on the same socket.

@@ -1,12 +1,8 @@
 """Hidden states over a plain TCP socket: the link between CPU stages (`parallel.stage_link: auto`).
 
 Gloo's point-to-point is a rendezvous: the receiver's `irecv` tells the sender it is ready, and the
-sending process's own background thread then writes the data. A stage computes its next microbatch
-while its last one is "on the way", so on busy cores that thread waits for a core and the next stage
-waits for the data: in the demo (two stages, the engine and Ray on two cores) a message sent 7-10 ms
-earlier still took a median 1.5-4.4 ms to arrive once received (p90 5-6 ms, on 18 ms steps).
-`benchmarks/bench_stage_link.py` measures the two links alone, two processes and a third one computing
-beside them on two cores.
+sending process's own background thread then writes the data. On busy cores that thread waits for a core
+and the next stage waits for the data (docs/decisions.md#socket-stage-link).
 
 A socket has no rendezvous: `send` writes the message into the kernel's buffer from the calling thread
 (`MSG_DONTWAIT`, so it never blocks the stage) and the receiver reads it whenever it asks. Only what the
@@ -35,7 +31,7 @@ from torch import Tensor
 from ppserve.comm.channel import Deferred, LinkValues, PostedRecv
 
 STORE_KEY = "ppserve/stage_link/{rank}"  # "token@host:port" that a rank's inbound link listens on
-RING_STORE_KEY = "ppserve/token_ring/{rank}"  # the same for stage 0's inbound token ring (scheduler.async_scheduling)
+RING_STORE_KEY = "ppserve/token_ring/{rank}"  # the same for stage 0's inbound token ring (scheduler.token_ring)
 TOKEN_BYTES = 16
 TOKEN_TIMEOUT_S = 30.0  # a connection that does not send its token by then is not the sender
 

@@ -90,7 +90,8 @@ class AsyncEngine:
         self.engine_to_unix = engine_to_unix_offset(engine.clock)
         # Prompts that arrive while a microbatch computes join the one scheduled right after it (the
         # engine core's intake, mid-step), not the one after that: the core schedules its next
-        # microbatch before the step returns, so at pp = 1 a new prompt waited a whole extra step.
+        # microbatch before the step returns: without the intake a new prompt at pp = 1 would wait a whole
+        # extra step.
         self._held: Command | None = None  # the first non-add command the intake met, for the loop
         engine.core.intake = self._intake
 

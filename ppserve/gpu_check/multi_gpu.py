@@ -10,12 +10,10 @@ warm_up_links). Then:
   link's earlier steps) against transformers' `generate` (verdicts.greedy_verdict);
 - teacher-forced log-probabilities on the pipeline's own path: each generated position's top-k
   log-probabilities against transformers' over the same prompt and tokens, in one forward, so no
-  difference in a greedy path can hide or excuse an error (verdicts.logits_verdict on log-probabilities:
-  a log-softmax moves every logit by one constant, so its errors are the logits' to within that
-  constant's);
+  difference in a greedy path can hide or excuse an error (verdicts.logits_verdict: a log-softmax moves
+  every logit by one constant);
 - the bubble figures of a short burst, from the stages' own spans, reported (not a verdict: one
   machine's two GPUs are not a cluster's).
-
 The dry run (`--device cpu`) runs the same code on CPU processes over the rendezvous link (NCCL's
 strictest rules, comm/rendezvous.py), so it passes only if the links' order is right.
 """
@@ -95,7 +93,7 @@ def run(ctx: Context) -> dict[str, Any]:
     source = PromptSource(shape["vocab_size"], seed=2)
     prompts = source.draw([rng.randint(n["prompt_min"], n["prompt_max"]) for _ in range(n["prompts"])])
     burst = source.draw([rng.randint(n["prompt_min"], n["prompt_max"]) for _ in range(n["burst"])])
-    overrides = ["scheduler.async_scheduling=true"] + ([] if ctx.cuda else ["parallel.stage_link=rendezvous"])
+    overrides = ["scheduler.token_ring=true"] + ([] if ctx.cuda else ["parallel.stage_link=rendezvous"])
     with LLM(str(model_dir), dtype="float32", executor="mp", pipeline_parallel_size=pp, tensor_parallel_size=tp,
              token_budget=n["budget"], max_model_len=512, max_num_seqs=64, trace=True,
              cuda_graphs="auto" if ctx.cuda else "eager", overrides=overrides) as llm:

@@ -10,12 +10,10 @@ by the module that called it. Passes when:
   anchor, is when the worker is built);
 - every result's time is for a step already collected and not timed before (none twice, none unknown);
 - on CUDA the times come back late (the median lag, step id minus timed step id, at least 1) but not
-  far behind (at most MAX_LAG), and every stage time covers its sleep; on a CPU dry run, where the host
-  clock times a step when it ends, at once (lag 0).
+  far behind (at most MAX_LAG), and every stage time covers its sleep; on a CPU dry run at once (lag 0);
 - no stage's step read its device back to the host but the last stage's sampled ids: every step runs
   under the host-sync guard (worker/host_sync.py; torch's sync debug mode set to error on CUDA, which
-  sees implicit syncs too: `.tolist()`, `.item()`, pageable copies, boolean masks), so one such read
-  fails the run with the stage, step and call named.
+  sees implicit syncs too), so one such read fails the run with the stage, step and call named.
 Other synchronize calls in the loop are reported by module (the staging buffers wait only when a copy
 two steps old has not finished).
 """

@@ -8,16 +8,14 @@ forward prefers our token although its generate picked the other: beyond NEAR_TI
 but an inconsistent reference, and fails too. One prompt that fails fails the phase (a majority is not
 enough: half the prompts agreeing would hide a kernel that is wrong for one sequence length).
 
-The check's verdict: each phase passed, failed, or was not run (never started: the budget was gone, or
-the environment phase failed; or nothing to run there: no CUDA, no pytest, every test skipped). Not
-run is neither a pass nor a failure: the check fails (exit status 1) on a failure only, and says what
-it did not run.
+The check's verdict: each phase passed, failed, or was not run (never started, or nothing to run there:
+no CUDA, no pytest, every test skipped). Not run is neither a pass nor a failure: the check fails (exit
+status 1) on a failure only, and says what it did not run.
 
 Teacher-forced logits (the figure that does not depend on where greedy paths split): over >= 1,000
-positions, top-1 agreement with the reference where the reference's own top two are more than a tie
-apart, and the largest logit error against the logits' scale. Top-1 agreement means something only if
-most positions are decided: a run whose reference ties at more than MAX_NEAR_TIE_FRACTION of its
-positions fails (its check model is too flat to show a wrong kernel; see models.py).
+positions, top-1 agreement where the reference's own top two are more than a tie apart, and the largest
+logit error against the logits' scale. A run whose reference ties at more than MAX_NEAR_TIE_FRACTION of
+its positions fails (its check model is too flat to show a wrong kernel; see models.py).
 """
 
 from __future__ import annotations

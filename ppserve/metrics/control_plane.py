@@ -1,29 +1,21 @@
 """Control-plane latency from spans: how long a microbatch waits on the engine and the links, not on compute.
 
-Three gaps per microbatch, all on the engine's clock (spans of TP rank 0):
+Gaps per microbatch, on the engine's clock (spans of TP rank 0):
 - dispatch: the engine's `schedule` span ends -> stage 0 starts working on it (its `prepare` span, where
   it has one, else its compute);
-- hop: stage s ends computing it -> stage s+1 starts computing it (the hidden states' transfer and
-  the stage's wake-up; a gap that a busy stage s+1 would have anyway is not the link's: a hop is
-  counted from max(stage s end, stage s+1 free));
+- hop: stage s ends computing it -> stage s+1 starts computing it, counted from max(stage s end, stage
+  s+1 free) (the transfer and the wake-up, not a wait a busy stage would have anyway);
 - turnaround: the last stage ends computing it -> the engine's next `schedule` span starts (the result
   travelling back, the scheduler's update, and whatever the engine did before scheduling again);
-- ring: with the token ring (scheduler.async_scheduling), a microbatch formed while the one that last
-  carried its decodes was still in flight takes their tokens from that one's last stage, not from the
-  engine. Where stage 0 starts it after those tokens were sampled and they came after the dispatch
-  could have let it start, the gap is the ring's (last stage's compute end -> stage 0 starts), not the
-  dispatch's. Such microbatches are left out of `dispatch`, and a `turnaround` is counted only where the
-  engine's next schedule forms a microbatch that needed a result (not one formed ahead, on the ring or
-  as a prompt's next chunk following its previous one): under the ring the engine forms the next
-  microbatch just in time for stage 0, whenever the last result came, so that gap is not a latency.
-  Nor is it where the next schedule forms the ring's extra microbatch (p others still on the stages when
-  it starts), or comes only after another microbatch left the last stage (that result, or the ring's
-  clock, set it off): the ring's clock defers that formation until stage 0 is about to need it (a new
-  prompt's first chunk there waited up to a microbatch's time, counted as turnaround before: `ppserve
-  demo` reported 14.7 ms).
-  Which requests a microbatch carries is in the compute spans; no other record is needed.
-
-Pure Python over `Span` records; medians and p90s in seconds.
+- ring: a microbatch whose decodes take their tokens from the previous carrier's last stage (the token
+  ring), where stage 0 started it after those tokens came and later than the dispatch allowed: last
+  stage's compute end -> stage 0 starts. It is left out of `dispatch`.
+Under the ring the engine forms microbatches just in time for stage 0, whenever the last result came, so
+a `turnaround` is counted only where the next schedule forms a microbatch that needed a result: not one
+formed ahead (on the ring, or a prompt's next chunk), not the ring's extra microbatch (p others still on
+the stages), and not one formed only after another microbatch left the last stage (that result, or the
+ring's clock, set it off; docs/decisions.md#turnaround-under-the-ring). A microbatch's requests are in
+its compute spans. Pure Python over `Span` records; medians and p90s in seconds.
 """
 
 from __future__ import annotations

@@ -219,8 +219,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def write_kv(kv_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Scatter this step's k/v [T, Hkv, D] into the cache at their flat slots: both planes in one scatter
-    (the pair stacked first), half the ops of one per plane (a decode step's write per layer on a CPU, one
-    token: 7.3 -> 3.4 us)."""
+    (the pair stacked first), half the ops of one per plane (docs/decisions.md#kv-write-one-scatter)."""
     _, _, _, hkv, d = kv_cache.shape
     kv_cache.view(2, -1, hkv, d).index_copy_(1, slot_mapping, torch.stack((k, v)).to(kv_cache.dtype))
 
@@ -267,7 +266,7 @@ class SdpaBackend(AttentionBackend):
     chunks one by one.
 
     Cached context is gathered block by block with one `index_select` per K and V over the flattened
-    block table (a contiguous copy of whole blocks, ~2.5x faster than advanced indexing). Grouped-query
+    block table (a contiguous copy of whole blocks, faster than advanced indexing). Grouped-query
     heads are folded into the query length ([Hq] -> [Hkv, G]) instead of expanding K/V to every query head.
     Masks and gather indices are built once per step (`meta.scratch`) and shared by all layers.
     """
@@ -300,8 +299,7 @@ class SdpaBackend(AttentionBackend):
     def _whole_prompts(q: Tensor, k: Tensor, v: Tensor, n: int, scale: float) -> Tensor:
         """n whole prompts of one length, back to back: q [n L, Hq, D], k/v [n L, Hkv, D] -> [n L, Hq, D] in
         one batched causal call. Each row's arithmetic is what one call per prompt does (the same output,
-        bit for bit), without a call's fixed cost per prompt: 64 prompts of 16 tokens, one layer of the
-        tiny Qwen3-MoE, 1.58 -> 0.35 ms in bf16."""
+        bit for bit), without a call's fixed cost per prompt (docs/decisions.md#whole-prompts-batched)."""
         def heads_first(x: Tensor) -> Tensor:
             return x.unflatten(0, (n, -1)).transpose(1, 2)  # [n, H, L, D]
 
@@ -366,10 +364,9 @@ class CpuPagedBackend(SdpaBackend):
     csrc/prefill_attention_amx.c on CPUs with AMX or csrc/prefill_attention_avx512.c on CPUs with
     AVX512-BF16 only; everything else through SDPA.
 
-    The gather was ~65 % of a bf16 decode step at 48 requests of ~600 tokens; the decode kernel reads each
-    cached K/V row once per step. The prefill kernels also skip the key blocks a query tile cannot see
-    (486 queries over 786 tokens, one layer: AMX 3.3 ms against SDPA's 5.5 ms with the gather and mask on
-    a Xeon; AVX512-BF16 2.6 ms against 8.4 ms on a Zen 4).
+    The gather is most of a bf16 decode step at long contexts; the decode kernel reads each cached K/V
+    row once per step. The prefill kernels also skip the key blocks a query tile cannot see
+    (docs/decisions.md#cpu-paged-attention).
     """
 
     name = "cpu_paged"
@@ -382,9 +379,8 @@ class CpuPagedBackend(SdpaBackend):
         self._prefill = prefill
 
     def _batches_whole_prompts(self, q: Tensor, kv_cache: Tensor) -> bool:
-        """Not where the prefill kernel takes the chunks: one call per prompt of it beat one batched SDPA
-        call from 64 tokens a prompt (8 prompts of 64 / 256 tokens, 9 heads of 64, bf16: 0.49 / 2.3 ms against
-        SDPA's 0.99 / 8.8 ms on a Zen 5), and matched it at 16."""
+        """Not where the prefill kernel takes the chunks: one call per prompt of it is at least as fast as
+        one batched SDPA call (docs/decisions.md#whole-prompts-batched)."""
         return self._prefill is None or not self._prefill.accepts(q, kv_cache)
 
     def _chunk(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,

@@ -2,24 +2,17 @@
 
 A token's router logits (one replicated linear layer) go through a softmax in float32; the k most
 probable experts are chosen with `torch.topk`, so exact ties are decided as transformers decides them,
-and their probabilities are optionally renormalized (Qwen3-MoE's `norm_topk_prob`; Mixtral always,
-which is the softmax over the chosen logits). The experts run grouped by expert (`ops.moe.experts`).
-A bf16 router of up to 16 experts on CPU runs that chain as one native call (`native.MoeRouting.route`,
-csrc/moe_route.c): the same experts, weights within one rounding of the chain's; a row whose best k + 1
-hold an exact tie takes torch.topk's ids, and a batch with a near tie or a NaN the chain itself, so ties
-still fall as transformers decides them.
+and their probabilities are optionally renormalized (Qwen3-MoE's `norm_topk_prob`; Mixtral always).
+The experts run grouped by expert (`ops.moe.experts`). A bf16 router of up to 16 experts on CPU runs that
+chain as one native call (`native.MoeRouting.route`, csrc/moe_route.c) that hands ties, near ties and
+NaNs back to torch, so ties still fall as transformers decides them.
 
-Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermediate dimension (gate and
-up rows, down columns), read straight from the checkpoint's slices; the router is replicated; the block
-ends in one all-reduce, as the dense MLP's down projection does.
-
-Checkpoints come in two layouts and both load: per-expert tensors as on the Hub
-(`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1 / w3 / w2`) and transformers' fused expert tensors
-(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]). `expert_weights` builds the weight
-map entries for either; each expert module tracks what it received and reports what is missing.
-
-Expert parallelism (experts split over ranks, tokens exchanged all-to-all) would replace the slice of
-every expert by whole experts per rank; see ppserve/ARCHITECTURE.md §7.
+Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermediate dimension; the router
+is replicated; the block ends in one all-reduce, as the dense MLP's down projection does. Checkpoints in
+both layouts load: per-expert tensors (`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1 / w3 / w2`)
+and transformers' fused ones (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]);
+`expert_weights` builds the weight map for either. Expert parallelism would replace the slice of every
+expert by whole experts per rank; see ppserve/ARCHITECTURE.md §7.
 """
 
 from __future__ import annotations
@@ -83,12 +76,10 @@ class TopKRouter(nn.Module):
 
     def prepack(self) -> None:
         """After every load: for bf16 on CPU, a float32 copy of the router's small [E, H] weight (the routing
-        kernel's operand too). oneDNN's bf16 GEMM at a router's shape took 19 us a call on a Xeon with AMX
-        ([16, 128] x [8, 128]), float32 5;
-        the tiny Qwen3-MoE's routers over 4 layers, 16 decodes, 0.33 -> 0.22 ms of a 2.3 ms step
-        (`benchmarks/bench_moe.py --parts breakdown --breakdown 128x128x16 --dtype bfloat16`). Products of
-        bf16 values are exact in float32, and the logits are rounded to bf16 as the bf16 GEMM rounds them,
-        so only the order of the float32 sums differs from it."""
+        kernel's operand too): at a router's tiny shape oneDNN's bf16 GEMM costs several times the float32
+        one (docs/decisions.md#router-weight-float32). Products of bf16 values are exact in float32, and
+        the logits are rounded to bf16 as the bf16 GEMM rounds them, so only the order of the float32 sums
+        differs from it."""
         w = self.weight
         self.weight_f32 = w.detach().float() if w.device.type == "cpu" and w.dtype == torch.bfloat16 else None
 

@@ -10,13 +10,11 @@ Two launches then do the experts' work with no loop over experts on the host and
 2. down: a program takes one block and a tile of H, multiplies the block's intermediate rows by its
    expert's down tile, scales each row by its routing weight and writes it to the row's pair.
 
-Padding rows and the blocks past the last used one are masked off (their pair id is out of range, their
-expert is the sentinel E). The grid is fixed by (T, k, E), so a decode step of fixed size captures into
-a CUDA graph. The k results of a token are summed in top-k order afterwards (one small torch op).
-
-Correct on CPU under Triton's interpreter (TRITON_INTERPRET=1), which is how CI checks it against the
-grouped reference (tests/integration/test_moe_kernels.py); as in triton_attention.py the interpreter
-computes tl.dot in NumPy, so the operands are float32 there.
+Padding rows and the blocks past the last used one are masked off (pair id out of range, expert the
+sentinel E). The grid is fixed by (T, k, E), so a fixed-size decode step captures into a CUDA graph. A
+token's k results are summed in top-k order afterwards (one small torch op). CI checks it on CPU under
+TRITON_INTERPRET=1 against the grouped reference (tests/integration/test_moe_kernels.py); there tl.dot
+runs in NumPy, so the operands are float32.
 """
 
 from __future__ import annotations

@@ -4,21 +4,17 @@ Sarathi-Serve chooses its token budget from the TBT SLO: the largest microbatch 
 decode its next token in time (the paper: 512 tokens for its strict SLOs, 2048 for the relaxed ones, on
 A100s). The planner's grid of budgets (256 ... 2048) is such a GPU's choice. Where a step costs more (a
 slower machine, a deeper pipeline, a bigger model per GPU), every budget of the grid can let one long prompt
-fill a step that outlasts the SLO; each decode in flight then misses it, and the capacity search turns on
-whether long prompts happen to arrive beside decodes, not on what the deployment sustains. On the 2-core
-CPU that `benchmarks/plan_then_run.py` plans: one request's 204-token prompt took one 1.6 s step, against
-a p99 TBT SLO of 400 ms, at every budget of the grid.
+fill a step that outlasts the SLO, and the capacity search then turns on whether long prompts happen to
+arrive beside decodes (docs/decisions.md#slo-token-budget).
 
 A decode's next token comes when its microbatch has gone round the pipeline: with p microbatches in flight,
 about p steps of the slowest stage. The SLO's budget is the largest B (of at most `cap` tokens) with
 
     p * max over stages of t_s(a chunk of B tokens after `context` cached tokens, one sampled) <= margin * SLO
 
-`context` is half the workload's mean prompt (a chunk midway through a prompt of mean length). A full
-microbatch's decodes are priced as its chunk's tokens are; a decode's own terms (its keys, its sample) and
-the step-to-step spread of a real stream are what `margin` leaves room for. B is rounded down to whole KV
-blocks where it holds one. The step-cost models are monotone in the chunk's length (every coefficient
->= 0), so B is found by bisection.
+`context` is half the workload's mean prompt. A full microbatch's decodes are priced as its chunk's tokens
+are; `margin` leaves room for a decode's own terms and the stream's spread. B is rounded down to whole KV
+blocks where it holds one, and found by bisection (the step-cost models are monotone in the chunk).
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ from ppserve.sim.cost_model import CostModel
 __all__ = ["SLO_BUDGET_MARGIN", "slo_token_budget", "with_slo_budgets"]
 
 # The part of the TBT SLO a budget-full step may take around the pipeline: the rest is for decodes priced
-# above a chunk's token, the p99's tail and the control plane. At capacity the simulated p99 TBT came to
-# 1.07-1.25x the round trip this prices (Llama-3-70B on 8 H100, conversation trace, 100 ms SLO): with 0.8
-# tp2·pp2's budget (608) sat at the SLO, its capacity fell to 11.6 req/s against 26.2 at budget 512, and
-# the shape was pruned; a budget a little short of the best costs a little throughput, one a little over
-# it fails the SLO at every rate.
+# above a chunk's token, the p99's tail and the control plane. A budget a little short of the best costs a
+# little throughput, one a little over it fails the SLO at every rate (docs/decisions.md#slo-token-budget).
 SLO_BUDGET_MARGIN = 0.65
 
 
@@ -78,9 +71,8 @@ def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[De
     deployment at the SLO's budget (`budget_from_slo`), after the setting's first.
 
     A deployment is added only there: where the grid holds a budget the SLO allows it brackets the best
-    budget already, and an SLO budget between grid budgets bought nothing at GPU scale (Llama-3-70B on 8
-    H100, conversation trace, 100 ms SLO: the same refined winner, 26.2 req/s, with 70 deployments
-    searched in 785 s against 63 in 343 s on a 2-core AMD EPYC)."""
+    budget already, and an SLO budget between grid budgets buys nothing but search time
+    (docs/decisions.md#slo-token-budget)."""
     budgets: dict[tuple[object, ...], int | None] = {}
     grids: dict[tuple[object, ...], set[int]] = {}
     for d in deployments:

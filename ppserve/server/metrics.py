@@ -6,23 +6,12 @@ times); gauges of the current state (queue, KV usage, per-stage bubble fractions
 window, restarts) are refreshed when /metrics is scraped, from the statistics the engine thread last
 published (AsyncEngine.stats(), which does not ask that thread: a scrape never delays a step).
 
-| series | type | meaning (same as vLLM's where vLLM has it) |
-|---|---|---|
-| `ppserve:num_requests_running`, `ppserve:num_requests_waiting` | gauge | requests holding KV / queued |
-| `ppserve:kv_cache_usage_perc` | gauge | fraction of KV blocks in use (0-1) |
-| `ppserve:num_preemptions_total` | counter | recompute preemptions |
-| `ppserve:prefix_cache_queries_total`, `ppserve:prefix_cache_hits_total` | counter | prompt tokens looked up in the prefix cache at admission, and of them found cached |
-| `ppserve:prompt_tokens_total`, `ppserve:generation_tokens_total` | counter | tokens in, tokens out |
-| `ppserve:request_success_total{finished_reason}` | counter | finished requests by reason (stop, length, cancelled, error) |
-| `ppserve:time_to_first_token_seconds` | histogram | arrival -> first token |
-| `ppserve:inter_token_latency_seconds` | histogram | gap between consecutive tokens of a request |
-| `ppserve:e2e_request_latency_seconds` | histogram | arrival -> last token |
-| `ppserve:stage_busy_fraction`, `ppserve:stage_bubble_fraction`, `ppserve:stage_starvation_fraction` `{stage}` | gauge | each stage over the stats window (ARCHITECTURE.md §5's definitions) |
-| `ppserve:mean_bubble_fraction` | gauge | their mean over stages |
-| `ppserve:microbatch_tokens` | histogram | tokens per microbatch |
-| `ppserve:microbatch_compute_seconds{stage}` | histogram | a stage's compute time per microbatch (TP rank 0's, which ends with the slowest rank's) |
-| `ppserve:pipeline_restarts_total` | counter | pipeline rebuilds after a stage failed |
-| `ppserve:pipeline_recovery_seconds_total`, `ppserve:pipeline_last_recovery_seconds` | counter, gauge | time to serve again |
+The series: vLLM's (requests running and waiting, KV cache usage, preemptions, prefix-cache queries and
+hits, prompt and generation tokens, finished requests by reason, TTFT, inter-token and end-to-end latency
+histograms), with vLLM's meaning where vLLM has one; and the pipeline's: each stage's busy, bubble and
+starvation fractions over the stats window (ARCHITECTURE.md §5's definitions) and their mean, tokens and
+each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time. Each
+series' help text, in `ServerMetrics.__init__`, says what it counts.
 """
 
 from __future__ import annotations

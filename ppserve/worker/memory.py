@@ -217,10 +217,9 @@ class StageMemory:
         and decodes; the last two on the first blocks of `kv_cache`, the stage's own cache, when given
         (after the cache took its share of GPU memory there may be no room for a scratch one). Each
         takes another attention path (prefill from an empty cache, a chunk that reads the cache, the
-        paged decode kernel), and a path's first call pays for kernel builds or JIT
-        compiles, primitive creation and allocator growth: on CPU the default model's first prefill
-        costs ~0.3 s a stage and its first decode step twice a warm one. The CPU linears' path choice is
-        per row bucket (ops/gemm.py), so every bucket up to the budget is timed here too. Paid at start-up,
+        paged decode kernel), and a path's first call pays for kernel builds or JIT compiles, primitive
+        creation and allocator growth, several times a warm step. The CPU linears' path choice is per
+        row bucket (ops/gemm.py), so every bucket up to the budget is timed here too. Paid at start-up,
         none of it stalls the pipeline behind a cold stage once requests come."""
         if self.decode_warm:
             return 0.0

@@ -7,10 +7,8 @@ together. When that count exceeds the CPUs the process may use, libgomp stops sp
 one of the hundreds of parallel regions a forward pass runs. That is exactly what happens when one
 thread builds a stage (loading weights, warming up and timing it run parallel regions) and another
 computes with it: the engine thread of `ppserve serve` behind the event loop's thread, a Ray stage
-actor's loop thread behind the thread that ran its set-up calls. On two cores, a decode step of the
-default model at seven rows took 51 ms stepped on a second thread against 25 ms on the thread that
-built it, with each thread blocking ~4,500 times a second (voluntary context switches) instead of
-never; with the builder's pool freed it took 28-31 ms (ARCHITECTURE.md §2).
+actor's loop thread behind the thread that ran its set-up calls: on a small machine that doubles a decode
+step (ARCHITECTURE.md §2; docs/decisions.md#release-openmp-pool).
 
 `release_thread_pool()` calls `omp_pause_resource_all(omp_pause_soft)` on the libgomp already loaded,
 which in libgomp frees the calling thread's pool (its workers exit and leave the count); a later

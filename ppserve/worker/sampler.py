@@ -3,26 +3,19 @@ min-p, per-request seeds, log-probabilities.
 
 Each step pays only for what its requests ask (ARCHITECTURE.md §2):
 - greedy rows: a row-wise argmax of the logits, bit-exact;
-- temperature alone: one softmax-like pass and an inverse-CDF draw from one uniform per row, found
-  in two levels (which block of 256 tokens, then which token in it), so nothing is sorted and no
-  noise is drawn over the vocabulary;
-- top-k (with or without top-p): torch.topk of the largest k the batch asks for, then top-p over
-  those survivors only;
+- temperature alone: one softmax-like pass and an inverse-CDF draw from one uniform per row, found in
+  two levels (a block of 256 tokens, then a token in it): nothing sorted, no noise over the vocabulary;
+- top-k (with or without top-p): torch.topk of the largest k the batch asks for, then top-p over those;
 - top-p without top-k: the nucleus threshold from a histogram of mass over the probabilities' float
-  bits; on a GPU a radix search of three such rounds, with no sort; on a CPU one round, then a sort of
-  the one bin's tokens the threshold falls in;
+  bits (a radix search with no sort on a GPU; one round and a sort of one bin on a CPU);
 - min-p: a mask of the tokens below min_p times the most likely one's probability.
-Rows are grouped by what they ask (a host-side decision on their parameters); within a group every
-row's parameters are tensors, so there is no Python loop over rows and no host sync until the one
-transfer of the chosen ids.
+Rows are grouped by what they ask; within a group every row's parameters are tensors: no Python loop
+over rows and no host sync until the one transfer of the chosen ids.
 
-A seeded request's uniform is a counter-based hash of (seed, output position), computed on the
-device for all rows at once: its output is reproducible whatever the batch composition or
-preemption history. Penalties and min_tokens change a row's logits before it is sampled (the order
-and the formulas of transformers' processors, and OpenAI's presence and frequency penalties);
-filters apply in transformers' order (temperature, top-k, top-p, min-p); log-probabilities are those
-of the model's own distribution (a log-softmax of the raw logits, before any of that), the sampled
-token's and the k most likely.
+A seeded request's uniform is a counter-based hash of (seed, output position), on the device: its output
+is reproducible whatever the batch or preemption history. Penalties and min_tokens follow transformers'
+processors (and OpenAI's presence and frequency penalties), filters transformers' order; log-probabilities
+are the model's own (a log-softmax of the raw logits), the sampled token's and the k most likely.
 """
 
 from __future__ import annotations
@@ -45,8 +38,8 @@ _MIX2 = 0x94D049BB133111EB - (1 << 64)
 
 
 def greedy(logits: Tensor) -> list[int]:
-    """Row-wise argmax: the native kernel on CPU float32 (torch's took ~2 ms a step for 37 rows of a 49k
-    vocabulary), torch.argmax elsewhere; the same indices either way (first maximum, NaN wins)."""
+    """Row-wise argmax: the native kernel on CPU float32 (docs/decisions.md#native-argmax), torch.argmax
+    elsewhere; the same indices either way (first maximum, NaN wins)."""
     return ops.argmax(logits)
 
 
@@ -154,13 +147,11 @@ def _nucleus_threshold_cpu(weights: Tensor, top_p: Tensor) -> Tensor:
     """The nucleus threshold on a CPU: one histogram of mass over the weights' exponent and top 3
     mantissa bits (the radix search's first round) finds the bin the threshold falls in and the mass
     above it; then only that bin's tokens (weights within 12.5 % of each other) are sorted, all rows in
-    one sort keyed by (row, weight), and summed in float64 from the mass above. Of a row's 49,152
-    random logits of standard deviation 6 / 3 / 1 / 0.5, the bin held a median 1 / 141 / 1,539 / 2,793
-    tokens (scratch count). On a CPU the radix search's second and third rounds are slow: nearly every
-    token falls in the bin below the prefix, and a scatter-add into one address runs at its latency (64
-    rows at those four scales: 17-34 ms against 3.6-13 ms, scratch timing of the threshold alone). A sort
-    needs the subset's size on the host, a sync a GPU should not pay. A row whose bin came out empty
-    (NaN weights) takes the radix search's answer."""
+    one sort keyed by (row, weight), and summed in float64 from the mass above. On a CPU the radix
+    search's later rounds are slow (nearly every token falls in one bin, and a scatter-add into one
+    address runs at its latency; docs/decisions.md#top-p-threshold-cpu). A sort needs the subset's size
+    on the host, a sync a GPU should not pay. A row whose bin came out empty (NaN weights) takes the
+    radix search's answer."""
     n = weights.shape[0]
     bits = weights.contiguous().view(torch.int32)
     coarse = (bits >> 20).long()  # [n, V]: the exponent and 3 mantissa bits; 0..1016 for weights in [0, 1]

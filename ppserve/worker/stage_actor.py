@@ -170,7 +170,8 @@ class StageActor:
             self._connect_socket_links(store, host, rendezvous=link == "rendezvous")
         else:
             # The ring gets a communicator of its own: on NCCL a pair's messages share one stream in both
-            # directions, and at pp = 2 the ring's tokens (last -> 0) would queue behind the hidden states (0 -> 1).
+            # directions, and at pp = 2 the ring's tokens (last to stage 0) would queue behind the hidden
+            # states (stage 0 to 1).
             ring_group = None
             if self.spec.token_ring and self.spec.num_stages > 1:
                 ring_group = dist.new_group([0, (self.spec.num_stages - 1) * self.spec.tp_size])  # on every rank

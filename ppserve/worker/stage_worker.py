@@ -75,7 +75,7 @@ class StageSpec:
     profile_seqs: int = 256  # sequences it may hold (scheduler.max_num_seqs): rows of logits and sampling
     gpus: float = 0.0  # GPUs Ray gave this actor (its device comes from that assignment: worker/devices.py)
     stage_link: str = "auto"  # parallel.stage_link: how hidden states reach the next stage (comm/)
-    token_ring: bool = False  # scheduler.async_scheduling at pp > 1: sampled tokens go straight back to stage 0
+    token_ring: bool = False  # scheduler.token_ring at pp > 1: sampled tokens go straight back to stage 0
 
 
 class StageWorker:
@@ -214,9 +214,8 @@ class StageWorker:
         (host work the bubble math counts as busy, ARCHITECTURE.md §5) plus its layers' compute (CUDA
         events on a GPU, read a step or more later without waiting: worker/step_timer.py), the last
         stage's LM head included: it is the stage's compute as its layers are, and the step-cost model
-        prices it per sampled token (left out, a calibration measured the default model's head at ~1.4
-        layers where the stage spends ~7). Sampling is outside that figure: it follows the logits and
-        is not the stage's compute."""
+        prices it per sampled token (left out, a calibration would misprice the last stage). Sampling is
+        outside that figure: it follows the logits and is not the stage's compute."""
         if inp is None:
             inp = self.prepare(out)
         timer = self.timer

@@ -1,7 +1,7 @@
 """One host-to-device copy per step: a step's integer inputs packed end to end in a persistent staging buffer.
 
-Each `torch.tensor(list, device=cuda)` is a pageable host copy and a sync point; a stage used to make
-about ten per step. `StepStaging.upload` writes every part (token ids, positions, slots, offsets, the
+Each `torch.tensor(list, device=cuda)` is a pageable host copy and a sync point, and a step has about
+ten such inputs. `StepStaging.upload` writes every part (token ids, positions, slots, offsets, the
 block-table diff, ...) into one pinned host buffer, copies it to the device in one non-blocking transfer
 and hands back device views of each part. Two host buffers alternate, each guarded by an event: one is
 rewritten only once its previous copy has left (long done by then: a step later), so the host never

@@ -3,21 +3,16 @@ first microbatch (ARCHITECTURE.md §3, "Balanced formation").
 
 The scheduler shares work by predicted time once its online cost model is calibrated (sched/cost.py),
 and by tokens before, with a quarter-budget floor per chunk that suits a GPU. The online fit needs a few
-microbatches per stage, and on a real pipeline the first microbatches are exactly when prompts arrive:
-the demo's eight requests reach the engine within its first few steps, and a 128-token chunk formed
-by tokens before the fit had its samples took stage 0 98 ms where its neighbours took 35 (a run beside
-other work). The simulator never had that gap: its scheduler starts from the roofline's prior. This
-module gives the real pipeline one too, measured: after the warm-up (every path's first-call costs paid), each stage times a few
-microbatch shapes on its own KV cache (decodes, a pair of chunk sizes, a mix, and a chunk and decodes
-after a long context) and fits the same
+microbatches per stage, and on a real pipeline the first microbatches are exactly when prompts arrive,
+so a split by tokens then can be badly uneven (docs/decisions.md#startup-step-cost-prior). So after the
+warm-up (every path's first-call costs paid) each stage times a few microbatch shapes on its own KV cache
+(decodes, a pair of chunk sizes, a mix, and a chunk and decodes after a long context) and fits the same
 `StepCost` the online model fits, which then refines it with the serving stream's own times.
 
 The shapes are timed as the stage's step is (its layers, the last stage's LM head), best of a few runs,
-synchronized on a GPU (start-up only: nothing serves yet). What a real step has and they do not (its
-prepare span, decode graphs on a GPU) and what they have and it does not (the last stage's greedy
-argmax) is the online fit's to correct from the first real microbatches on. A stage whose kernels run
-under Triton's interpreter (`StageModel.interpreted`: the CPU check of a GPU kernel, seconds a step)
-times only the short shapes, once each: the long context cost its pipeline test 23 minutes of start-up.
+synchronized on a GPU (start-up only: nothing serves yet); what a real step has and they do not (its
+prepare span, decode graphs) is the online fit's to correct. A stage whose kernels run under Triton's
+interpreter (`StageModel.interpreted`, seconds a step) times only the short shapes, once each.
 """
 
 from __future__ import annotations
@@ -33,18 +28,15 @@ from ppserve.worker.memory import StageMemory
 
 REPEATS = 3  # runs per shape; the fastest counts (a shared host's noise only adds time)
 # A shape whose first run took this long runs LONG_REPEATS times: a host's jitter (a descheduled slice,
-# a page fault) is a smaller part of it, and the third run of the long shapes was most of a CPU stage's
-# start-up (the default model in float32 at 256 decodes: ~0.75 s a run; `LLM()` spent 11 of its 16 s
-# here, 8 with this). Under tensor parallelism every run is a forward with collectives, so the ranks
-# decide on the slowest rank's first run (`TPContext.max_over_group`): each deciding on its own, one
-# rank over 0.1 s and its peer under it, the peer waited in an all-reduce for a third run that never came.
+# a page fault) is a smaller part of it, and a third run of the long shapes would be most of a CPU stage's
+# start-up. Under tensor parallelism every run is a forward with collectives, so the ranks decide on the
+# slowest rank's first run (`TPContext.max_over_group`): ranks deciding on their own could differ in their
+# run counts and hang in an all-reduce.
 LONG_SHAPE_S = 0.1
 LONG_REPEATS = 2
 # The long context of the shapes that price attention (cache room allowing): far enough from the short
-# one that a key's cost stands apart from a token's, short enough to time in a blink on any device.
-# With every shape up to 10 % slow at random, a CPU-like stage's fit priced a budget-sized chunk after
-# 1,500 tokens beside 32 decodes within 16 % (p90 of 50 draws) from shapes after 1,024 tokens, within
-# 35 % from shapes after 512; at 33 tokens alone the split between keys and tokens was noise.
+# one that a key's cost stands apart from a token's, short enough to time in a blink on any device
+# (docs/decisions.md#startup-step-cost-prior).
 LONG_CONTEXT = 1024
 
 

@@ -7,18 +7,15 @@ the time when the step ends (`HostStepTimer`). On a GPU a launch returns before 
 `query()` says its end event is done, at a later step: never `synchronize()` on the hot path, which
 would stall the host, and with it the next step's launches, every step. A timed step therefore comes
 back with the id of the step it measures (`TimedStep.step_id`), which may be an earlier one.
-
 A stage's wait for its input (the previous stage's hidden states, stage 0's ring tokens) is timed the
 same way: `with timer.waiting(step_id):` around the receive is a `recv_wait` span on the host clock on
 CPU; on a GPU the host does not wait (the stream does), so the span runs from an event recorded as the
 wait is ordered to the step's start event: the time the device sat waiting for the data.
 
 A step is: `begin(step_id)`, the layers, `end_compute()`, whatever follows (sampling: not timed), then
-`finish(host_s, **span_tags)`, which adds the step's host seconds (its prepare span) to its figure.
-`take()` hands back every step read since the last call, oldest first. `poll()` reads what is done
-without handing it back (its spans recorded, its times kept for the next `take`): the span drain calls
-it, from another thread on a Ray actor, and it never waits either; a periodic drain that waited would
-stall the serving loop once per drain.
+`finish(host_s, **span_tags)`, which adds the step's host seconds (its prepare span). `take()` hands back
+every step read since the last call, oldest first; `poll()` reads what is done without handing it back,
+for the span drain (another thread on a Ray actor), and never waits either: a drain must not stall serving.
 """
 
 from __future__ import annotations

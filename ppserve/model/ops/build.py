@@ -1,9 +1,9 @@
 """The native build: ppserve's C kernels (csrc/), compiled on first use with the system C compiler.
 
 Why C and ctypes rather than a torch C++ extension: the kernel needs no torch headers, so it builds in
-about a second (a torch extension takes ~45 s and needs ninja) and the build can happen lazily inside
-every stage actor. It runs its loops under OpenMP on the libgomp torch already loaded, with the thread
-count torch uses in the calling thread.
+about a second with no ninja, and the build can happen lazily inside every stage actor
+(docs/decisions.md#native-build-ctypes). It runs its loops under OpenMP on the libgomp torch already
+loaded, with the thread count torch uses in the calling thread.
 
 The shared object is cached under `model.kernel_cache_dir` (~/.cache/ppserve/kernels), keyed by the
 source, the compiler flags, the compiler and the CPU's feature flags (it is built with -march=native).

@@ -2,16 +2,13 @@
 
 A linear layer owns a `PackedWeight`: `prepack()` (called once after loading) lays a bf16 CPU weight out
 in 16-column panels for ppserve's own GEMM where the CPU has one (AMX tiles, csrc/gemm_amx.c, or
-AVX512-BF16 dot products, csrc/gemm_avx512.c), else in oneDNN's blocked layout (1.1-1.4x faster than
-plain `F.linear` at decode sizes). oneDNN's prepacked primitive is not faster everywhere: for SmolLM2's
-576-wide outputs at 352+ rows it ran on one of two threads, 1.7-1.9x slower than plain `F.linear`, and
-below 64 rows some shapes ran faster padded to 64. So on the oneDNN path the first GEMM of every
+AVX512-BF16 dot products, csrc/gemm_avx512.c), else in oneDNN's blocked layout (faster than plain
+`F.linear` at decode sizes, but not at every shape). So on the oneDNN path the first GEMM of every
 (out, in, rows) shape times the candidates and the fastest serves that shape from then on
 (`model.linear_path: packed | plain` forces one, and turns the panel kernels off; `model.amx_kernels:
 false` turns the AMX kernels off). A stage's warm-up times every row bucket its microbatches can reach
-(`PackedWeight.prime`), so no serving step pays for it: the demo's first 100-token prefill took
-168 / 165 ms on its two stages where a warm one takes ~101 / ~70, most of it timing the new bucket's
-paths (the LM head's among them). float32 always stays on plain `F.linear`, bit-exact with transformers.
+(`PackedWeight.prime`), so no serving step pays for the timing. float32 always stays on plain `F.linear`,
+bit-exact with transformers. Evidence: docs/decisions.md#cpu-gemm-paths.
 """
 
 from __future__ import annotations
@@ -38,17 +35,12 @@ class PackedWeight:
     """A bf16 weight [out, in] laid out for a fast CPU GEMM, or nothing: then `linear` is plain `F.linear`.
 
     Weights whose sides are multiples of 32 go to ppserve's panel kernel where the CPU has one
-    (`native.panel_gemm`), always, at every row count, with no oneDNN copy kept:
-    - AMX: in the model its median beat oneDNN's best path at every shape and row count timed (e.g.
-      3072 x 576 at 512 rows: 1.2 ms against 2.2 ms);
-    - AVX512-BF16 without AMX (a Zen 4, two threads, one pass over the default model's linears,
-      benchmarks/bench_gemm.py): at 1-16 rows, where a decode step lives, 1.3-1.7x faster than oneDNN's
-      prepacked primitive at the exact row count and 2.2-4.5x faster than oneDNN as it was served here
-      (each row count padded up to its bucket of 32 rows); 1.02-1.10x at 128-512 rows.
-    A fixed choice cannot be spoiled by a noisy moment the way a timed one can. Other weights keep
-    oneDNN's prepacked layout, and the first GEMM of each shape times it against plain `F.linear` (see
-    `fastest_path`). Held outside the module's parameters and state dict: derived from `weight` and
-    rebuilt by `prepack()` after every load.
+    (`native.panel_gemm`), always, at every row count, with no oneDNN copy kept: with AMX or AVX512-BF16
+    it was at least as fast as oneDNN's best path at every shape and row count timed, and a fixed choice
+    cannot be spoiled by a noisy moment the way a timed one can (docs/decisions.md#cpu-gemm-paths). Other
+    weights keep oneDNN's prepacked layout, and the first GEMM of each shape times it against plain
+    `F.linear` (see `fastest_path`). Held outside the module's parameters and state dict: derived from
+    `weight` and rebuilt by `prepack()` after every load.
     """
 
     def __init__(self) -> None:
@@ -116,8 +108,8 @@ class PackedWeight:
 # How a bf16 GEMM runs: ("packed" | "plain" | "panels", the row count it runs with, rows zero-padded up to
 # it for the oneDNN paths).
 LinearPath = tuple[str, int]
-# Small GEMMs also try running padded to this many rows: oneDNN's kernel for 32 rows read the LM head
-# (49152 x 576) at 7.9 ms where 64 rows took 5.1 ms.
+# Small GEMMs also try running padded to this many rows: oneDNN's kernel for fewer rows can be slower
+# (docs/decisions.md#cpu-gemm-paths).
 SMALL_GEMM_ROWS = 64
 # (out, in, row bucket) -> the path that was fastest for that shape in this process.
 _FASTEST: dict[tuple[int, int, int], LinearPath] = {}
@@ -127,9 +119,9 @@ def fastest_path(key: tuple[int, int, int], candidates: Callable[[], dict[Linear
                  rounds: int = 5) -> LinearPath:
     """Time every candidate path (`candidates()` builds them) once per shape, after an untimed call each
     (the first call JIT-compiles the primitive), interleaved over `rounds`; the lowest median wins and
-    every layer of that shape uses it from then on. The median, not the best run: oneDNN's prepacked
-    GEMM at 512 rows sometimes ran at full speed on both threads and mostly on one (best 0.9 ms, median
-    2.2 ms at 3072 x 576), and the best run picked it. Row counts are bucketed, so this runs for a few dozen
+    every layer of that shape uses it from then on. The median, not the best run: a path that only
+    sometimes runs at full speed on every thread must not win on its lucky run
+    (docs/decisions.md#cpu-gemm-paths). Row counts are bucketed, so this runs for a few dozen
     shapes per model at most. `model.linear_path: packed | plain` forces that kind at the bucket's row
     count, untimed."""
     forced = current().linear_path

@@ -1,48 +1,21 @@
 """The experts of a mixture-of-experts layer, applied to routed tokens: the grouped path, the kernel's layout.
 
-Every token goes to k experts, so a microbatch of T tokens makes T * k (token, expert) pairs. Both paths
-group the pairs by expert and run each expert once over all its tokens, never a loop over tokens:
-
-- `grouped_experts` (CPU, any device): sort the pairs by expert, gather their tokens' rows, run every
-  expert's gate/up matmul, SiLU-gate and down matmul over its run of rows, weight each pair by its routing
-  probability, and add each token's k results in top-k order (transformers' order, so float32 output
-  matches it). On CPU the sort and gather are one native call (`native.MoeRouting.dispatch`, any dtype: a
-  permutation of bytes, bit for bit the torch chain `_dispatch`), and in bf16 so are the weighting and the
-  sum (`combine`, bit for bit `_weighted_sum`): five and four torch ops before, ~17 us of a 103 us layer at
-  64 tokens (H = I = 128, 8 experts top-2, bf16, Zen 5). The matmuls run one of two ways
-  (`expert_matmuls`), bit for bit the same (the same GEMM per expert over the same rows):
-  - `F.grouped_mm`: one call per projection over all experts, offsets in a tensor: no host sync and two
-    ops instead of ~7 per expert (one layer, H = I = 128: 1.2-1.5x faster than the loop at 3-64 tokens on
-    8 experts top-2, 1.8-2x at 16 tokens on 64-128 experts top-8);
-  - the per-expert loop: reads the offsets on the host and skips idle experts. `F.grouped_mm` walks
-    every expert's group, empty ones too, so with fewer pairs than ~0.3 per expert (one decode token on
-    8 experts top-2) the loop is faster (grouped_mm 0.9x there, 0.6x at 64 experts top-8). It is also the
-    fallback where `F.grouped_mm` is missing or refuses the device, dtype or layout (`uses_grouped_mm`).
-  A single token (a batch-1 decode step) takes its k experts straight from its ids: each expert's group
-  is its one row anyway, so the matmuls are the same and only the sort, gathers and scatter go (one layer
-  of the tiny Qwen3-MoE, float32: the experts from 0.14 to 0.09 ms; `bench_moe.py --parts breakdown`).
-  Either way the grouped path is not captured in CUDA graphs (the loop's host read; on CUDA the Triton
-  kernel is the fast path).
-  In bf16 on CPUs with AMX or AVX512-BF16 a third way comes first: ppserve's panel GEMM (csrc/gemm_amx.c,
-  csrc/gemm_avx512.c; `native.panel_gemm`), each expert's weights prepacked once at load (`PanelExperts`),
-  SiLU-and-mul in the gate/up GEMM's epilogue as the dense MLP does, and every expert's projection in one
-  call (`PanelGemm.grouped`): one call per expert cost about what a decode step's few rows multiply (tiny
-  Qwen3-MoE, 16 decodes, bf16, `bench_moe.py --parts breakdown --dtype bfloat16`: a step's experts 1.46 ->
-  0.76 ms at H = I = 128 and 6.5 -> 5.5-5.7 ms at H 512, I 1024 on a Zen 4; 1.11 -> 0.52 ms at H = I = 128
-  on a Xeon with AMX). oneDNN's bf16 GEMM repacks a weight on every call, which
-  at an expert's few rows is a large part of the product (one layer, 64 tokens, H 512, I 256, 8 experts
-  top-2, one thread on a Xeon with AMX: the AMX loop 1.4x faster than grouped_mm, 20x the loop over
-  tokens; `benchmarks/bench_moe.py --parts grouped --dtype bfloat16`). Its sums may run in another order
-  than oneDNN's, so it agrees with the other two rather than equalling them.
-- the fused Triton kernel (ppserve/model/triton_moe.py) over the pairs laid out in blocks by expert
-  (`ops/moe_align.py`): no host sync, so a decode step of fixed size captures into a CUDA graph.
-
-`experts` picks the path as `model/backend_select.py` picks attention: the Triton kernel on CUDA when
-triton imports (or when forced, with a clear error where it cannot run: on CPU only under
-TRITON_INTERPRET=1, the CI check), the grouped path otherwise.
-
-Weights: w13 [E, 2 I, H] (each expert's gate rows then up rows, this TP rank's slice of I) and
-w2 [E, H, I]; the caller all-reduces the partial sums over TP ranks once, after the experts.
+A microbatch's T * k (token, expert) pairs are grouped by expert; each expert runs once over its tokens:
+- `grouped_experts` (CPU, any device): sort the pairs by expert, gather their rows, run each expert's
+  gate/up matmul, SiLU-gate and down matmul over its rows, weight each pair and add each token's k results
+  in top-k order (transformers' order, so float32 output matches it). On CPU the sort and gather
+  (`native.MoeRouting.dispatch`) and, in bf16, the weighting and sum (`combine`) are native calls, bit for
+  bit the torch chains. The matmuls (`expert_matmuls`), bit for bit the same either way: `F.grouped_mm`
+  over all experts (no host sync), or a per-expert loop that skips idle experts, used below
+  GROUPED_MM_MIN_PAIRS_PER_EXPERT and where `F.grouped_mm` refuses (`uses_grouped_mm`). A single token
+  takes its k experts straight from its ids. In bf16 on CPUs with AMX or AVX512-BF16 the panel GEMM comes
+  first (`PanelExperts`: weights prepacked once, SiLU-and-mul in the epilogue, every expert in one call);
+  its sums may run in another order, so it agrees with the other two rather than equalling them.
+- the fused Triton kernel (ppserve/model/triton_moe.py) over the pairs in blocks by expert
+  (`ops/moe_align.py`): no host sync, so a fixed-size decode step captures into a CUDA graph.
+`experts` picks the Triton kernel on CUDA when triton imports (or when forced), the grouped path otherwise
+(why: docs/decisions.md#moe-expert-matmuls). Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's
+slice of I), w2 [E, H, I]; the caller all-reduces over TP ranks once.
 """
 
 from __future__ import annotations
@@ -61,8 +34,7 @@ from ppserve.model.ops.settings import MOE_KERNELS
 EXPERT_MATMULS = ("auto", "grouped_mm", "per_expert")
 
 # `F.grouped_mm` pays for every expert's group, the loop only for experts with tokens: below this many
-# (token, expert) pairs per expert the loop wins. Measured crossovers, H = I = 128, float32, one thread:
-# between 0.25 and 0.5 on 8 experts top-2, 0.25 and 0.38 on 64 top-8, ~0.25 on 128 top-8.
+# (token, expert) pairs per expert the loop wins (docs/decisions.md#moe-expert-matmuls).
 GROUPED_MM_MIN_PAIRS_PER_EXPERT = 0.3
 
 
@@ -183,7 +155,7 @@ def _weighted_sum(out: Tensor, topk_weights: Tensor, t: int, k: int, dtype: torc
     per_token = weighted.view(t, k, weighted.shape[1])  # shape spelled out: t may be 0
     if k == 2:
         # One add: a sum of two values rounded once, what `sum` gives (but for the sign of a zero made of two
-        # negative zeros), ~3.5x faster than bf16's `sum` over a middle dim (64 tokens of 128: 4.4 / 15 us).
+        # negative zeros), and much faster than bf16's `sum` over a middle dim.
         return (per_token[:, 0] + per_token[:, 1]).to(dtype)
     return per_token.sum(dim=1).to(dtype)
 

@@ -219,12 +219,11 @@ class MoeRouting:
         self._route.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, nt, nt, ptr, ptr, ptr, nt]
         self._route.restype = i64
 
-    # Above this many multiply-adds a router's logits GEMM goes to torch (MKL), not the kernel's loop: at
-    # 64 experts of 1024 and 16 tokens (1M) the loop took 52 us where torch's whole chain took 40.
+    # Above this many multiply-adds a router's logits GEMM goes to torch (MKL), which is faster there than
+    # the kernel's loop (docs/decisions.md#moe-native-routing).
     ROUTE_MAX_MACS = 1 << 17
     # A row of up to 16 experts is one register in the kernel (Mixtral's 8, the tests' 8). Beyond that torch's
-    # chain was as fast (Zen 5, one thread, 64 experts top-8 at H 1024 and 128 top-8 at H 2048, 1-512 tokens:
-    # the kernel 0.88-0.95x), so wider routers keep it.
+    # chain is as fast, so wider routers keep it.
     ROUTE_MAX_EXPERTS = 16
 
     @classmethod
@@ -257,8 +256,8 @@ class MoeRouting:
             raise ValueError(f"MoE route: top-{top_k} of {experts} experts is outside what the kernel takes")
         if tied == -2:
             return in_torch(logits)
-        # One topk over every row cost 2-10 us at 16-512 tokens (8-16 experts), the tied rows' three indexing
-        # ops ~5 us whatever their number: those only for long batches with few ties.
+        # One topk over every row costs more the longer the batch, the tied rows' three indexing ops the same
+        # whatever their number: those only for long batches with few ties.
         if tied and (t < 256 or tied * 4 >= t):
             ids = torch.topk(logits, top_k, dim=-1).indices
         elif tied:
