@@ -54,7 +54,8 @@ def ray_session():
 def tiny_llama_dir(tmp_path_factory) -> Path:
     from tests.model_helpers import make_tiny_llama_dir
 
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama", num_layers=4, hidden=64, heads=4, kv_heads=2)
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny") / "llama", num_layers=4, hidden=64, heads=4,
+                               kv_heads=2)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,8 @@ class FakeEngine:
         self.clock = time.perf_counter
         self.work = WorkTracker()
         self.executor = SimpleNamespace(
-            describe=lambda: [WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=2, node_ip="local", pid=1)]
+            describe=lambda: [WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=2, node_ip="local",
+                                         pid=1)]
         )
         self.scheduler = SimpleNamespace(blocks=SimpleNamespace(block_size=16))
         self.core = SimpleNamespace(step_observers=[])

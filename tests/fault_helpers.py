@@ -1,4 +1,5 @@
-"""Fault injection for pipelines (Ray actors or stage processes): signal one stage mid-run, stream the rest."""
+"""Fault injection for pipelines (Ray actors or stage processes): signal one stage mid-run, stream the
+rest."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def stage_pid(llm: LLM, stage: int) -> int:
     return next(w.pid for w in llm.engine.executor.describe() if w.stage == stage)
 
 
-def run_with_kill(llm: LLM, prompts, kill_stage: int | None, kill_after_steps: int, sig: int = signal.SIGKILL):
+def run_with_kill(llm: LLM, prompts, kill_stage: int | None, kill_after_steps: int,
+                  sig: int = signal.SIGKILL):
     """Drive engine.step() ourselves; signal one stage after N steps. Returns streamed tokens per prompt."""
     eng = llm.engine
     sp = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)

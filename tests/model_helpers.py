@@ -18,9 +18,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 16}
 
 
-def make_tiny_llama_dir(path: Path, *, num_layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                        vocab: int = 256, intermediate: int = 128, arch: str = "llama", tie: bool = False,
-                        rope_scaling: dict | None = None, seed: int = 0) -> Path:
+def make_tiny_llama_dir(path: Path, *, num_layers: int = 4, hidden: int = 64, heads: int = 4,
+                        kv_heads: int = 2, vocab: int = 256, intermediate: int = 128, arch: str = "llama",
+                        tie: bool = False, rope_scaling: dict | None = None, seed: int = 0) -> Path:
     """Save a random-weight Llama, Qwen2 or Phi-3 model as a real HF directory (config.json + safetensors)."""
     from transformers import (
         LlamaConfig,
@@ -99,7 +99,8 @@ class PagedRunner:
 
     @torch.no_grad()
     def step(self, work: Sequence[tuple[int, Sequence[int]]]) -> list[Tensor]:
-        """One forward over a mixed batch [(seq_id, new token ids)]; returns each sequence's logits [q, vocab]."""
+        """One forward over a mixed batch [(seq_id, new token ids)]; returns each sequence's
+        logits [q, vocab]."""
         query_lens, context_lens, tables, ids, positions = [], [], [], [], []
         for seq, tokens in work:
             start = self.lens.get(seq, 0)
@@ -143,8 +144,10 @@ def load_stages(model_dir: Path, cuts: Sequence[int], tp: TPContext = TPContext(
     return [load_stage_model(model_dir, a, b, tp) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
-def tp_worker(rank: int, size: int, init_file: str, model_dir: str, prompts: list[list[int]], out_dir: str) -> None:
-    """One TP rank (spawned process): load its shards, run a chunked prefill and a mixed batch, save logits."""
+def tp_worker(rank: int, size: int, init_file: str, model_dir: str, prompts: list[list[int]],
+              out_dir: str) -> None:
+    """One TP rank (spawned process): load its shards, run a chunked prefill and a mixed batch, save
+    logits."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -179,8 +182,9 @@ def tp_scenario(stage: StageModel) -> list[Tensor]:
 
 def make_tiny_qwen3_dir(path: Path, *, arch: str = "qwen3_moe", num_layers: int = 4, hidden: int = 64,
                         heads: int = 4, kv_heads: int = 2, head_dim: int = 32, vocab: int = 256,
-                        intermediate: int = 96, experts: int = 8, top_k: int = 2, expert_intermediate: int = 32,
-                        dense_layers: Sequence[int] = (1,), fused: bool = False, seed: int = 0) -> Path:
+                        intermediate: int = 96, experts: int = 8, top_k: int = 2,
+                        expert_intermediate: int = 32, dense_layers: Sequence[int] = (1,),
+                        fused: bool = False, seed: int = 0) -> Path:
     """Save a random-weight Qwen3 ('qwen3'), Qwen3-MoE ('qwen3_moe': `dense_layers` keep a dense MLP) or
     Mixtral ('mixtral': every layer sparse, `expert_intermediate` wide) as a real HF directory. `fused`
     writes transformers' fused expert tensors instead of the Hub's per-expert ones."""
@@ -193,22 +197,24 @@ def make_tiny_qwen3_dir(path: Path, *, arch: str = "qwen3_moe", num_layers: int 
         Qwen3MoeForCausalLM,
     )
 
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1,
-                  eos_token_id=2, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     if arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=intermediate, head_dim=head_dim))
     elif arch == "qwen3_moe":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            **common, head_dim=head_dim, intermediate_size=intermediate, moe_intermediate_size=expert_intermediate,
-            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, mlp_only_layers=list(dense_layers)))
+            **common, head_dim=head_dim, intermediate_size=intermediate,
+            moe_intermediate_size=expert_intermediate, num_experts=experts, num_experts_per_tok=top_k,
+            norm_topk_prob=True, mlp_only_layers=list(dense_layers)))
     elif arch == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=expert_intermediate,
                                                  num_local_experts=experts, num_experts_per_tok=top_k))
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
-    with torch.no_grad():  # peaked logits, as in make_tiny_llama_dir; routers sharp enough to pick distinct experts
+    # peaked logits, as in make_tiny_llama_dir; routers sharp enough to pick distinct experts
+    with torch.no_grad():
         for name, p in model.named_parameters():
             p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
     model.config.architectures = [type(model).__name__]

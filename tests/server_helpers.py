@@ -1,4 +1,5 @@
-"""A real `ppserve serve` subprocess for the end-to-end tests, and the fixtures' ways to start and reach it."""
+"""A real `ppserve serve` subprocess for the end-to-end tests, and the fixtures' ways to start and reach
+it."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def test_flash_attn_matches_sdpa(block_size: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("block_size", [16, 256])  # 16: SDPA over gathered blocks; 256: flash_attn_with_kvcache
+# 16: SDPA over gathered blocks; 256: flash_attn_with_kvcache
+@pytest.mark.parametrize("block_size", [16, 256])
 def test_flash_attn_decode_only_matches_sdpa(block_size: int) -> None:
     """The decode-only path (the one CUDA graphs capture) against SDPA."""
     torch.manual_seed(1)

@@ -52,7 +52,8 @@ def test_triton_decode_is_captured_in_a_cuda_graph_without_host_transfers():
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], device="cuda")
     ctx_t = torch.tensor(ctx, device="cuda")
-    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)], device="cuda")
+    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)],
+                         device="cuda")
     n = len(ctx)
     meta = AttentionMetadata.for_static_decodes(
         slots, ctx_t, table_t, bs, cu_query_lens_t=torch.arange(n + 1, dtype=torch.int32, device="cuda"),
@@ -68,6 +69,6 @@ def test_triton_decode_is_captured_in_a_cuda_graph_without_host_transfers():
         out = backend.forward(q, k, v, cache, meta, d ** -0.5)
     q.normal_()
     graph.replay()
-    expected = SdpaBackend().forward(q, k, v, cache_ref, AttentionMetadata.build([1] * n, ctx, tables, bs, "cuda"),
-                                     d ** -0.5)
+    expected = SdpaBackend().forward(q, k, v, cache_ref,
+                                     AttentionMetadata.build([1] * n, ctx, tables, bs, "cuda"), d ** -0.5)
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)

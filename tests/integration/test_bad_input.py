@@ -43,7 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir) -> Iterator
     # The overload benchmark's settings (block size 4, budget 32, 4 running and 4 waiting at most) and
     # the limits the bad-input cases probe; one start-up serves both halves of the module.
     extra = [f"model.model={tiny_llama_dir}", *overload.SERVER_OVERRIDES,
-             f"scheduler.max_tokens_limit={MAX_TOKENS_LIMIT}", f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
+             f"scheduler.max_tokens_limit={MAX_TOKENS_LIMIT}",
+             f"server.max_message_bytes={MAX_MESSAGE_BYTES}"]
     with running_server(tmp_path_factory.mktemp("bad_input"), *set_args(*extra)) as proc:
         yield proc
 
@@ -61,23 +62,31 @@ def _sp(**kw: Any) -> pb.SamplingParams:
 BAD_REQUESTS: list[tuple[str, pb.GenerateRequest, list[str]]] = [
     ("empty prompt", pb.GenerateRequest(), ["prompt is empty"]),
     ("prompt and ids", pb.GenerateRequest(prompt="hi", prompt_token_ids=[5]), ["prompt, prompt_token_ids"]),
-    ("id above vocab", pb.GenerateRequest(prompt_token_ids=[5, VOCAB]), ["prompt_token_ids[1]", f"[0, {VOCAB})"]),
+    ("id above vocab", pb.GenerateRequest(prompt_token_ids=[5, VOCAB]),
+     ["prompt_token_ids[1]", f"[0, {VOCAB})"]),
     ("negative id", pb.GenerateRequest(prompt_token_ids=[-3]), ["prompt_token_ids[0]", f"[0, {VOCAB})"]),
-    ("prompt over context", pb.GenerateRequest(prompt_token_ids=[5] * 300), ["prompt has 300 tokens", str(CONTEXT)]),
-    ("max_tokens 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(max_tokens=0)), ["max_tokens", "positive"]),
+    ("prompt over context", pb.GenerateRequest(prompt_token_ids=[5] * 300),
+     ["prompt has 300 tokens", str(CONTEXT)]),
+    ("max_tokens 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(max_tokens=0)),
+     ["max_tokens", "positive"]),
     ("max_tokens < 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(max_tokens=-4)), ["max_tokens"]),
-    ("max_tokens over limit", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(max_tokens=MAX_TOKENS_LIMIT + 1)),
+    ("max_tokens over limit",
+     pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(max_tokens=MAX_TOKENS_LIMIT + 1)),
      ["max_tokens", f"limit of {MAX_TOKENS_LIMIT}"]),
     ("prompt + max_tokens over context",
      pb.GenerateRequest(prompt_token_ids=[5] * 100, sampling=_sp(max_tokens=MAX_TOKENS_LIMIT)),
      ["max_tokens", f"context of {CONTEXT}"]),
-    ("temperature < 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=-0.1)), ["temperature", ">= 0"]),
-    ("temperature nan", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=math.nan)), ["temperature"]),
-    ("temperature inf", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=math.inf)), ["temperature"]),
+    ("temperature < 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=-0.1)),
+     ["temperature", ">= 0"]),
+    ("temperature nan", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=math.nan)),
+     ["temperature"]),
+    ("temperature inf", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(temperature=math.inf)),
+     ["temperature"]),
     ("top_p 0", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(top_p=0.0)), ["top_p", "(0, 1]"]),
     ("top_p > 1", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(top_p=1.01)), ["top_p", "(0, 1]"]),
     ("top_k < -1", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(top_k=-2)), ["top_k", "-1"]),
-    ("too many stops", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(stop=["x"] * (MAX_STOP_STRINGS + 1))),
+    ("too many stops",
+     pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(stop=["x"] * (MAX_STOP_STRINGS + 1))),
      ["stop", f"limit is {MAX_STOP_STRINGS}"]),
     ("empty stop", pb.GenerateRequest(prompt_token_ids=[5], sampling=_sp(stop=[""])), ["stop", "non-empty"]),
     ("unknown role", pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
@@ -117,11 +126,13 @@ def test_bad_inputs_refused_while_long_generation_is_unharmed(client: PPServeCli
         _expect_invalid(lambda req=req: list(client.stub.Generate(req, timeout=30)), needles, name)
     bad_utf8 = pb.GenerateRequest(prompt="ab").SerializeToString().replace(b"ab", b"\xc3\x28")
     _expect_invalid(lambda: _raw_generate(client, bad_utf8), ["prompt is not valid UTF-8"])
-    bad_stop = pb.GenerateRequest(prompt="x", sampling=_sp(stop=["ab"])).SerializeToString().replace(b"ab", b"\xff\xfe")
+    bad_stop = (pb.GenerateRequest(prompt="x", sampling=_sp(stop=["ab"])).SerializeToString()
+                .replace(b"ab", b"\xff\xfe"))
     _expect_invalid(lambda: _raw_generate(client, bad_stop), ["sampling.stop is not valid UTF-8"])
     # A duplicate request_id of a running request.
     dup = pb.GenerateRequest(prompt_token_ids=[5], request_id="long-run")
-    _expect_invalid(lambda: list(client.stub.Generate(dup, timeout=30)), ["request_id 'long-run'", "already in use"])
+    _expect_invalid(lambda: list(client.stub.Generate(dup, timeout=30)),
+                    ["request_id 'long-run'", "already in use"])
     s = client.stats()
     assert s.running + s.waiting == 1  # only the long generation: nothing bad was queued
 
@@ -161,7 +172,8 @@ def requests(draw: Any) -> pb.GenerateRequest:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(req=requests())
-def test_property_any_request_is_served_or_invalid_argument(client: PPServeClient, req: pb.GenerateRequest) -> None:
+def test_property_any_request_is_served_or_invalid_argument(client: PPServeClient,
+                                                            req: pb.GenerateRequest) -> None:
     """Random request messages: either served to completion or INVALID_ARGUMENT; never another error."""
     try:
         msgs = list(client.stub.Generate(req, timeout=60))

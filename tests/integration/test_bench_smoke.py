@@ -59,8 +59,8 @@ def test_replay_records_every_token(ctx):
         assert t.first_scheduled_s is not None and t.first_scheduled_s >= t.arrival_s
         assert t.token_times_s[0] >= t.first_scheduled_s
     s = run.summary()
-    # Recomputed from the run's own spans: a stage's busy time is the union of its prepare, compute and send spans
-    # in the window, and busy + bubble + starvation fill it; the second stage idles while the first
+    # Recomputed from the run's own spans: a stage's busy time is the union of its prepare, compute and send
+    # spans in the window, and busy + bubble + starvation fill it; the second stage idles while the first
     # computes the first microbatch, so there is a bubble.
     from ppserve.metrics.bubbles import bubble_report, intersect, resolve_window, total, union
 
@@ -74,13 +74,15 @@ def test_replay_records_every_token(ctx):
     # The last stage's sends are busy like every other stage's: each sampling step's tokens down the ring to
     # stage 0, then its result to the engine, both after its compute.
     last = max(x.stage for x in run.spans)
-    computed = {x.step_id: x for x in run.spans if x.stage == last and x.kind == "compute" and x.num_decode_tokens}
+    computed = {x.step_id: x for x in run.spans if x.stage == last and x.kind == "compute"
+                and x.num_decode_tokens}
     sends: dict[int, list] = {}
     for x in run.spans:
         if x.stage == last and x.kind == "send":
             sends.setdefault(x.step_id, []).append(x)
     assert computed and set(computed) <= set(sends)
-    assert all(len(sends[i]) == 2 and min(x.start_ns for x in sends[i]) >= c.end_ns for i, c in computed.items())
+    assert all(len(sends[i]) == 2 and min(x.start_ns for x in sends[i]) >= c.end_ns
+               for i, c in computed.items())
     assert s["bubbles"]["mean_bubble_fraction"] == pytest.approx(rep.mean_bubble_fraction)
     assert 0.0 < rep.mean_bubble_fraction < 1.0
     assert len(s["bubbles"]["stages"]) == 2
@@ -139,7 +141,8 @@ def test_validate(ctx):
     # five measured decode steps; the real search starts where the first simulated one ended and stops after
     # its two probes.
     cap = data["capacity"]
-    assert cap["slo"]["tbt_p99_s"] == pytest.approx(5 * cap["slo"]["decode_step_s"]) and cap["slo"]["decode_step_s"] > 0
+    assert (cap["slo"]["tbt_p99_s"] == pytest.approx(5 * cap["slo"]["decode_step_s"])
+            and cap["slo"]["decode_step_s"] > 0)
     assert list(cap["sim"]) == ["fitted on A", "start-up"] and 1 <= len(cap["real"]["probes"]) <= 2
     fitted = cap["sim"]["fitted on A"]
     if fitted["capacity"]:

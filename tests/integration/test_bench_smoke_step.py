@@ -32,8 +32,8 @@ def test_step_efficiency_benchmark_runs(default_model_dir, tmp_path):
 
 def test_paged_decode_benchmark_runs(tmp_path):
     out = tmp_path / "decode.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_paged_decode.py"), "--decodes", "4", "--min-ctx", "5",
-           "--max-ctx", "40", "--calls", "2", "--repeats", "1", "--out", str(out)]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_paged_decode.py"), "--decodes", "4",
+           "--min-ctx", "5", "--max-ctx", "40", "--calls", "2", "--repeats", "1", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

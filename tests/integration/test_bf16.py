@@ -63,7 +63,8 @@ def test_prefill_logits_within_bf16_tolerance(default_model_dir, prompts, hf_bf1
         scale = ref.abs().max().item()
         err = (ours - ref).abs().max().item()
         cos = torch.nn.functional.cosine_similarity(ours, ref, dim=0).item()
-        print(f"prompt of {len(p)} tokens: max |logit diff| {err:.3f} (logit scale {scale:.1f}), cosine {cos:.5f}")
+        print(f"prompt of {len(p)} tokens: max |logit diff| {err:.3f} (logit scale {scale:.1f}), "
+              f"cosine {cos:.5f}")
         assert cos > 0.999
         assert err < 0.05 * scale  # a few bf16 ulps of the largest logits
         assert ours.argmax().item() == ref.argmax().item()
@@ -72,10 +73,12 @@ def test_prefill_logits_within_bf16_tolerance(default_model_dir, prompts, hf_bf1
 def test_greedy_agrees_with_transformers_bf16(default_model_dir, prompts, hf_bf16):
     ref = greedy_continuations(hf_bf16, prompts, MAX_NEW)
     with LLM(str(default_model_dir), dtype="bfloat16", token_budget=64) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        got = [o.token_ids
+               for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)
              for g, r in zip(got, ref, strict=True)]
-    print(f"bf16 greedy agreement with transformers bf16 (tokens before the first difference, of {MAX_NEW}): {agree}")
+    print(f"bf16 greedy agreement with transformers bf16 (tokens before the first difference, of {MAX_NEW}): "
+          f"{agree}")
     # Where a prompt does not agree on its first tokens, the reference itself must be at a near-tie
     # there (two bf16 implementations may break a tie either way), not at a clear winner. Three of these
     # eight prompts have their first token at a reference margin of 0, 0.125 and 0.25 (one or two bf16
@@ -93,13 +96,15 @@ def test_greedy_agrees_with_transformers_bf16(default_model_dir, prompts, hf_bf1
 
 def test_kv_cache_dtype_of_its_own(default_model_dir, prompts):
     """A float32 model over a bfloat16 KV cache: twice the blocks from the same memory budget, and greedy
-    output that follows the all-float32 run on its first tokens (rounding K/V only perturbs logits slightly)."""
+    output that follows the all-float32 run on its first tokens (rounding K/V only perturbs logits
+    slightly)."""
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     runs = {}
     for kv in ("auto", "bfloat16"):
         with LLM(str(default_model_dir), dtype="float32", kv_cache_dtype=kv, token_budget=64,
                  overrides=["cache.kv_cache_memory=67108864"]) as llm:
-            runs[kv] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.stats().kv_blocks_total)
+            runs[kv] = ([o.token_ids for o in llm.generate(prompts, params)],
+                        llm.engine.stats().kv_blocks_total)
     (full, blocks_full), (half, blocks_half) = runs["auto"], runs["bfloat16"]
     assert blocks_half == 2 * blocks_full
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), MAX_NEW)

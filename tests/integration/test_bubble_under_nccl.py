@@ -34,7 +34,8 @@ STEPS = 4
 
 
 class FakeWork:
-    """NCCL-like: `wait` orders the stream after the transfer; the device stands still until the data lands."""
+    """NCCL-like: `wait` orders the stream after the transfer; the device stands still until the data
+    lands."""
 
     def __init__(self, device: FakeDevice) -> None:
         self.device = device

@@ -52,8 +52,9 @@ def test_padded_decodes_match_transformers(tiny_llama_dir, max_batch: int) -> No
     prompts = _prompts(0, 11)
     expected = reference_greedy(tiny_llama_dir, prompts, MAX_NEW)
     # block_size 4 and a small cache: tables of many widths, and preemption (recompute) on the way
-    got, worker, preemptions = _generate(tiny_llama_dir, prompts, cuda_graphs="eager", cuda_graph_max_batch=max_batch,
-                                         block_size=4, num_kv_blocks=60, token_budget=24)
+    got, worker, preemptions = _generate(tiny_llama_dir, prompts, cuda_graphs="eager",
+                                         cuda_graph_max_batch=max_batch, block_size=4, num_kv_blocks=60,
+                                         token_budget=24)
     assert got == expected
     assert worker.graphs is not None and worker.graphs.num_runs > 0
     assert preemptions > 0
@@ -120,7 +121,8 @@ def test_captured_graphs_match_eager_cuda(tiny_llama_dir, dtype: str, block_size
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu_paged"])
 @pytest.mark.parametrize("first_stage", [True, False])
-def test_the_captured_region_makes_no_host_copy_or_sync(tiny_llama_dir, backend: str, first_stage: bool) -> None:
+def test_the_captured_region_makes_no_host_copy_or_sync(tiny_llama_dir, backend: str,
+                                                        first_stage: bool) -> None:
     """What a CUDA graph captures (the runner's forward over its static buffers, metadata included) runs
     here eagerly under the guard that a capture uses: a host copy or a sync anywhere in it fails."""
     from ppserve.model.backend_select import select_backend

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 
-def test_the_demo_serves_its_requests_and_reports_the_pipeline(default_model_dir, ray_session, tmp_path, capsys):
+def test_the_demo_serves_its_requests_and_reports_the_pipeline(default_model_dir, ray_session, tmp_path,
+                                                               capsys):
     from ppserve.cli import main
 
     out = tmp_path / "demo"

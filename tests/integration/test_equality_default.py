@@ -30,7 +30,8 @@ def run(model_dir, prompts, **kwargs):
 
 def assert_same(got, expected):
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert g == e, f"prompt {i}: first mismatch at token {next(j for j, (a, b) in enumerate(zip(g, e, strict=False)) if a != b)}"
+        assert g == e, (f"prompt {i}: first mismatch at token "
+                        f"{next(j for j, (a, b) in enumerate(zip(g, e, strict=False)) if a != b)}")
 
 
 @pytest.mark.parametrize("budget", [7, 64, 512])

@@ -74,7 +74,8 @@ def test_hung_stage_is_rebuilt_after_stage_timeout(ray_session, tiny_llama_dir, 
 
         llm.engine.recover = recording_recover
         try:
-            got, reasons, _ = run_with_kill(llm, prompts, kill_stage=1, kill_after_steps=8, sig=signal.SIGSTOP)
+            got, reasons, _ = run_with_kill(llm, prompts, kill_stage=1, kill_after_steps=8,
+                                            sig=signal.SIGSTOP)
         finally:
             try:
                 os.kill(hung, signal.SIGKILL)  # Ray already killed it in the rebuild (seen: it has)
@@ -140,7 +141,8 @@ def test_server_streams_survive_a_killed_stage(tiny_llama_dir, tmp_path, expecte
                                             "scheduler.token_budget=16")) as server:
         address = server.address or ""
         with ready_client(server) as c:
-            streams = [iter(c.stream(p, max_tokens=long_new, ignore_eos=True, timeout=240)) for p in long_prompts]
+            streams = [iter(c.stream(p, max_tokens=long_new, ignore_eos=True, timeout=240))
+                       for p in long_prompts]
             got: list[list[int]] = [[] for _ in streams]
             reasons: list[str | None] = [None] * len(streams)
             for i, it in enumerate(streams):  # every stream has started
@@ -192,4 +194,5 @@ def test_server_streams_survive_a_killed_stage(tiny_llama_dir, tmp_path, expecte
         log = Path(server.log.name).read_text()
         m = re.search(r"pipeline rebuilt in ([0-9.]+) s", log)
         assert m, log[-3000:]
-        print(f"\nserver: stage 1 killed; pipeline rebuilt in {m.group(1)} s; streams done {elapsed:.1f} s after the kill")
+        print(f"\nserver: stage 1 killed; pipeline rebuilt in {m.group(1)} s; streams done {elapsed:.1f} s "
+              "after the kill")

@@ -23,7 +23,8 @@ DRY_RUN = [p for p in PHASES if p != "correctness_pp1"]
 def test_gpu_check_dry_run_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check"
     proc = subprocess.run([sys.executable, "-m", "ppserve.gpu_check", "--device", "cpu", "--out", str(out),
-                           "--phases", ",".join(DRY_RUN)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--phases", ",".join(DRY_RUN)], capture_output=True, text=True, timeout=600,
+                           cwd=ROOT)
     report = json.loads((out / "gpu_check.json").read_text())
     phases = report["phases"]
     assert list(phases) == DRY_RUN
@@ -54,11 +55,13 @@ def test_gpu_check_dry_run_on_cpu(tmp_path: Path) -> None:
     assert all(x["cached_prompt_tokens"] == 0 for x in roofline["decode"] + roofline["prefill"])
     assert all(x["runs"] == plan(cuda=False)["repeats"] for x in roofline["prefill"])
     summary = (out / "summary.txt").read_text()
-    assert summary.startswith("phase") and "1 not run (gpu_tests)" in summary and "not verified on CPU" in summary
+    assert (summary.startswith("phase") and "1 not run (gpu_tests)" in summary
+            and "not verified on CPU" in summary)
     assert proc.returncode == 0 and report["ok"] is True, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_a_phase_that_dies_without_its_json_fails_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_phase_that_dies_without_its_json_fails_the_check(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A phase killed at its limit (or by the OOM killer) leaves no JSON: the runner records it as failed
     and goes on; running out of the budget is "not run", neither a pass nor a failure."""
     from ppserve.gpu_check import runner
@@ -70,7 +73,8 @@ def test_a_phase_that_dies_without_its_json_fails_the_check(tmp_path: Path, monk
     assert code == 1 and report["ok"] is False and report["failed"] == ["environment"]
     assert "killed at its" in report["phases"]["environment"]["error"]
     monkeypatch.setattr(runner, "MIN_PHASE_S", 20)
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "gpu_tests", "--budget-s", "10"])
+    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "gpu_tests",
+                        "--budget-s", "10"])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0 and report["not_run"] == ["gpu_tests"] and not report["failed"]
     assert "out of time" in report["phases"]["gpu_tests"]["not_run"]

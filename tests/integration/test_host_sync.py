@@ -43,8 +43,8 @@ def test_penalties_sampling_and_logprobs_stay_inside_the_one_read(tiny_llama_dir
                              presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2,
                              ignore_eos=True),
               SamplingParams(max_tokens=MAX_NEW, temperature=0.0, min_tokens=4, ignore_eos=True)]
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
-             block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2,
+             token_budget=24, block_size=4) as llm:
         outs = [llm.generate(prompts, p) for p in params]
     assert all(len(o.token_ids) == MAX_NEW for run in outs for o in run)
 
@@ -59,8 +59,8 @@ def test_a_read_inside_a_stage_step_fails_with_the_stage_and_step_named(tiny_lla
         return hidden
 
     monkeypatch.setattr(StageWorker, "_forward", reading_forward)
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
-             block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2,
+             token_budget=24, block_size=4) as llm:
         with pytest.raises(HostSyncError, match=r"stage 1 tp 0 step \d+: .*__float__"):
             llm.generate(prompts[:1], SamplingParams(max_tokens=2))
 

@@ -34,7 +34,8 @@ class SteppedDevice(FakeDevice):
     step_id = -1
 
 
-def test_cost_fit_gets_each_steps_own_composition_and_times(tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cost_fit_gets_each_steps_own_composition_and_times(tiny_llama_dir,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     devices: dict[int, SteppedDevice] = {}
 
     class TellingTimer(EventStepTimer):
@@ -60,18 +61,20 @@ def test_cost_fit_gets_each_steps_own_composition_and_times(tiny_llama_dir, monk
     monkeypatch.setattr(stage_worker, "step_timer_for", fake_timer)
     monkeypatch.setattr(stage_worker.StageWorker, "_forward", timed_forward)
     prompts = random_prompts(1, (3, 9, 20, 31))
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=16,
-             block_size=4, overrides=["scheduler.budget_mode=time"]) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2,
+             token_budget=16, block_size=4, overrides=["scheduler.budget_mode=time"]) as llm:
         sched, core = llm.engine.scheduler, llm.engine.core
         outs: dict[int, Any] = {}
         results: list[Any] = []
         fitted: list[tuple[BatchShape, tuple[float, ...]]] = []
-        core.step_observers.append(lambda out, result: (outs.__setitem__(out.step_id, out), results.append(result)))
+        core.step_observers.append(lambda out, result: (outs.__setitem__(out.step_id, out),
+                                                        results.append(result)))
         fit = sched.cost.observe
         monkeypatch.setattr(sched.cost, "observe", lambda shape, secs: (fitted.append((shape, tuple(secs))),
                                                                        fit(shape, secs)))
         syncs = {s: d.num_syncs for s, d in devices.items()}
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        got = [o.token_ids
+               for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
         assert {s: d.num_syncs for s, d in devices.items()} == syncs  # no stage waited on an event in a step
         spans = [s for s in llm.engine.collect_spans() if s.kind == "compute"]
     assert got == reference_greedy(tiny_llama_dir, prompts, MAX_NEW)

@@ -1,6 +1,6 @@
 """bf16 linears: on CPUs with AMX or AVX512-BF16, ppserve's panel kernel for every weight it can take;
-otherwise a per-shape timed choice between the prepacked oneDNN primitive and plain F.linear (and for small row
-counts the prepacked primitive run padded to 64 rows)."""
+otherwise a per-shape timed choice between the prepacked oneDNN primitive and plain F.linear (and for small
+row counts the prepacked primitive run padded to 64 rows)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def test_the_fastest_path_wins_and_is_remembered_per_shape(monkeypatch) -> None:
 
     slow, fast = candidate(0.004), candidate(0.0)
     small, big = (8, 4, 32), (8, 4, 64)
-    assert fastest_path(small, lambda: {("packed", 32): slow, ("plain", 32): slow, ("packed", 64): fast}) == ("packed", 64)
+    assert fastest_path(small, lambda: {("packed", 32): slow, ("plain", 32): slow,
+                                        ("packed", 64): fast}) == ("packed", 64)
     assert fastest_path(big, lambda: {("packed", 64): fast, ("plain", 64): slow}) == ("packed", 64)
 
     def never() -> dict:
@@ -97,7 +98,8 @@ def test_weights_the_panel_kernel_cannot_take_stay_with_onednn() -> None:
     fast.pack(weight)
     assert fast.panels is None and fast.packed is not None
     x = torch.randn(5, 64).bfloat16()
-    torch.testing.assert_close(fast.linear(x, weight, None).float(), (x.float() @ weight.float().T), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fast.linear(x, weight, None).float(), (x.float() @ weight.float().T),
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 37, 512])
@@ -118,7 +120,8 @@ def test_gate_up_with_silu_in_the_panel_kernels_epilogue(rows: int) -> None:
     assert got is not None and got.shape == (rows, 1536)
     # the GEMMs accumulate in different orders, then three roundings follow: within two bf16 steps
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
-    torch.testing.assert_close(gate_up(x).float(), torch.cat([gate, up], -1).float())  # a plain forward still works
+    # a plain forward still works
+    torch.testing.assert_close(gate_up(x).float(), torch.cat([gate, up], -1).float())
     assert gate_up.silu_mul(x.float()) is None  # float32: the caller's eager path
 
 
@@ -157,7 +160,8 @@ def test_warm_up_primes_every_bucket_so_that_no_serving_step_times_a_path(monkey
     for m in stage.values():
         m.fast.pack(m.weight, use_panels=False)  # the timed oneDNN path, also on a CPU with a panel kernel
     assert prime_linear_paths(stage, max_tokens=100, max_logit_rows=40) == 4 + 4 + 2
-    assert set(gemm._FASTEST) == ({(96, 64, b) for b in (32, 64, 96, 128)} | {(64, 96, b) for b in (32, 64, 96, 128)}
+    assert set(gemm._FASTEST) == ({(96, 64, b) for b in (32, 64, 96, 128)}
+                                  | {(64, 96, b) for b in (32, 64, 96, 128)}
                                   | {(256, 64, 32), (256, 64, 64)})
     assert prime_linear_paths(stage, max_tokens=100, max_logit_rows=40) == 0  # nothing left to time
 

@@ -1,4 +1,5 @@
-"""The weight loader on the default SmolLM2 GGUF: one-time conversion, layer-range reads, direct GGUF reads."""
+"""The weight loader on the default SmolLM2 GGUF: one-time conversion, layer-range reads, direct GGUF
+reads."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def conversion(default_model_conversion: tuple[Path, bool], tmp_path_factory: py
                ) -> tuple[Path, Path]:
     """(cache dir, model dir) of a one-time GGUF conversion made by this checkout's code in this session:
     the session's own when it just converted into a cold user cache (a fresh install), else a conversion
-    into a new directory (~35 s on 2 cores). An older conversion in the user cache is never what is checked."""
+    into a new directory (~35 s on 2 cores). An older conversion in the user cache is never what is
+    checked."""
     model_dir, converted_now = default_model_conversion
     if converted_now:
         return model_dir.parent, model_dir
@@ -51,10 +53,12 @@ def chat_ids(model_dir: Path) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False))
 
 
-def test_default_model_converts_once(model_dir: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_converts_once(model_dir: Path, cache_dir: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     assert model_dir.parent == cache_dir
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file(), name
@@ -138,12 +142,14 @@ def test_bad_model_paths_are_rejected(tmp_path: Path) -> None:
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path)
 
 
-def test_conversion_race_loser_keeps_winners_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_conversion_race_loser_keeps_winners_directory(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"not really gguf")
 
     # A first conversion (with a stand-in writer) fixes the target directory's name.
-    monkeypatch.setattr(loader, "_write_hf_dir", lambda g, out: (out / "config.json").write_text('{"who": "first"}'))
+    monkeypatch.setattr(loader, "_write_hf_dir",
+                        lambda g, out: (out / "config.json").write_text('{"who": "first"}'))
     first = loader.convert_gguf(fake, tmp_path / "cache")
     # Make the target look unfinished so the next call converts again, and let a rival finish mid-way.
     (first / "config.json").unlink()

@@ -35,7 +35,8 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+def tiny(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     path = make_tiny_llama_dir(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
     return path, hf_model(path)
 
@@ -116,7 +117,8 @@ def test_tensor_parallel_2_matches_tp_1(tiny_llama: Path, tmp_path: Path) -> Non
 def test_missing_tensor_is_reported(tiny_llama: Path) -> None:
     arch = describe_model(read_hf_config(tiny_llama))
     model = build_stage_model(arch, 2, 4)
-    weights = [(n, t) for n, t in iter_weights(tiny_llama, 2, 4, 4, False, True) if "layers.3.mlp.up_proj" not in n]
+    weights = [(n, t)
+               for n, t in iter_weights(tiny_llama, 2, 4, 4, False, True) if "layers.3.mlp.up_proj" not in n]
     with pytest.raises(ValueError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
         model.load_weights(weights)
 
@@ -162,7 +164,8 @@ def test_a_tp_rank_reads_only_its_shard_from_disk(tmp_path: Path, arch_name: str
         per_rank.append(read_bytes)
         down = model.layers[1].mlp.down_proj.weight  # row-parallel: this rank's columns
         cols = down.shape[1]
-        torch.testing.assert_close(down, full["model.layers.2.mlp.down_proj.weight"][:, rank * cols:(rank + 1) * cols])
+        torch.testing.assert_close(
+            down, full["model.layers.2.mlp.down_proj.weight"][:, rank * cols:(rank + 1) * cols])
     # The norms are replicated, the rest is split: each rank reads a little more than half.
     for b in per_rank:
         assert 0.45 * layer_bytes < b < 0.6 * layer_bytes, (b, layer_bytes)

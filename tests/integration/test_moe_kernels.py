@@ -22,7 +22,8 @@ from ppserve.model.triton_attention import interpreting, triton_available
 from ppserve.worker.capture_guard import no_host_transfers
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="needs the triton package")
-needs_interpreter = pytest.mark.skipif(not interpreting(), reason="CPU check of the kernel under TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(not interpreting(),
+                                       reason="CPU check of the kernel under TRITON_INTERPRET=1")
 
 
 def per_token_loop(x, ids, weights, w13, w2):
@@ -49,8 +50,8 @@ def test_grouped_path_equals_the_per_token_loop():
     x, ids, weights, w13, w2 = random_experts(37, 64, 48, 8, 2)
     ids[:20, 0] = 3  # one expert crowded, others likely idle
     ids[:20, 1] = 5
-    torch.testing.assert_close(grouped_experts(x, ids, weights, w13, w2), per_token_loop(x, ids, weights, w13, w2),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped_experts(x, ids, weights, w13, w2),
+                               per_token_loop(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,7 +103,8 @@ def test_one_token_takes_its_experts_directly_with_the_grouped_paths_numbers(dty
     one = grouped_experts(x[:1], ids[:1], weights[:1], w13, w2, packed=packed)
     assert one.shape == (1, 64) and torch.equal(one[0], pair[0])
     if dtype == torch.float32:
-        torch.testing.assert_close(one, per_token_loop(x[:1], ids[:1], weights[:1], w13, w2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(one, per_token_loop(x[:1], ids[:1], weights[:1], w13, w2), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_the_expert_matmuls_dispatch_rule():
@@ -119,8 +121,8 @@ def test_the_expert_matmuls_dispatch_rule():
     # the result is still right, asking for grouped_mm by name says why not.
     x, ids, weights, w13, w2 = random_experts(8, 64, 6, 8, 2)
     assert not uses_grouped_mm(16, 8, x, w13, w2)
-    torch.testing.assert_close(grouped_experts(x, ids, weights, w13, w2), per_token_loop(x, ids, weights, w13, w2),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grouped_experts(x, ids, weights, w13, w2),
+                               per_token_loop(x, ids, weights, w13, w2), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="expert intermediate 6 .*16-byte aligned rows"):
         grouped_experts(x, ids, weights, w13, w2, expert_matmuls="grouped_mm")
 
@@ -141,7 +143,8 @@ def test_the_panel_expert_path_agrees_with_the_torch_paths(routing, monkeypatch)
     elif routing == "no tokens":
         x, ids, weights = x[:0], ids[:0], weights[:0]
     packed = pack_experts(w13, w2)
-    assert packed is not None and packed.gate_up.shape == (8, 8, 2, 16, 16, 2) and packed.down.shape == (8, 4, 2, 16, 16, 2)
+    assert (packed is not None and packed.gate_up.shape == (8, 8, 2, 16, 16, 2)
+            and packed.down.shape == (8, 4, 2, 16, 16, 2))
     panel_runs = []
     real = moe_ops._panel_expert_matmuls
     monkeypatch.setattr(moe_ops, "_panel_expert_matmuls", lambda *args: panel_runs.append(1) or real(*args))
@@ -164,11 +167,13 @@ def test_only_what_the_panel_gemm_takes_is_packed():
     _, _, _, w13_narrow, w2_narrow = random_experts(4, 64, 48, 8, 2, torch.bfloat16)
     assert pack_experts(w13_narrow, w2_narrow) is None  # a TP slice of 48 columns: not a 32-multiple
     try:
-        configure(KernelSettings(linear_path="plain"))  # model.linear_path: plain, torch's GEMMs for everything
+        # model.linear_path: plain, torch's GEMMs for everything
+        configure(KernelSettings(linear_path="plain"))
         assert pack_experts(w13, w2) is None
         configure(KernelSettings(amx=False))  # model.amx_kernels: false leaves the AVX512-BF16 kernel, if any
         packed = pack_experts(w13, w2)
-        assert (packed.kernel if packed else None) == (None if native.panel_gemm("avx512") is None else "avx512")
+        assert (packed.kernel if packed else None) == (None if native.panel_gemm("avx512") is None
+                                                       else "avx512")
     finally:
         configure(KernelSettings())
     block = SparseMoeBlock(64, MoeSpec(8, 2, 64, True, True, (0,)), TPContext(), torch.bfloat16, "cpu")
@@ -196,7 +201,8 @@ def test_block_layout_is_sorted_padded_and_needs_no_host_sync():
     (1, 40, 24, 4, 1, torch.float32),  # one decode, top-1, hidden not a multiple of the tile
     (40, 64, 32, 4, 2, torch.bfloat16),  # experts with more rows than a block
 ])
-@pytest.mark.parametrize("weights_dtype", [torch.float32, None])  # Mixtral's float32 weights; Qwen's model dtype
+# Mixtral's float32 weights; Qwen's model dtype
+@pytest.mark.parametrize("weights_dtype", [torch.float32, None])
 def test_triton_fused_moe_matches_the_grouped_path(t, h, inter, e, k, dtype, weights_dtype):
     from ppserve.model.triton_moe import fused_moe
 
@@ -247,7 +253,8 @@ def hf_and_ours(family: str, router_rows: torch.Tensor | None = None):
     ours.gate.weight_loader(ours.gate.weight, hf.gate.weight.detach())
     ours.experts.gate_up.weight_loader(ours.experts.gate_up.weight, hf.experts.gate_up_proj.detach(),
                                        ExpertShard(None, "gate_up"))
-    ours.experts.down.weight_loader(ours.experts.down.weight, hf.experts.down_proj.detach(), ExpertShard(None, "down"))
+    ours.experts.down.weight_loader(ours.experts.down.weight, hf.experts.down_proj.detach(),
+                                    ExpertShard(None, "down"))
     return hf.eval(), ours
 
 
@@ -308,7 +315,7 @@ def test_the_bf16_router_on_cpu_takes_float32_logits_rounded_as_the_bf16_gemm_ro
     assert ours.gate.weight_f32 is None
 
 
-# ---- the native routing kernels (csrc/moe_route.c) ----------------------------------------------------------
+# ---- the native routing kernels (csrc/moe_route.c) -------------------------------------------------------
 
 def routing_or_skip() -> native.MoeRouting:
     kernel = native.moe_routing()
@@ -352,7 +359,8 @@ def torch_routing(gate, x):
     return gate.choose(F.linear(x.float(), gate.weight_f32).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize(("family", "normalize"), [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
+@pytest.mark.parametrize(("family", "normalize"),
+                         [("qwen3_moe", False), ("qwen3_moe", True), ("mixtral", True)])
 @pytest.mark.parametrize("logits_in", ["kernel", "torch"])
 def test_the_routing_kernel_chooses_as_the_torch_chain(family, normalize, logits_in, monkeypatch):
     """The same experts in the same order, and the same weights to within one rounding of the weights' dtype
@@ -504,7 +512,8 @@ def test_moe_models_capture_only_on_the_triton_kernel(tmp_path):
     for layer in stage.layers:
         layer.mlp.kernel = "triton"
     assert stage.capturable == (triton_available())
-    with pytest.raises(ValueError, match="cuda_graphs=eager: this model's MoE layers run the grouped expert path"):
+    with pytest.raises(ValueError,
+                       match="cuda_graphs=eager: this model's MoE layers run the grouped expert path"):
         LLM(str(model_dir), dtype="float32", executor="inproc", overrides=["model.cuda_graphs=eager"])
 
 
@@ -523,7 +532,8 @@ def test_a_model_on_the_triton_moe_kernel_equals_transformers(tmp_path):
     expected = reference_greedy(model_dir, prompts, 3)
     with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=4,
              max_num_seqs=4, block_size=4, overrides=["model.moe_kernel=triton"]) as llm:
-        blocks = [m for w in llm.engine.executor.workers for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
+        blocks = [m for w in llm.engine.executor.workers
+                  for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
         assert len(blocks) == 2 and all(b.kernel == "triton" for b in blocks)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))]
     assert got == expected

@@ -39,7 +39,8 @@ def test_qwen3_moe_is_described_with_its_dense_layer(qwen3_moe_dir):
     assert arch.moe is not None and arch.moe.sparse_layers == (0, 2, 3)
     assert (arch.moe.num_experts, arch.moe.top_k, arch.moe.expert_intermediate_size) == (8, 2, 32)
     cfg = read_hf_config(qwen3_moe_dir)
-    assert describe_model({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": []}).moe.sparse_layers == (1, 3)
+    sparse_every_other = describe_model({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": []})
+    assert sparse_every_other.moe.sparse_layers == (1, 3)
 
 
 @pytest.mark.parametrize(("pp", "budget"), [(2, 13), (3, 7)])  # odd budgets: chunked prefills (pp=1: below)
@@ -50,8 +51,9 @@ def test_qwen3_moe_equals_transformers_in_process(qwen3_moe_dir, prompts, qwen3_
 
 
 def test_qwen3_moe_with_preemption(qwen3_moe_dir, prompts, qwen3_moe_expected):
-    got, preemptions = ppserve_greedy(qwen3_moe_dir, prompts, MAX_NEW, executor="inproc", pipeline_parallel_size=2,
-                                      token_budget=32, block_size=4, num_kv_blocks=24)
+    got, preemptions = ppserve_greedy(qwen3_moe_dir, prompts, MAX_NEW, executor="inproc",
+                                      pipeline_parallel_size=2, token_budget=32, block_size=4,
+                                      num_kv_blocks=24)
     assert preemptions > 0
     assert got == qwen3_moe_expected
 
@@ -63,7 +65,8 @@ def test_qwen3_moe_on_a_ray_pipeline_with_tp(ray_session, qwen3_moe_dir, prompts
     assert got == qwen3_moe_expected
 
 
-@pytest.mark.parametrize(("arch", "fused", "pp"), [("qwen3", False, 2), ("mixtral", False, 3), ("qwen3_moe", True, 1)])
+@pytest.mark.parametrize(("arch", "fused", "pp"),
+                         [("qwen3", False, 2), ("mixtral", False, 3), ("qwen3_moe", True, 1)])
 def test_other_families_and_the_fused_layout_equal_transformers(tmp_path, prompts, arch, fused, pp):
     model_dir = make_tiny_qwen3_dir(tmp_path / arch, arch=arch, fused=fused, num_layers=3, experts=4, seed=1)
     prompts = prompts[1:]  # a prefill in two or more chunks each; transformers' Mixtral is slow on CPU
@@ -73,14 +76,15 @@ def test_other_families_and_the_fused_layout_equal_transformers(tmp_path, prompt
 
 
 def test_bf16_agrees_with_transformers_bf16(qwen3_moe_dir, prompts):
-    """bf16 drifts on both sides (and a router near a tie may pick another expert): agreement, not equality."""
+    """bf16 drifts on both sides (and a router near a tie may pick another expert): agreement, not
+    equality."""
     from transformers import AutoModelForCausalLM
 
     ref_model = AutoModelForCausalLM.from_pretrained(qwen3_moe_dir, dtype=torch.bfloat16).eval()
     prompts, new = prompts[1:3], 8
     ref = greedy_continuations(ref_model, prompts, new)
-    with LLM(str(qwen3_moe_dir), dtype="bfloat16", executor="inproc", pipeline_parallel_size=2, token_budget=16,
-             block_size=4) as llm:
+    with LLM(str(qwen3_moe_dir), dtype="bfloat16", executor="inproc", pipeline_parallel_size=2,
+             token_budget=16, block_size=4) as llm:
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))]
     agree = [next((j for j, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), new)
              for g, r in zip(got, ref, strict=True)]
@@ -120,10 +124,12 @@ def test_qwen3_moe_through_grpc_and_http(qwen3_moe_dir, prompts, qwen3_moe_expec
 
     from tests.server_helpers import ready_client, running_server, set_args
 
-    with running_server(tmp_path, *set_args(f"model.model={qwen3_moe_dir}", "parallel.pipeline_parallel_size=1",
-                                            "parallel.executor=inproc", "cache.block_size=4")) as server, \
+    with running_server(tmp_path, *set_args(f"model.model={qwen3_moe_dir}",
+                                            "parallel.pipeline_parallel_size=1", "parallel.executor=inproc",
+                                            "cache.block_size=4")) as server, \
             ready_client(server) as client:
-        got = [client.generate(p, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0).token_ids for p in prompts[:2]]
+        got = [client.generate(p, max_tokens=MAX_NEW, ignore_eos=True, temperature=0.0).token_ids
+               for p in prompts[:2]]
         assert got == qwen3_moe_expected[:2]
         assert server.http_url is not None
         name = httpx.get(f"{server.http_url}/models", timeout=30).json()["data"][0]["id"]
@@ -138,7 +144,8 @@ def test_both_layouts_give_each_tp_rank_the_same_expert_slices(tmp_path):
     and from the fused ones alike (no process group needed to load)."""
     from ppserve.model.parallel import TPContext
 
-    hub, fused = (make_tiny_qwen3_dir(tmp_path / name, arch="mixtral", num_layers=1, experts=4, fused=f, seed=3)
+    hub, fused = (make_tiny_qwen3_dir(tmp_path / name, arch="mixtral", num_layers=1, experts=4, fused=f,
+                                      seed=3)
                   for name, f in (("hub", False), ("fused", True)))
     a, b = (load_stage_model(d, 0, 1, TPContext(rank=1, size=2)).layers[0].mlp.experts for d in (hub, fused))
     assert a.gate_up.weight.shape == (4, 2 * 16, 64)
@@ -163,8 +170,10 @@ def test_qwen3_q_and_k_norms_in_one_pass_equal_two_norms_then_the_rotation(qwen3
     cos, sin = RotaryEmbedding(d, 10000.0).cos_sin(torch.arange(7, 7 + t), dtype)
     qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
     qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)  # a strided view, as the forward pass hands it
-    normed = torch.cat((ops.rms_norm(qk[:, :hq].reshape(-1, d), attn.q_norm.weight, attn.q_norm.eps).view(t, hq, d),
-                        ops.rms_norm(qk[:, hq:].reshape(-1, d), attn.k_norm.weight, attn.k_norm.eps).view(t, hkv, d)),
+    normed = torch.cat((ops.rms_norm(qk[:, :hq].reshape(-1, d), attn.q_norm.weight,
+                                     attn.q_norm.eps).view(t, hq, d),
+                        ops.rms_norm(qk[:, hq:].reshape(-1, d), attn.k_norm.weight,
+                                     attn.k_norm.eps).view(t, hkv, d)),
                        dim=1)
     expected = RotaryEmbedding.apply(normed, cos, sin, inplace=True)
     v_before = qkv[:, (hq + hkv) * d:].clone()

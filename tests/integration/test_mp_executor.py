@@ -40,7 +40,7 @@ def expected(tiny_llama_dir, prompts):
 def test_mp_pipeline_equals_transformers(tiny_llama_dir, prompts, expected, pp, tp, link):
     got, _ = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, executor="mp", pipeline_parallel_size=pp,
                             tensor_parallel_size=tp, token_budget=16, block_size=4,
-                            overrides=[f"parallel.stage_link={link}", "scheduler.async_scheduling=true"])
+                            overrides=[f"parallel.stage_link={link}", "scheduler.token_ring=true"])
     assert got == expected
 
 
@@ -57,7 +57,8 @@ def test_mp_stage_killed_mid_run_is_rebuilt(tiny_llama_dir, prompts):
 
 def test_mp_executor_refuses_more_gpu_ranks_than_gpus(tiny_llama_dir):
     with pytest.raises(ValueError, match="one GPU of this machine"):
-        LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2, overrides=["parallel.gpus_per_worker=1"])
+        LLM(str(tiny_llama_dir), executor="mp", pipeline_parallel_size=2,
+            overrides=["parallel.gpus_per_worker=1"])
 
 
 def test_auto_without_ray_runs_the_pipeline_on_processes(tiny_llama_dir, prompts, expected, tmp_path):
@@ -76,9 +77,10 @@ def test_auto_without_ray_runs_the_pipeline_on_processes(tiny_llama_dir, prompts
                                    "tokens": [o.token_ids for o in outs], "ray": "ray" in sys.modules
                                    and sys.modules["ray"] is not None}}))
         """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=tmp_path)
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"executor": "MultiprocExecutor", "tokens": expected, "ray": False}

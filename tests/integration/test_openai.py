@@ -29,7 +29,8 @@ HAIKU = "Write a haiku about pipelines."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with running_server(tmp_path_factory.mktemp("openai"), *set_args(
-            "parallel.pipeline_parallel_size=1", "parallel.executor=inproc", f"server.auth_token={TOKEN}")) as proc:
+            "parallel.pipeline_parallel_size=1", "parallel.executor=inproc",
+            f"server.auth_token={TOKEN}")) as proc:
         assert proc.http_url is not None, "".join(proc.lines)
         yield proc
 
@@ -175,8 +176,8 @@ def test_logprobs_equal_log_softmax_of_the_reference(client: Any, reference: Any
         top_ids = ref_lp[pos].topk(3).indices.tolist()
         assert list(lp.top_logprobs[pos].values()) == pytest.approx(ref_lp[pos, top_ids].tolist(), abs=2e-3)
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                          temperature=0, logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for entry in content:
@@ -226,7 +227,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(client: Any, kwargs: 
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_disconnect_cancels_the_request_and_frees_its_kv_blocks(server: ServerProcess, http: httpx.Client) -> None:
+def test_a_disconnect_cancels_the_request_and_frees_its_kv_blocks(server: ServerProcess,
+                                                                  http: httpx.Client) -> None:
     before = _wait_idle(http)
     cancelled = 'ppserve:request_success_total{finished_reason=cancelled}'
     body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True,

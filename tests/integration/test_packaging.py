@@ -46,11 +46,13 @@ def test_the_wheel_ships_its_data(installed: Path, tmp_path: Path) -> None:
 
 
 def test_simulate_runs_from_an_installed_wheel(installed: Path, tmp_path: Path) -> None:
-    assert "--hardware" in _run(installed, tmp_path, "-m", "ppserve.cli", "simulate", "--hardware", "a100", "--help")
+    assert "--hardware" in _run(installed, tmp_path, "-m", "ppserve.cli", "simulate", "--hardware", "a100",
+                                "--help")
     trace = tmp_path / "trace.csv"
     rows = [f"{i * 0.05:.2f},{200 + 37 * i},{20 + i % 7}" for i in range(40)]
     trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "\n".join(rows) + "\n")
-    out = _run(installed, tmp_path, "-m", "ppserve.cli", "simulate", "--hardware", "a100", "--model", "llama3-8b",
-               "--pp", "2", "--workload", str(trace), "--json", str(tmp_path / "sim.json"))
+    out = _run(installed, tmp_path, "-m", "ppserve.cli", "simulate", "--hardware", "a100",
+               "--model", "llama3-8b", "--pp", "2", "--workload", str(trace),
+               "--json", str(tmp_path / "sim.json"))
     assert (tmp_path / "sim.json").is_file(), out
     assert "bubble" in out.lower()

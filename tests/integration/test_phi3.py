@@ -39,7 +39,8 @@ def test_the_checkpoint_is_fused_and_described(phi3_dir):
     (path,) = phi3_dir.glob("*.safetensors")
     with safe_open(str(path), framework="pt") as f:
         names = set(f.keys())
-    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert ("model.layers.0.self_attn.qkv_proj.weight" in names
+            and "model.layers.0.mlp.gate_up_proj.weight" in names)
     assert not any("q_proj" in n or "gate_proj" in n for n in names)
     arch = describe_model(read_hf_config(phi3_dir))
     assert arch.architecture == "Phi3ForCausalLM" and arch.num_kv_heads == 2 and arch.intermediate_size == 96
@@ -49,15 +50,17 @@ def test_the_checkpoint_is_fused_and_described(phi3_dir):
 def test_phi3_equals_transformers_in_process(phi3_dir, prompts, expected, pp):
     with LLM(str(phi3_dir), dtype="float32", executor="inproc", pipeline_parallel_size=pp, token_budget=16,
              block_size=4) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        got = [o.token_ids
+               for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
     assert got == expected
 
 
 def test_phi3_equals_transformers_on_a_ray_pipeline_with_tp(ray_session, phi3_dir, prompts, expected):
     """pp=2 x tp=2: each rank keeps its slice of every fused tensor."""
-    with LLM(str(phi3_dir), dtype="float32", pipeline_parallel_size=2, tensor_parallel_size=2, token_budget=16,
-             block_size=4) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+    with LLM(str(phi3_dir), dtype="float32", pipeline_parallel_size=2, tensor_parallel_size=2,
+             token_budget=16, block_size=4) as llm:
+        got = [o.token_ids
+               for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
     assert got == expected
 
 

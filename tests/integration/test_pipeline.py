@@ -39,7 +39,8 @@ def test_in_process_pipeline_equals_transformers(tiny_llama_dir, prompts, expect
     assert got == expected
 
 
-def test_calibrated_partition_is_measured_once_and_cached(tiny_llama_dir, prompts, expected, tmp_path, monkeypatch):
+def test_calibrated_partition_is_measured_once_and_cached(tiny_llama_dir, prompts, expected, tmp_path,
+                                                          monkeypatch):
     """partition_mode: calibrated measures the stage costs on a short run, caches the profile under
     $PPSERVE_CACHE_DIR (keyed: tests/unit/test_partition.py), reads it back the next time (no second
     run) and starts the scheduler's cost model from it; the tokens are unchanged."""
@@ -51,8 +52,9 @@ def test_calibrated_partition_is_measured_once_and_cached(tiny_llama_dir, prompt
     monkeypatch.setattr(calibration, "measure_cost_profile", lambda e: runs.append(1) or measure(e))
     monkeypatch.setattr(calibration, "CALIBRATION_OUTPUT", 8)  # a shorter run: the mechanism, not the figure
     for _ in range(2):
-        got, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=2, token_budget=24,
-                          block_size=4, max_num_seqs=4, overrides=["parallel.partition_mode=calibrated"])
+        got, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=2,
+                          token_budget=24, block_size=4, max_num_seqs=4,
+                          overrides=["parallel.partition_mode=calibrated"])
         assert got == expected
     assert len(runs) == 1
     (cached,) = (tmp_path / "partition").glob("*.json")
@@ -61,9 +63,10 @@ def test_calibrated_partition_is_measured_once_and_cached(tiny_llama_dir, prompt
 
 
 @pytest.mark.parametrize("dispatch,pp,tp", [("compiled", 2, 2), ("classic", 3, 1)])
-def test_other_control_planes_equal_transformers(ray_session, tiny_llama_dir, prompts, expected, dispatch, pp, tp):
-    got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=pp, tensor_parallel_size=tp, token_budget=16,
-                      block_size=4, overrides=[f"parallel.dispatch={dispatch}"])
+def test_other_control_planes_equal_transformers(ray_session, tiny_llama_dir, prompts, expected, dispatch, pp,
+                                                 tp):
+    got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                      token_budget=16, block_size=4, overrides=[f"parallel.dispatch={dispatch}"])
     assert got == expected
 
 
@@ -134,7 +137,8 @@ def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_pat
     """Count in-flight microbatches and per-request membership from the stages' own spans."""
     rng = random.Random(1)
     pp = 3
-    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=pp, token_budget=20, block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=pp, token_budget=20,
+             block_size=4) as llm:
         formed = {}  # step id -> SchedulerOutput, to tell which microbatch samples a request
         schedule = llm.engine.scheduler.schedule
 
@@ -217,6 +221,7 @@ def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_pat
 
 
 def test_tracing_off_records_nothing(ray_session, tiny_llama_dir):
-    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, trace=False, block_size=4) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", pipeline_parallel_size=2, trace=False,
+             block_size=4) as llm:
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
         assert [s for s in llm.spans() if s.kind != "schedule"] == []

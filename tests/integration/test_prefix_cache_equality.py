@@ -20,7 +20,8 @@ BLOCK = 4
 def prompts():
     system = random_prompts(1, (24,))[0]  # 6 full blocks shared by every prompt but the last
     tails = random_prompts(2, (1, 5, 9, 17, 30))
-    return [system + t for t in tails] + [system, system, random_prompts(3, (13,))[0]]  # system: block-aligned
+    # system: block-aligned
+    return [system + t for t in tails] + [system, system, random_prompts(3, (13,))[0]]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,11 @@ def generate(model_dir, prompts, n=1, **kwargs):
 
 @pytest.mark.parametrize("pp,budget", [(1, 7), (2, 13), (3, 24)])
 def test_caching_on_equals_transformers(tiny_llama_dir, prompts, expected, pp, budget):
-    on, blocks, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=pp, token_budget=budget)
+    on, blocks, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=pp,
+                             token_budget=budget)
     assert on == expected
-    assert blocks.num_hit_tokens >= 5 * 24 - 8  # every prompt after the first shares most of the system prompt
+    # every prompt after the first shares most of the system prompt
+    assert blocks.num_hit_tokens >= 5 * 24 - 8
 
 
 def test_caching_off_equals_transformers(tiny_llama_dir, prompts, expected):
@@ -75,8 +78,8 @@ def test_n_choices_share_the_prompt_in_one_microbatch(tiny_llama_dir, prompts, e
 
 def test_next_chat_turn_hits_the_previous_answer(tiny_llama_dir, prompts, tmp_path):
     first = prompts[1]
-    with LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK, executor="inproc", pipeline_parallel_size=2,
-             token_budget=16) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", block_size=BLOCK, executor="inproc",
+             pipeline_parallel_size=2, token_budget=16) as llm:
         sp = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
         answer = llm.generate([first], sp)[0].token_ids
         turn2 = first + answer + random_prompts(4, (6,))[0]

@@ -28,8 +28,8 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_cache_salt_cached_tokens_and_counters(tiny_llama_dir):
-    cfg = load_config(None, [f"model.model={tiny_llama_dir}", "model.dtype=float32", "parallel.executor=inproc",
-                             "cache.block_size=4", "scheduler.token_budget=64"])
+    cfg = load_config(None, [f"model.model={tiny_llama_dir}", "model.dtype=float32",
+                             "parallel.executor=inproc", "cache.block_size=4", "scheduler.token_budget=64"])
 
     async def main():  # type: ignore[no-untyped-def]
         engine = AsyncEngine(LLMEngine(cfg))
@@ -50,10 +50,12 @@ def test_cache_salt_cached_tokens_and_counters(tiny_llama_dir):
                     assert r.status_code == 200, r.text
                     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-                got["http_salted"] = await completion(cache_salt="tenant-b")  # the gRPC request's salt: shared
+                # the gRPC request's salt: shared
+                got["http_salted"] = await completion(cache_salt="tenant-b")
                 got["http_new_salt"] = await completion(cache_salt="tenant-c")
-                r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True,
-                                                             "stream_options": {"include_usage": True}})
+                r = await http.post("/v1/completions",
+                                    json={"prompt": PROMPT, "max_tokens": 2, "stream": True,
+                                          "stream_options": {"include_usage": True}})
                 usage = next(e for e in r.text.split("\n\n") if '"usage"' in e)
                 got["http_stream"] = f'"cached_tokens":{HIT}' in usage.replace(" ", "")
                 got["metrics"] = (await http.get("/metrics")).text

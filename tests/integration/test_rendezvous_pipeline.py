@@ -30,15 +30,15 @@ def expected(tiny_llama_dir, prompts):
 ])
 def test_rendezvous_pipeline_equals_transformers(ray_session, tiny_llama_dir, prompts, expected, pp, tp, ring,
                                                  dispatch):
-    got, _ = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, pipeline_parallel_size=pp, tensor_parallel_size=tp,
-                            token_budget=16, block_size=4,
-                            overrides=RENDEZVOUS + [f"scheduler.async_scheduling={str(ring).lower()}",
+    got, _ = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, pipeline_parallel_size=pp,
+                            tensor_parallel_size=tp, token_budget=16, block_size=4,
+                            overrides=RENDEZVOUS + [f"scheduler.token_ring={str(ring).lower()}",
                                                     f"parallel.dispatch={dispatch}"])
     assert got == expected
 
 
 def test_rendezvous_pipeline_with_preemption(ray_session, tiny_llama_dir, prompts, expected):
-    got, preemptions = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, pipeline_parallel_size=3, token_budget=32,
-                                      block_size=4, num_kv_blocks=36, overrides=RENDEZVOUS)
+    got, preemptions = ppserve_greedy(tiny_llama_dir, prompts, MAX_NEW, pipeline_parallel_size=3,
+                                      token_budget=32, block_size=4, num_kv_blocks=36, overrides=RENDEZVOUS)
     assert preemptions > 0
     assert got == expected

@@ -20,13 +20,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     alone = llm.generate([[5, 6, 7]], sp)[0].token_ids
     crowd = llm.generate([[9, 9], [5, 6, 7], [1, 2, 3, 4]], sp)[1].token_ids
     assert alone == crowd
-    other = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
+    other = llm.generate([[5, 6, 7]],
+                         SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))
     assert other[0].token_ids != alone
 
 
 def test_top_k_one_is_greedy(llm):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
-    k1 = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.8, top_k=1, seed=3, ignore_eos=True))
+    k1 = llm.generate([[5, 6, 7]],
+                      SamplingParams(max_tokens=8, temperature=0.8, top_k=1, seed=3, ignore_eos=True))
     assert k1[0].token_ids == greedy
 
 
@@ -72,8 +74,9 @@ def test_a_mixed_batch_is_decided_with_one_transfer_to_the_host(monkeypatch):
 
     monkeypatch.setattr(native, "greedy_argmax", lambda: None)
     logits = torch.randn(6, 50)
-    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.0, top_p=0.9),
-              SamplingParams(temperature=1.2, top_k=5, seed=2), SamplingParams(), SamplingParams(temperature=0.9)]
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.2, top_k=5, seed=2),
+              SamplingParams(), SamplingParams(temperature=0.9)]
     tokens, _ = sample(logits, params, [0, 3, 0, 1, 0, 2])
     assert calls == {"item": 0, "tolist": 1}
     assert tokens[0] == int(logits[0].argmax()) and tokens[4] == int(logits[4].argmax())
@@ -91,7 +94,8 @@ def test_seeded_rows_do_not_depend_on_their_neighbours():
 def test_stop_token_ids_and_eos(llm):
     greedy = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
     stop_at = greedy[3]
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    out = llm.generate([[5, 6, 7]],
+                       SamplingParams(max_tokens=10, stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == greedy[: greedy.index(stop_at) + 1]
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10))[0]
     eos = llm.engine.eos_token_ids
@@ -130,8 +134,10 @@ def test_repetition_penalty_matches_transformers_processor():
     logits = torch.randn(50) * 3
     prompt, outputs = [3, 7, 7, 11], [7, 20, 3, 42]
     for penalty in (0.7, 1.3, 2.0):
-        ours = process_logits(logits, SamplingParams(repetition_penalty=penalty), *_history(prompt, outputs), ())
-        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + outputs]), logits[None].clone())[0]
+        ours = process_logits(logits, SamplingParams(repetition_penalty=penalty), *_history(prompt, outputs),
+                              ())
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + outputs]),
+                                                           logits[None].clone())[0]
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
@@ -149,8 +155,9 @@ def test_min_tokens_matches_transformers_processor():
         ours = process_logits(logits, sp, *_history(prompt, outputs), eos)
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     # A request's own stop ids are kept out too (the sampler adds them to the model's eos ids).
-    tokens, _ = sample(torch.zeros(1, 10) + torch.arange(10.0), [SamplingParams(min_tokens=2, stop_token_ids=[9])],
-                       [0], histories=[_history([1], [])], stop_ids=[8])
+    tokens, _ = sample(torch.zeros(1, 10) + torch.arange(10.0),
+                       [SamplingParams(min_tokens=2, stop_token_ids=[9])], [0], histories=[_history([1], [])],
+                       stop_ids=[8])
     assert tokens == [7]
 
 

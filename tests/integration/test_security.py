@@ -165,7 +165,8 @@ def test_tls_and_token_work(server: ServerProcess, tls_files) -> None:
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token", TOKEN + "x"])
-def test_missing_or_wrong_token_is_unauthenticated_on_every_call(server: ServerProcess, tls_files, token) -> None:
+def test_missing_or_wrong_token_is_unauthenticated_on_every_call(server: ServerProcess, tls_files,
+                                                                 token) -> None:
     with PPServeClient(server.address or "", root_certificates=str(tls_files[0]), token=token) as c:
         calls = [
             lambda: c.generate([5, 6], max_tokens=2, timeout=30),

@@ -52,8 +52,8 @@ def test_build_serve_shutdown_twice_returns_to_baseline(tiny_llama_dir) -> None:
     after_second = live_tensor_bytes()
     # What one engine holds (weights + KV cache) must be gone both times; a few small tensors may stay
     # (tables cached by shape), never a stage's.
-    llm = LLM(str(tiny_llama_dir), executor="inproc", pipeline_parallel_size=2, dtype="float32", max_num_seqs=4,
-              max_model_len=64, block_size=16)
+    llm = LLM(str(tiny_llama_dir), executor="inproc", pipeline_parallel_size=2, dtype="float32",
+              max_num_seqs=4, max_model_len=64, block_size=16)
     held = live_tensor_bytes() - after_second
     llm.shutdown()
     del llm

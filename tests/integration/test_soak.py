@@ -18,8 +18,8 @@ def test_soak_2000_requests_with_cancels(tiny_llama_dir, tmp_path) -> None:
     overrides = [*soak.SERVER_OVERRIDES, "cache.num_blocks=400"]
     proc, address = soak.launch_server(str(tiny_llama_dir), 2, overrides, tmp_path / "server.log")
     try:
-        fig = asyncio.run(soak.run_soak(address, proc.pid, requests=REQUESTS, concurrency=64, cancel_fraction=0.2,
-                                        seed=1, checkpoints=(500,), progress=False))
+        fig = asyncio.run(soak.run_soak(address, proc.pid, requests=REQUESTS, concurrency=64,
+                                        cancel_fraction=0.2, seed=1, checkpoints=(500,), progress=False))
         stats_ok = proc.poll() is None
     finally:
         soak.stop_server(proc)

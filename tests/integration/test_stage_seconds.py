@@ -29,8 +29,8 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
     if token_heavy:  # a token costs ten floors: the 3-token prompt goes down the pipeline as 1 + 1 + 1
         monkeypatch.setattr(executor, "startup_pipeline_cost",
                             lambda per_stage: PipelineCost(tuple(StepCost(1e-4, 1e-3) for _ in per_stage)))
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=16,
-             block_size=4, num_kv_blocks=64) as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2,
+             token_budget=16, block_size=4, num_kv_blocks=64) as llm:
         clock = FakeClock()
         monkeypatch.setattr(stage_worker, "time", clock)
         monkeypatch.setattr(step_timer, "time", clock)  # the stage's step timer reads the host clock on CPU
@@ -42,8 +42,10 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
             return wrapped
 
         monkeypatch.setattr(InputBatch, "prepare", advancing(InputBatch.prepare, PREPARE_NS))
-        monkeypatch.setattr(stage_worker.StageWorker, "_forward", advancing(stage_worker.StageWorker._forward, FORWARD_NS))
-        monkeypatch.setattr(stage_worker.StageWorker, "_logits", advancing(stage_worker.StageWorker._logits, LOGITS_NS))
+        monkeypatch.setattr(stage_worker.StageWorker, "_forward",
+                            advancing(stage_worker.StageWorker._forward, FORWARD_NS))
+        monkeypatch.setattr(stage_worker.StageWorker, "_logits",
+                            advancing(stage_worker.StageWorker._logits, LOGITS_NS))
         monkeypatch.setattr(stage_worker, "sample", advancing(stage_worker.sample, SAMPLE_NS))
         seen, steps, sampled = [], set(), set()
 
@@ -56,13 +58,16 @@ def test_stage_seconds_are_prepare_plus_compute_not_sampling(tiny_llama_dir, mon
         llm.engine.core.step_observers.append(observe)
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
         # The compute spans of this generate's microbatches (none from before the clock was faked)
-        spans = [s for s in llm.engine.collect_spans() if s.kind == "compute" and s.stage == 1 and s.step_id in steps]
+        spans = [s for s in llm.engine.collect_spans() if s.kind == "compute" and s.stage == 1
+                 and s.step_id in steps]
     expected = ((PREPARE_NS + FORWARD_NS) * 1e-9, (PREPARE_NS + FORWARD_NS + LOGITS_NS) * 1e-9)
     assert seen and all(secs == pytest.approx(expected) for secs in seen)
     # The compute span still covers the sampling (the stage is busy with it): only the figure leaves it out.
     # A prompt's chunk before its last samples nothing: a start-up profile that prices a token high beside
     # the step's floor cuts this 3-token prompt into 1 + 1 + 1 (seen in a fresh-clone CI run).
-    assert sampled and all(s.end_ns - s.start_ns == FORWARD_NS + LOGITS_NS + (SAMPLE_NS if s.step_id in sampled else 0)
-                           for s in spans), [(s.step_id, s.start_ns, s.end_ns, sorted(sampled)) for s in spans]
+    assert sampled and all(s.end_ns - s.start_ns
+                           == FORWARD_NS + LOGITS_NS + (SAMPLE_NS if s.step_id in sampled else 0)
+                           for s in spans), [(s.step_id, s.start_ns, s.end_ns, sorted(sampled))
+                                             for s in spans]
     assert spans and {s.step_id for s in spans} == steps
     assert not token_heavy or len(steps) > len(sampled)  # the chunks that sample nothing were there

@@ -8,7 +8,8 @@ from ppserve import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("pp,token_heavy", [(1, False), (2, False), (2, True)])
-def test_a_sampled_token_returns_before_the_next_microbatch_computes(tiny_llama_dir, monkeypatch, pp, token_heavy):
+def test_a_sampled_token_returns_before_the_next_microbatch_computes(tiny_llama_dir, monkeypatch, pp,
+                                                                     token_heavy):
     """In-process stages compute when the engine collects, not when it submits: the step that samples
     a token returns it having run that microbatch's forward and no other (the engine refills the pipeline
     right after collecting, before it returns). At pp > 1 the scheduler may cut even this short prompt
@@ -95,7 +96,8 @@ def test_a_prompt_that_arrives_during_a_forward_is_in_the_next_microbatch(tiny_l
             while arrive.is_set():  # until a forward has taken it: that forward now waits for `queued`
                 await asyncio.sleep(0.001)
             late_add = loop.create_task(eng.add_choices(PromptInput(token_ids=(8, 9)),
-                                                        SamplingParams(max_tokens=2, ignore_eos=True), "late"))
+                                                        SamplingParams(max_tokens=2, ignore_eos=True),
+                                                        "late"))
             while eng._inbox.qsize() == 0:
                 await asyncio.sleep(0)
             arrived_during = len(executed)  # the forward computing now is executed[arrived_during - 1]

@@ -18,7 +18,8 @@ from ppserve.model.triton_attention import TritonPagedBackend, interpreting, tri
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs the triton package (pip install triton)"),
-    pytest.mark.skipif(not interpreting(), reason="CPU check of the kernel under TRITON_INTERPRET=1 (tests/gpu "
+    pytest.mark.skipif(not interpreting(),
+                       reason="CPU check of the kernel under TRITON_INTERPRET=1 (tests/gpu "
                        "runs it compiled)"),
 ]
 
@@ -39,13 +40,16 @@ def _compare(query_lens, context_lens, hq, hkv, d, block_size, dtype, seed=0) ->
     q = torch.randn(t, hq, d, dtype=dtype)
     k = torch.randn(t, hkv, d, dtype=dtype)
     v = torch.randn(t, hkv, d, dtype=dtype)
-    cache_ref = allocate_kv_cache(1, num_blocks, block_size, hkv, d, dtype, "cpu")[0].normal_()  # random history
+    # random history
+    cache_ref = allocate_kv_cache(1, num_blocks, block_size, hkv, d, dtype, "cpu")[0].normal_()
     cache_tri = cache_ref.clone()
     scale = d ** -0.5
-    expected = SdpaBackend().forward(q, k, v, cache_ref, AttentionMetadata.build(query_lens, context_lens, tables,
-                                                                                 block_size), scale)
-    got = TritonPagedBackend().forward(q, k, v, cache_tri, AttentionMetadata.build(query_lens, context_lens, tables,
-                                                                                   block_size), scale)
+    expected = SdpaBackend().forward(q, k, v, cache_ref,
+                                     AttentionMetadata.build(query_lens, context_lens, tables, block_size),
+                                     scale)
+    got = TritonPagedBackend().forward(q, k, v, cache_tri,
+                                       AttentionMetadata.build(query_lens, context_lens, tables, block_size),
+                                       scale)
     torch.testing.assert_close(cache_tri, cache_ref)  # both wrote the step's K/V to the same slots
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), **tol)
@@ -89,16 +93,18 @@ def test_decode_only_static_metadata_with_padding_rows():
     for i, row in enumerate(tables):
         table_t[i, :len(row)] = torch.tensor(row)
     ctx_t = torch.tensor(ctx + [1] * (width - len(ctx)))
-    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)] + [pad * bs] * 2)
+    slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs
+                          for i, c in enumerate(ctx)] + [pad * bs] * 2)
     meta = AttentionMetadata.for_static_decodes(
         slots, ctx_t, table_t, bs, cu_query_lens_t=torch.arange(width + 1, dtype=torch.int32),
-        decode_token_idx=torch.arange(width), cu_context_lens_t=torch.arange(width + 1, dtype=torch.int32) * bs * max_blocks)
+        decode_token_idx=torch.arange(width),
+        cu_context_lens_t=torch.arange(width + 1, dtype=torch.int32) * bs * max_blocks)
     q, k, v = (torch.randn(width, h, d) for h in (hq, hkv, hkv))
     cache = allocate_kv_cache(1, num_blocks + 1, bs, hkv, d, torch.float32, "cpu")[0].normal_()
     cache_ref = cache.clone()
     got = TritonPagedBackend().forward(q, k, v, cache, meta, d ** -0.5)
-    expected = SdpaBackend().forward(q[:3], k[:3], v[:3], cache_ref, AttentionMetadata.build([1] * 3, ctx, tables, bs),
-                                     d ** -0.5)
+    expected = SdpaBackend().forward(q[:3], k[:3], v[:3], cache_ref,
+                                     AttentionMetadata.build([1] * 3, ctx, tables, bs), d ** -0.5)
     torch.testing.assert_close(got[:3], expected, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(got[3:]).all()
 
@@ -125,8 +131,8 @@ def test_a_model_on_the_triton_backend_equals_transformers(tiny_llama_dir):
     prompts = [[5, 9, 13, 200, 7], list(range(3, 40))]
     expected = reference_greedy(tiny_llama_dir, prompts, 6)
     # max_num_seqs: the start-up warm-up and timing run that many decodes, seconds each under the interpreter.
-    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
-             max_num_seqs=4, block_size=16, attention_backend="triton_paged") as llm:
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2,
+             token_budget=24, max_num_seqs=4, block_size=16, attention_backend="triton_paged") as llm:
         assert all(type(w.model.attn_backend) is TritonPagedBackend for w in llm.engine.executor.workers)
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
     assert got == expected

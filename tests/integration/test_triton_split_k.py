@@ -21,7 +21,8 @@ from tests.integration.test_triton_attention import _tables
 
 pytestmark = [
     pytest.mark.skipif(not triton_available(), reason="needs the triton package"),
-    pytest.mark.skipif(not interpreting(), reason="CPU check under TRITON_INTERPRET=1 (the GPU check runs it compiled)"),
+    pytest.mark.skipif(not interpreting(),
+                       reason="CPU check under TRITON_INTERPRET=1 (the GPU check runs it compiled)"),
 ]
 
 
@@ -43,11 +44,14 @@ def test_split_k_decode_matches_sdpa(dtype: torch.dtype, monkeypatch: pytest.Mon
     hq, hkv, d, bs = 8, 2, 64, 16
     ctx = [300, 77, 1]  # a long context, one ending mid-page, one that sees a single key
     tables, num_blocks = _tables(ctx, bs, 1)
-    q, k, v = torch.randn(3, hq, d, dtype=dtype), torch.randn(3, hkv, d, dtype=dtype), torch.randn(3, hkv, d, dtype=dtype)
+    q, k, v = (torch.randn(3, hq, d, dtype=dtype), torch.randn(3, hkv, d, dtype=dtype),
+               torch.randn(3, hkv, d, dtype=dtype))
     cache = allocate_kv_cache(1, num_blocks, bs, hkv, d, dtype, "cpu")[0].normal_()
     ref_cache = cache.clone()
-    got = TritonPagedBackend().forward(q, k, v, cache, AttentionMetadata.build([1] * 3, ctx, tables, bs), d ** -0.5)
-    expected = SdpaBackend().forward(q, k, v, ref_cache, AttentionMetadata.build([1] * 3, ctx, tables, bs), d ** -0.5)
+    got = TritonPagedBackend().forward(q, k, v, cache, AttentionMetadata.build([1] * 3, ctx, tables, bs),
+                                       d ** -0.5)
+    expected = SdpaBackend().forward(q, k, v, ref_cache, AttentionMetadata.build([1] * 3, ctx, tables, bs),
+                                     d ** -0.5)
     assert used and used[0] >= MIN_PAGES_PER_SPLIT  # the split path ran
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), **tol)

@@ -13,7 +13,8 @@ from ppserve.sched.cost import features
 
 def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
     config = load_config(overrides=[f"model.model={tiny_llama_dir}", "parallel.pipeline_parallel_size=2",
-                                    "cache.block_size=4", "scheduler.token_budget=24", "scheduler.max_num_seqs=3"])
+                                    "cache.block_size=4", "scheduler.token_budget=24",
+                                    "scheduler.max_num_seqs=3"])
     arch = describe_model(read_hf_config(tiny_llama_dir))
     executor = InProcExecutor(config, str(tiny_llama_dir), arch, [(0, 2), (2, 4)])
     try:
@@ -34,7 +35,8 @@ def test_every_stage_warms_up_once_before_serving(tiny_llama_dir):
         assert memory.warm_up(worker.kv_caches) > 0.0
         assert all(not layer[:, :8].any() for layer in worker.kv_caches)
         cached = 2 * 4 + 1  # two blocks of 4 and one token into the third
-        assert shapes == [([16], [cached + 16]), ([1] * 3, [cached + 1] * 3)]  # a chunk after cached tokens, decodes
+        # a chunk after cached tokens, decodes
+        assert shapes == [([16], [cached + 16]), ([1] * 3, [cached + 1] * 3)]
         assert memory.decode_warm and memory.warm_up() == 0.0
     finally:
         executor.shutdown()
@@ -73,12 +75,14 @@ def test_a_stage_under_the_triton_interpreter_times_its_short_shapes_once(tiny_l
     try:
         worker = executor.workers[0]
         assert not worker.model.interpreted
-        assert TritonPagedBackend().interpreted(worker.device) and not SdpaBackend().interpreted(worker.device)
+        assert (TritonPagedBackend().interpreted(worker.device)
+                and not SdpaBackend().interpreted(worker.device))
         memory = worker.memory
         cached, chunk, _ = memory.warm_shapes(worker.kv_caches)
         shapes: list[tuple[list[int], list[int]]] = []
         forward = memory.scratch_forward
-        monkeypatch.setattr(memory, "scratch_forward", lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest))
+        monkeypatch.setattr(memory, "scratch_forward",
+                            lambda q, n, *rest: shapes.append((q, n)) or forward(q, n, *rest))
         for interpreted in (False, True):
             shapes.clear()
             monkeypatch.setattr(worker.model.attn_backend, "interpreted", lambda device, i=interpreted: i)

@@ -32,7 +32,7 @@ class PrefillHeavyCost:
 
 def _run(cost, workload, overhead_s: float, dispatch_s: float, **sched):
     # Without the token ring unless asked: these parts are those of a decode cycle through the engine.
-    cfg = SchedulerConfig(**{"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, "async_scheduling": False,
+    cfg = SchedulerConfig(**{"policy": "sarathi", "token_budget": 64, "max_num_seqs": 8, "token_ring": False,
                              **sched})
     res = simulate(workload, cost, SimConfig(cfg, 256, 16, 512, overhead_s, dispatch_s))
     mod = load_benchmark("analysis_sim_bubble")
@@ -73,7 +73,7 @@ def test_parts_add_up_to_the_bubble_on_a_mixed_run(balance: bool):
 
 
 def _under_p(workload, num_stages: int):
-    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, async_scheduling=False)
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, token_ring=False)
     res = simulate(workload, ConstantCostModel(num_stages, 0.010), SimConfig(cfg, 256, 16, 512, 0.001, 0.002))
     mod = load_benchmark("analysis_sim_bubble")
     return mod.under_p_requests(res), res.bubble_report("active").stages[0].bubble_ns
@@ -95,7 +95,8 @@ def test_with_more_requests_than_stages_only_the_tail_is_under_p_requests():
 
 @dataclass(frozen=True)
 class SlowLastStageCost:
-    """Every microbatch costs `step_s` on each stage but the last, which takes `extra_s` more (its LM head)."""
+    """Every microbatch costs `step_s` on each stage but the last, which takes `extra_s` more (its LM
+    head)."""
 
     num_stages: int
     step_s: float
@@ -110,9 +111,10 @@ class SlowLastStageCost:
 
 def test_the_token_ring_paces_the_faster_stages_at_the_slowest_ones_step():
     # Eight decoding requests on four stages, the last 0.1 ms slower a step, no control plane: with the ring
-    # every faster stage waits 0.1 ms for its tokens each step; the last stage never waits in the steady state.
+    # every faster stage waits 0.1 ms for its tokens each step; the last stage never waits in the steady
+    # state.
     mod = load_benchmark("analysis_sim_bubble")
-    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, async_scheduling=True)
+    cfg = SchedulerConfig(policy="sarathi", token_budget=64, max_num_seqs=8, token_ring=True)
     cuts = {}
     for extra_s in (0.0, 0.0001):
         res = simulate([WorkloadRequest(0.0, 4, 40)] * 8, SlowLastStageCost(4, 0.005, extra_s),

@@ -24,7 +24,8 @@ SLO_ = SLO(tbt_p99_s=5 * STEP_S)  # TBT is one step here at any load: only the s
 
 @pytest.fixture
 def ctx(tmp_path: Path) -> BenchContext:
-    engine = EngineSpec(model="stub", pp=1, token_budget=64, max_num_seqs=SEATS, block_size=16, max_model_len=64)
+    engine = EngineSpec(model="stub", pp=1, token_budget=64, max_num_seqs=SEATS, block_size=16,
+                        max_model_len=64)
     workload = WorkloadSpec(source="uniform", num_requests=SEATS, prompt_min=4, prompt_max=4, output_min=4,
                             output_max=4, arrival="poisson", rate=1.0, max_model_len=64)
     return BenchContext(engine, workload, tmp_path, progress=False, save_traces=False)

@@ -1,5 +1,5 @@
-"""bench_schedule's pure measurement runs at every pipeline depth it offers (it once asserted p microbatches in
-flight where the token ring keeps p + 1, and failed at pp = 4)."""
+"""bench_schedule's pure measurement runs at every pipeline depth it offers (it once asserted p microbatches
+in flight where the token ring keeps p + 1, and failed at pp = 4)."""
 
 from __future__ import annotations
 

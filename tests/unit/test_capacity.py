@@ -78,14 +78,19 @@ def test_noisy_latency_curve():
 
 def test_probe_from_summary_reasons():
     slo = SLO(tbt_p99_s=0.1, sched_delay_p50_s=2.0)
-    ok = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": 0.09}, "scheduling_delay_s": {"p50": 1.0}}}, slo)
+    ok = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": 0.09}, "scheduling_delay_s": {"p50": 1.0}}},
+                            slo)
     assert ok.ok and ok.reason == "meets SLO"
-    slow = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": 0.2}, "scheduling_delay_s": {"p50": 3.0}}}, slo)
+    slow = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": 0.2}, "scheduling_delay_s": {"p50": 3.0}}},
+                              slo)
     assert not slow.ok and "TBT" in slow.reason and "scheduling delay" in slow.reason
     cut = probe_from_summary(1.0, {"aborted": True,
-                                   "latency": {"tbt_s": {"p99": 0.01}, "scheduling_delay_s": {"p50": 0.1}}}, slo)
+                                   "latency": {"tbt_s": {"p99": 0.01}, "scheduling_delay_s": {"p50": 0.1}}},
+                                   slo)
     assert not cut.ok and "time limit" in cut.reason
-    empty = probe_from_summary(1.0, {"latency": {"tbt_s": {"p99": None}, "scheduling_delay_s": {"p50": None}}}, slo)
+    empty = probe_from_summary(1.0,
+                               {"latency": {"tbt_s": {"p99": None}, "scheduling_delay_s": {"p50": None}}},
+                               slo)
     assert not empty.ok
     fast = {"tbt_s": {"p99": 0.05}, "scheduling_delay_s": {"p50": 0.1}, "ttft_s": {"p90": 0.8}}
     assert probe_from_summary(1.0, {"latency": fast}, slo).ok  # TTFT unchecked unless the SLO names it

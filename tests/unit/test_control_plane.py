@@ -13,7 +13,8 @@ MS = 1_000_000
 
 def test_gaps_on_a_hand_built_two_stage_timeline():
     spans = [
-        # step 0: scheduled 0-1, stage 0 at 2-12, stage 1 at 13-23; step 1 scheduled 1-2, stage 0 busy until 12
+        # step 0: scheduled 0-1, stage 0 at 2-12, stage 1 at 13-23; step 1 scheduled 1-2,
+        # stage 0 busy until 12
         Span("schedule", 0, 1 * MS, ENGINE_STAGE, 0, 0),
         Span("schedule", 1 * MS, 2 * MS, ENGINE_STAGE, 0, 1),
         Span("compute", 2 * MS, 12 * MS, 0, 0, 0),

@@ -59,12 +59,13 @@ def test_kernel_builds_here(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 # Block sizes above 16 (48: not a multiple of 16) and head_dim 256 take the bf16 block paths in pieces or
 # only in part (values fall back to the per-token loop above head_dim 128).
-@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 2, 16, 1),
-                                                 (9, 3, 64, 48), (4, 2, 256, 32)])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16),
+                                                 (6, 2, 16, 1), (9, 3, 64, 48), (4, 2, 256, 32)])
 def test_mixed_batch_matches_sdpa(dtype: torch.dtype, tol: float, hq: int, hkv: int, d: int,
                                   block_size: int) -> None:
     """Decodes of lengths 1, block-aligned and ragged, beside two prefill chunks (bf16 with head_dim 64:
-    the AMX prefill kernel where the CPU has AMX, else the AVX512-BF16 one where it has that; otherwise SDPA)."""
+    the AMX prefill kernel where the CPU has AMX, else the AVX512-BF16 one where it has that; otherwise
+    SDPA)."""
     torch.manual_seed(hq * d + block_size)
     query_lens = [1, 1, 7, 1, 1, 20]
     context_lens = [1, 4 * block_size, 7, 3 * block_size + 5, 57, 20 + 33]
@@ -146,7 +147,8 @@ def test_fused_rms_norm_matches_eager_bf16() -> None:
     norm.weight.data.normal_()
     x = torch.randn(37, 2 * 96, dtype=torch.bfloat16)[:, :96]  # strided rows, as a slice of a wider output
     got = norm(x)
-    want = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    want = norm.weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+                          ).to(torch.bfloat16)
     _one_ulp_close(got, want)
     assert norm(x.float()).dtype == torch.float32  # float32 takes the eager path
 
@@ -185,7 +187,8 @@ def test_fused_silu_mul_matches_eager_bf16() -> None:
     gate, up = wide.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_mul(wide).float(), (torch.nn.functional.silu(gate) * up).float(),
                                atol=1e-6, rtol=2 ** -6)
-    inf_nan = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0] * 4 + [1.0] * 16], dtype=torch.bfloat16)
+    inf_nan = torch.tensor([[float("inf"), float("-inf"), float("nan"), 1.0] * 4 + [1.0] * 16],
+                           dtype=torch.bfloat16)
     gate, up = inf_nan.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_mul(inf_nan), torch.nn.functional.silu(gate) * up, equal_nan=True)
 
@@ -260,7 +263,8 @@ _Twin = TypeVar("_Twin", native.PanelGemm, native.PrefillAttention)
 
 
 def _kernel_or_skip(load: Callable[[str], _Twin | None], kind: str) -> _Twin:
-    """The `kind` ('amx' | 'avx512') version of a kernel written for both, or skip where it cannot run here."""
+    """The `kind` ('amx' | 'avx512') version of a kernel written for both, or skip where it cannot run
+    here."""
     kernel = load(kind)
     if kernel is None:
         pytest.skip(f"the {kind} {load.__name__} kernel cannot run on this machine (CPU, compiler or kernel)")
@@ -362,7 +366,8 @@ def test_grouped_panel_gemm_equals_one_call_per_expert(kind: str, silu_mul: bool
     ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     got = gemm.grouped(rows, packed, ends, silu_mul=silu_mul)
     bounds = [0, *ends.tolist()]
-    want = [gemm(rows[bounds[e]:bounds[e + 1]], packed[e], None, silu_mul=silu_mul) for e in range(len(counts))]
+    want = [gemm(rows[bounds[e]:bounds[e + 1]], packed[e], None, silu_mul=silu_mul)
+            for e in range(len(counts))]
     assert got.shape == (sum(counts), n // 2 if silu_mul else n)
     assert torch.equal(got, torch.cat(want))
 
@@ -389,7 +394,8 @@ def test_a_forced_onednn_path_turns_the_panel_gemm_off(monkeypatch) -> None:
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "packed")
     assert native.panel_gemm() is None  # model.linear_path: packed | plain means oneDNN for every weight
     monkeypatch.setenv("PPSERVE_LINEAR_PATH", "auto")
-    assert native.panel_gemm() is native.panel_gemm("amx") or native.panel_gemm() is native.panel_gemm("avx512")
+    assert (native.panel_gemm() is native.panel_gemm("amx")
+            or native.panel_gemm() is native.panel_gemm("avx512"))
 
 
 def _prefill_or_skip(kind: str) -> native.PrefillAttention:
@@ -443,7 +449,8 @@ def test_prefill_attention_refuses_what_it_cannot_do(kind: str) -> None:
     with pytest.raises(ValueError, match="cover the context"):
         kernel(torch.randn(8, 4, 64).bfloat16(), cache, torch.tensor([0, 1]), 40, 0.125)
     with pytest.raises(RuntimeError, match="unsupported shape"):
-        kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)  # 3 heads over 2 KV heads
+        # 3 heads over 2 KV heads
+        kernel(torch.randn(8, 3, 64).bfloat16(), cache, torch.tensor([0]), 8, 0.125)
     with pytest.raises(ValueError, match="unknown PrefillAttention kernel"):
         native.prefill_attention("avx2")
 
@@ -462,9 +469,12 @@ def test_whole_prompts_batch_only_where_the_prefill_kernel_does_not_take_them(ki
     cache = torch.zeros(2, 3, 8, 4, head_dim, dtype=torch.bfloat16)
     calls = {"batched": 0, "chunk": 0}
     whole, chunk = backend._whole_prompts, backend._chunk
-    monkeypatch.setattr(backend, "_whole_prompts", lambda *a: calls.__setitem__("batched", calls["batched"] + 1) or whole(*a))
-    monkeypatch.setattr(backend, "_chunk", lambda *a: calls.__setitem__("chunk", calls["chunk"] + 1) or chunk(*a))
+    monkeypatch.setattr(backend, "_whole_prompts",
+                        lambda *a: calls.__setitem__("batched", calls["batched"] + 1) or whole(*a))
+    monkeypatch.setattr(backend, "_chunk",
+                        lambda *a: calls.__setitem__("chunk", calls["chunk"] + 1) or chunk(*a))
     out = backend.forward(q, k, v, cache, meta, head_dim ** -0.5)
     assert calls == ({"batched": 0, "chunk": 3} if head_dim == 64 else {"batched": 1, "chunk": 0})
-    torch.testing.assert_close(out.float(), SdpaBackend().forward(q, k, v, cache.clone(), meta, head_dim ** -0.5).float(),
+    torch.testing.assert_close(out.float(),
+                               SdpaBackend().forward(q, k, v, cache.clone(), meta, head_dim ** -0.5).float(),
                                atol=2e-2, rtol=2e-2)

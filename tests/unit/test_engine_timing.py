@@ -80,7 +80,8 @@ class Recorder:
         assert len(steps) == len(set(steps)), "a step's time was fitted twice"
         for (shape, secs, _), step in zip(self.fitted, steps, strict=True):
             assert secs == pytest.approx(seconds_of(step))
-            assert shape == BatchShape.of(self.outs[step]), f"step {step}'s time paired with another composition"
+            assert shape == BatchShape.of(self.outs[step]), (
+                f"step {step}'s time paired with another composition")
         assert [(o.step_id, step_of(s)) for o, s in self.timed] == [(s, s) for s in steps]
         return steps
 

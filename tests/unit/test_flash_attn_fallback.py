@@ -33,12 +33,14 @@ def test_auto_falls_back_from_a_broken_flash_attn_with_one_warning(broken_flash_
         first = backend_select.select_backend("cuda", "auto")
         second = backend_select.select_backend("cuda", "auto")
     assert isinstance(first, SdpaBackend) and isinstance(second, SdpaBackend)  # the next one with no Triton
-    warnings = [r.getMessage() for r in caplog.records if "flash-attn is installed but does not import" in r.getMessage()]
+    warnings = [r.getMessage()
+                for r in caplog.records if "flash-attn is installed but does not import" in r.getMessage()]
     assert len(warnings) == 1 and "undefined symbol" in warnings[0]
 
 
 def test_asking_for_a_broken_flash_attn_names_the_import_error(broken_flash_attn):
-    with pytest.raises(ValueError, match="does not import: ImportError: flash_attn_2_cuda.so: undefined symbol"):
+    with pytest.raises(ValueError,
+                       match="does not import: ImportError: flash_attn_2_cuda.so: undefined symbol"):
         backend_select.select_backend("cuda", "flash_attn")
 
 

@@ -1,4 +1,5 @@
-"""The GPU check's random models (ppserve/gpu_check/models.py): peaked enough that top-1 verdicts mean something."""
+"""The GPU check's random models (ppserve/gpu_check/models.py): peaked enough that top-1 verdicts mean
+something."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def report_of(out: Path) -> dict[str, Any]:
 
 
 def test_a_phase_the_budget_never_reaches_is_not_run_not_failed(tmp_path: Path) -> None:
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "gpu_tests", "--budget-s", "10"])
+    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "gpu_tests",
+                        "--budget-s", "10"])
     report = report_of(tmp_path)
     assert code == 0 and report["ok"] is True
     assert (report["passed"], report["failed"], report["not_run"]) == ([], [], ["gpu_tests"])
@@ -40,19 +41,23 @@ def test_a_phase_the_budget_never_reaches_is_not_run_not_failed(tmp_path: Path) 
 
 
 def test_the_summary_separates_pass_fail_and_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    results = {"environment": {"ok": True, "headline": "cuda"}, "kernels": {"ok": False, "error": "bad split-K"},
+    results = {"environment": {"ok": True, "headline": "cuda"},
+               "kernels": {"ok": False, "error": "bad split-K"},
                "gpu_tests": {"ok": False, "not_run": "pytest tested nothing: 3 skipped in 1s"}}
     monkeypatch.setattr(runner, "run_one", lambda name, args, limit, out: dict(results[name]))
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "environment,kernels,gpu_tests"])
+    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases",
+                        "environment,kernels,gpu_tests"])
     report = report_of(tmp_path)
     assert code == 1 and report["ok"] is False
-    assert (report["passed"], report["failed"], report["not_run"]) == (["environment"], ["kernels"], ["gpu_tests"])
+    assert (report["passed"], report["failed"], report["not_run"]) == (["environment"], ["kernels"],
+                                                                       ["gpu_tests"])
     text = (tmp_path / "summary.txt").read_text()
     assert "gpu check FAILED: 1 passed, 1 failed (kernels), 1 not run (gpu_tests)" in text
     assert "kernels      FAIL" in text and "gpu_tests    not run" in text
 
 
-def test_after_a_failed_environment_the_rest_is_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_after_a_failed_environment_the_rest_is_not_run(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[str] = []
 
     def run_one(name: str, args: Any, limit: float, out: Path) -> dict[str, Any]:
@@ -60,7 +65,8 @@ def test_after_a_failed_environment_the_rest_is_not_run(tmp_path: Path, monkeypa
         return {"ok": False, "error": "no CUDA device"}
 
     monkeypatch.setattr(runner, "run_one", run_one)
-    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases", "environment,kernels,roofline"])
+    code = runner.main(["--device", "cpu", "--out", str(tmp_path), "--phases",
+                        "environment,kernels,roofline"])
     report = report_of(tmp_path)
     assert code == 1 and started == ["environment"]
     assert report["failed"] == ["environment"] and report["not_run"] == ["kernels", "roofline"]
@@ -93,11 +99,13 @@ def test_the_gpu_test_list_names_tests_that_exist() -> None:
     (0, "20 passed, 3 skipped in 9.10s", "pass"),
     (1, "1 failed, 19 passed in 9.10s", "FAIL"),
 ])
-def test_gpu_tests_that_all_skipped_are_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, returncode: int,
+def test_gpu_tests_that_all_skipped_are_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                returncode: int,
                                                  last_line: str, status: str) -> None:
     def fake_pytest(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
         assert kw["timeout"] == 60 - gpu_tests.PHASE_MARGIN_S  # inside the phase's own limit
-        return subprocess.CompletedProcess(cmd, returncode, stdout=f"sss\n{last_line}\n", stderr="a warning\n")
+        return subprocess.CompletedProcess(cmd, returncode, stdout=f"sss\n{last_line}\n",
+                                           stderr="a warning\n")
 
     monkeypatch.setattr(subprocess, "run", fake_pytest)
     result = gpu_tests.run(Context("gpu_tests", "cuda", tmp_path, {"limit_s": 60}))

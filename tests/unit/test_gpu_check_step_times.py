@@ -8,7 +8,8 @@ from ppserve.sched import StepResult
 
 
 def results(timed: list[int | None]) -> list[StepResult]:
-    return [StepResult(step, {}, (0.001,) if t is not None else (), timed_step_id=t) for step, t in enumerate(timed)]
+    return [StepResult(step, {}, (0.001,) if t is not None else (), timed_step_id=t)
+            for step, t in enumerate(timed)]
 
 
 def test_one_step_late_on_cuda_passes() -> None:

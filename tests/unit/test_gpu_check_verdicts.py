@@ -66,7 +66,8 @@ def test_each_phase_passed_failed_or_was_not_run() -> None:
     v = check_verdict({"a": {"ok": True}, "b": {"not_run": "no CUDA"}, "c": {"ok": False}, "d": {"ok": True}})
     assert v == {"passed": ["a", "d"], "failed": ["c"], "not_run": ["b"]}
     assert verdict_line(v) == "gpu check FAILED: 2 passed, 1 failed (c), 1 not run (b)"
-    assert verdict_line({"passed": ["a"], "failed": [], "not_run": []}) == "gpu check passed: 1 passed, 0 failed, 0 not run"
+    assert (verdict_line({"passed": ["a"], "failed": [], "not_run": []})
+            == "gpu check passed: 1 passed, 0 failed, 0 not run")
     assert verdict_line({"passed": ["a"], "failed": [], "not_run": ["b"]}).startswith("gpu check incomplete:")
 
 

@@ -38,7 +38,8 @@ def test_stage_actor_binds_the_device_on_the_calling_thread(monkeypatch: pytest.
     from ppserve.worker.stage_actor import StageActor
 
     bound: list[str] = []
-    monkeypatch.setattr(devices, "bind_thread_device", lambda d: bound.append(threading.current_thread().name))
+    monkeypatch.setattr(devices, "bind_thread_device",
+                        lambda d: bound.append(threading.current_thread().name))
     worker = SimpleNamespace(device=torch.device("cuda", 1), spec=SimpleNamespace(stage=0, tp_rank=0),
                              init_cache=lambda n: None, startup_cost=None)
     actor = StageActor.local(worker, None, None)  # type: ignore[arg-type]

@@ -38,10 +38,11 @@ def test_device_tables_by_diff_equal_tables_from_lists(seed: int) -> None:
                      "decode_block_tables", "cu_query_lens_t", "cu_context_lens_t"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), (steps, name)
-        for name in ("query_lens", "context_lens", "cu_query_lens", "decode_seqs", "prefill_seqs", "max_query_len",
-                     "max_context_len"):
+        for name in ("query_lens", "context_lens", "cu_query_lens", "decode_seqs", "prefill_seqs",
+                     "max_query_len", "max_context_len"):
             assert getattr(got, name) == getattr(want, name), (steps, name)
-        s.update_from_output(out, fake_result(out, {rid: rng.randrange(3, 200) for rid in out.sample_request_ids}))
+        s.update_from_output(out,
+                             fake_result(out, {rid: rng.randrange(3, 200) for rid in out.sample_request_ids}))
         steps += 1
     assert steps > 10
     assert len(batch.tables.row_of) == len(batch.requests)  # a released request gave its row back

@@ -42,11 +42,13 @@ def _stage_memory(device: str = "cpu") -> StageMemory:
     model = SimpleNamespace(num_local_layers=3, num_kv_heads_local=2)
     arch = SimpleNamespace(head_dim=8)
     return StageMemory(model, arch, block_size=16, dtype=torch.float32,
-                       kv_dtype=torch.bfloat16, device=torch.device(device), profile_tokens=64, profile_seqs=4)
+                       kv_dtype=torch.bfloat16, device=torch.device(device), profile_tokens=64,
+                       profile_seqs=4)
 
 
 def test_a_block_costs_k_and_v_of_every_local_layer() -> None:
-    assert _stage_memory().kv_bytes_per_block() == 2 * 16 * 2 * 8 * 2 * 3  # K+V, tokens, heads, dim, bf16, layers
+    # K+V, tokens, heads, dim, bf16, layers
+    assert _stage_memory().kv_bytes_per_block() == 2 * 16 * 2 * 8 * 2 * 3
 
 
 def test_cpu_budget_is_the_setting_or_the_default() -> None:
@@ -84,10 +86,11 @@ def test_a_gathering_decode_at_the_longest_context_is_in_the_peak() -> None:
     def memory(backend: object, max_len: int) -> StageMemory:
         model = SimpleNamespace(num_local_layers=3, num_kv_heads_local=2, attn_backend=backend)
         return StageMemory(model, SimpleNamespace(head_dim=8), block_size=16, dtype=torch.bfloat16,
-                           kv_dtype=torch.bfloat16, device=torch.device("cpu"), profile_tokens=64, profile_seqs=4,
-                           max_model_len=max_len)
+                           kv_dtype=torch.bfloat16, device=torch.device("cpu"), profile_tokens=64,
+                           profile_seqs=4, max_model_len=max_len)
 
-    short, long = memory(SdpaBackend(), 1000).decode_gather_bytes(), memory(SdpaBackend(), 4000).decode_gather_bytes()
+    short, long = (memory(SdpaBackend(), 1000).decode_gather_bytes(),
+                   memory(SdpaBackend(), 4000).decode_gather_bytes())
     width = -(-4000 // 16) * 16
     assert long == 2 * 4 * width * 2 * 8 * 2 + 4 * width * 3  # K and V, bf16, and the mask (bf16 + bool)
     assert short < long
@@ -99,6 +102,7 @@ def test_context_slots_are_derived_once_per_step_without_reading_the_total_back(
 
     meta = AttentionMetadata.build([3, 1], [5, 7], [[2, 0], [1, 3]], 4, torch.device("cpu"))
     slots = meta.context_slots()
-    want = [2 * 4 + p for p in range(4)] + [0 * 4 + 0] + [1 * 4 + p for p in range(4)] + [3 * 4 + p for p in range(3)]
+    want = ([2 * 4 + p for p in range(4)] + [0 * 4 + 0] + [1 * 4 + p for p in range(4)]
+            + [3 * 4 + p for p in range(3)])
     assert slots.tolist() == want
     assert meta.context_slots() is slots  # the other layers reuse it

@@ -26,8 +26,10 @@ def test_a_decode_reads_k_experts_a_prefill_reads_them_all():
     assert moe_mlp_weights(4, moe, 1000)[1] == pytest.approx(8 * expert + router)
 
 
-@pytest.mark.parametrize(("name", "total", "active"), [("mixtral-8x7b", 46.7, 12.9), ("mixtral-8x22b", 140.6, 39.2),
-                                                        ("qwen3-30b-a3b", 30.5, 3.3), ("qwen3-235b-a22b", 235.1, 22.2)])
+@pytest.mark.parametrize(("name", "total", "active"), [("mixtral-8x7b", 46.7, 12.9),
+                                                       ("mixtral-8x22b", 140.6, 39.2),
+                                                        ("qwen3-30b-a3b", 30.5, 3.3),
+                                                        ("qwen3-235b-a22b", 235.1, 22.2)])
 def test_moe_tables_have_the_published_parameter_counts(name, total, active):
     spec = load_model_spec(name)
     assert spec.num_params / 1e9 == pytest.approx(total, abs=0.1)
@@ -46,14 +48,16 @@ def test_the_roofline_prices_a_moe_decode_by_the_experts_it_touches():
     # Memory-bound decode: one token reads 8 of 128 experts, 64 tokens most of them.
     assert cost.linear_time(64) > 5 * cost.linear_time(1)
     dense_twin = ModelSpec("dense", moe.num_layers, moe.hidden_size, moe.num_heads, moe.num_kv_heads,
-                           moe.num_experts * moe.expert_intermediate_size, moe.vocab_size, head_dim=moe.head_dim)
+                           moe.num_experts * moe.expert_intermediate_size, moe.vocab_size,
+                           head_dim=moe.head_dim)
     assert dense_twin.layer_params_per_rank(8) == pytest.approx(moe.layer_params_per_rank(8), rel=0.01)
     assert cost.linear_time(1) < 0.2 * RooflineCostModel(dense_twin, hw, num_stages=4, tp=8).linear_time(1)
 
 
 def test_bad_moe_tables_are_refused():
     with pytest.raises(ValueError, match="experts_per_token"):
-        ModelSpec("bad", 2, 64, 4, 4, 128, 256, num_experts=8, experts_per_token=9, expert_intermediate_size=32)
+        ModelSpec("bad", 2, 64, 4, 4, 128, 256, num_experts=8, experts_per_token=9,
+                  expert_intermediate_size=32)
 
 
 def test_the_partition_prices_a_sparse_layer_by_the_experts_a_token_uses():

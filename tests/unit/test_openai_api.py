@@ -26,7 +26,8 @@ def _run(fake: FakeEngine, body: Callable[[httpx.AsyncClient], Awaitable[Any]], 
             engine.start(asyncio.get_running_loop())
         app = build_app(engine, model_name=MODEL, token=token)
         try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://test") as client:
                 return await body(client)
         finally:
             if start:
@@ -53,7 +54,8 @@ def _assert_error(r: httpx.Response, status: int, kind: str, needle: str) -> Non
 
 def test_completion_whole_and_n() -> None:
     async def body(c: httpx.AsyncClient) -> None:
-        r = await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "n": 2})
+        r = await c.post("/v1/completions",
+                         json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "n": 2})
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["object"] == "text_completion" and out["model"] == MODEL
@@ -137,7 +139,8 @@ def test_bad_chat_and_malformed_bodies() -> None:
         r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                        "top_logprobs": 2})
         _assert_error(r, 400, "invalid_request_error", "top_logprobs needs logprobs")
-        r = await c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        r = await c.post("/v1/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
         _assert_error(r, 400, "invalid_request_error", "JSON")
         r = await c.post("/v1/completions", json={"model": "other", "prompt": [1]})
         _assert_error(r, 404, "invalid_request_error", "does not exist")

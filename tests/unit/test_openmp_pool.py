@@ -42,7 +42,8 @@ def test_loaded_libgomp_reads_the_mapped_runtime(tmp_path: Path) -> None:
         "7f00-7f01 r-xp 00000000 fd:00 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
         "7f02-7f03 r-xp 00000000 fd:00 2 /venv/lib/python3.11/site-packages/torch/lib/libgomp-a34b3233.so.1\n"
         "7f04-7f05 rw-p 00000000 00:00 0 \n")
-    assert openmp_pool.loaded_libgomp(maps) == "/venv/lib/python3.11/site-packages/torch/lib/libgomp-a34b3233.so.1"
+    assert (openmp_pool.loaded_libgomp(maps)
+            == "/venv/lib/python3.11/site-packages/torch/lib/libgomp-a34b3233.so.1")
     maps.write_text("7f00-7f01 r-xp 00000000 fd:00 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
     assert openmp_pool.loaded_libgomp(maps) is None
     assert openmp_pool.loaded_libgomp(tmp_path / "absent") is None

@@ -8,8 +8,8 @@ from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.output import OutputState, held_back
 from ppserve.request import Request, SamplingParams
 
-VOCAB = {1: "Hello", 2: " E", 3: "N", 4: "D", 5: " world", 6: ".", 9: "o", 10: "END", 11: " fabric", 12: " of",
-         13: " the"}
+VOCAB = {1: "Hello", 2: " E", 3: "N", 4: "D", 5: " world", 6: ".", 9: "o", 10: "END", 11: " fabric",
+         12: " of", 13: " the"}
 
 
 class FakeTokenizer:

@@ -38,14 +38,16 @@ def test_cost_aware_moves_layers_off_the_head_stage():
     from types import SimpleNamespace
 
     layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
-    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-                            vocab_size=49152)
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                            num_kv_heads=3, vocab_size=49152)
     costs = weight_costs(shape)
-    assert costs.head.of_features(DECODE_REFERENCE) / costs.layer.of_features(DECODE_REFERENCE) == 49152 * 576 / layer == 8.0
+    assert (costs.head.of_features(DECODE_REFERENCE) / costs.layer.of_features(DECODE_REFERENCE)
+            == 49152 * 576 / layer == 8.0)
     # Two stages balance when n = (30 - n) + 8 layers: n = 19.
     ranges = partition_layers(30, 2, mode="cost", costs=costs)
     assert ranges == [(0, 19), (19, 30)]
-    assert max(stage_costs(ranges, costs, DECODE_REFERENCE)) < max(stage_costs(partition_layers(30, 2), costs, DECODE_REFERENCE))
+    assert (max(stage_costs(ranges, costs, DECODE_REFERENCE))
+            < max(stage_costs(partition_layers(30, 2), costs, DECODE_REFERENCE)))
     # Prefill-heavy work (one sampled token in 512) barely prices the head: the split is nearly even.
     prefill = features(((512, 0),), 1)
     assert partition_layers(30, 2, mode="cost", costs=costs, reference=prefill) == [(0, 15), (15, 30)]
@@ -78,13 +80,14 @@ def test_robust_partition_bounds_the_worst_regime():
 
     from ppserve.sched.partition import cost_partition, prefill_reference, robust_partition
 
-    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-                            vocab_size=49152)
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                            num_kv_heads=3, vocab_size=49152)
     costs = weight_costs(shape)
     refs = (DECODE_REFERENCE, prefill_reference(512))
 
     def regret(ranges, ref):
-        return max(stage_costs(ranges, costs, ref)) / max(stage_costs(cost_partition(30, 2, costs, ref), costs, ref))
+        return (max(stage_costs(ranges, costs, ref))
+                / max(stage_costs(cost_partition(30, 2, costs, ref), costs, ref)))
 
     robust = robust_partition(30, 2, costs, refs)
     assert robust == [(0, 17), (17, 30)]
@@ -174,7 +177,8 @@ def test_calibration_prices_the_split_at_its_decodes_even_when_the_fit_is_collin
     for step in range(60):
         shape = BatchShape(((1, 40 + step),) * 4, 4, 0, 4)
         noise = [1.0 + rng.uniform(-0.1, 0.1) for _ in range(2)]  # a shared machine's +-10 %
-        samples.append((shape, (15 * layer_ms * 1e-3 * noise[0], (15 * layer_ms + head_ms) * 1e-3 * noise[1])))
+        samples.append((shape,
+                        (15 * layer_ms * 1e-3 * noise[0], (15 * layer_ms + head_ms) * 1e-3 * noise[1])))
     profile = fit_cost_profile(samples, ranges)
     assert profile.reference[1] == pytest.approx(4.0)  # four tokens: the decodes', not the prefill's mean
     assert profile.head_in_layers == pytest.approx(head_ms / layer_ms, rel=0.1)
@@ -215,8 +219,8 @@ def test_initial_ranges_follow_the_mode():
 
     from ppserve.sched.partition import initial_ranges
 
-    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
-                            vocab_size=49152)
+    shape = SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                            num_kv_heads=3, vocab_size=49152)
     par = SimpleNamespace(pipeline_parallel_size=2, layer_partition=None, partition_mode="cost")
     # Robust over decode (best 19 / 11) and a full-budget prefill chunk (best 15 / 15).
     assert initial_ranges(par, shape) == [(0, 17), (17, 30)]
@@ -236,7 +240,8 @@ def test_profile_cache_is_keyed_and_honours_the_cache_variables(tmp_path, monkey
     from ppserve.engine.calibration import profile_cache_path
 
     def engine(**sched):
-        cfg = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2), scheduler=SchedulerConfig(**sched))
+        cfg = EngineConfig(parallel=ParallelConfig(pipeline_parallel_size=2),
+                           scheduler=SchedulerConfig(**sched))
         return SimpleNamespace(config=cfg, model_dir=Path("/models/tiny"))
 
     monkeypatch.delenv("PPSERVE_CACHE_DIR", raising=False)

@@ -20,7 +20,8 @@ def loop_reference(row: torch.Tensor, sp: SamplingParams, token_ids: Sequence[in
     if sp.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
         vals = row.index_select(0, seen)
-        row.index_copy_(0, seen, torch.where(vals < 0, vals * sp.repetition_penalty, vals / sp.repetition_penalty))
+        row.index_copy_(0, seen,
+                        torch.where(vals < 0, vals * sp.repetition_penalty, vals / sp.repetition_penalty))
     outputs = token_ids[num_prompt:]
     if (sp.frequency_penalty or sp.presence_penalty) and outputs:
         ids = torch.tensor(outputs, dtype=torch.long)
@@ -36,7 +37,8 @@ def test_batched_penalties_equal_the_per_row_loop() -> None:
     vocab = 97
     kinds = [SamplingParams(), SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.4),
              SamplingParams(presence_penalty=-0.7), SamplingParams(min_tokens=5),
-             SamplingParams(repetition_penalty=0.8, frequency_penalty=0.2, presence_penalty=0.5, min_tokens=3)]
+             SamplingParams(repetition_penalty=0.8, frequency_penalty=0.2, presence_penalty=0.5,
+                            min_tokens=3)]
     for trial in range(20):
         params = [rng.choice(kinds) for _ in range(rng.randint(1, 7))]
         histories = []
@@ -50,6 +52,7 @@ def test_batched_penalties_equal_the_per_row_loop() -> None:
         logits = torch.randn(len(params), vocab) * 4
         before = logits.clone()
         got = apply_penalties(logits, params, histories, stops)
-        want = torch.stack([loop_reference(logits[i], sp, *histories[i], stops[i]) for i, sp in enumerate(params)])
+        want = torch.stack([loop_reference(logits[i], sp, *histories[i], stops[i])
+                            for i, sp in enumerate(params)])
         assert torch.equal(got, want), trial
         assert torch.equal(logits, before)  # the input is left as it was

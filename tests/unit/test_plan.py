@@ -58,7 +58,8 @@ def test_kv_blocks_per_replica_by_hand():
     feasible, _ = enumerate_deployments(MODEL, Cluster(gpu(0.3), gpus_per_node=4), ONE_KNOB, WORK)
     d = next(d for d in feasible if (d.pp, d.tp) == (1, 4))
     # tp 4 over 2 KV heads: one replicated head of 128 per rank, K and V, 8 layers, 2 bytes: 4096 B/token.
-    per_rank = 2 * 1024 * 1024 // 4 + 3 * 1024 * 4096 // 4 + 2 * 1024 * 128  # q+o and MLP split, K/V replicated
+    # q+o and MLP split, K/V replicated
+    per_rank = 2 * 1024 * 1024 // 4 + 3 * 1024 * 4096 // 4 + 2 * 1024 * 128
     weights = (8 * per_rank + 2 * 32000 * 1024 / 4) * 2
     assert d.num_blocks == int((0.3 * GB - weights) // (4096 * 16))
 
@@ -66,14 +67,17 @@ def test_kv_blocks_per_replica_by_hand():
 def test_rejections_name_heads_nodes_packing_and_a_kv_cache_too_small():
     odd = replace(MODEL, num_heads=12, num_kv_heads=3, hidden_size=1536)
     _, rej = enumerate_deployments(odd, Cluster(gpu(80), gpus_per_node=2, nodes=1), ONE_KNOB, WORK)
-    assert any(r.tp == 2 and "neither divides nor is a multiple of hand's 3 KV heads" in r.reason for r in rej)
+    assert any(r.tp == 2 and "neither divides nor is a multiple of hand's 3 KV heads" in r.reason
+               for r in rej)
     _, rej = enumerate_deployments(MODEL, Cluster(gpu(80), gpus_per_node=2, nodes=2), ONE_KNOB, WORK)
     assert {(r.pp, r.tp) for r in rej} == {(1, 4)} and "exceeds the 2 GPUs of a node" in rej[0].reason
     _, rej = enumerate_deployments(MODEL, Cluster(gpu(80), gpus_per_node=4, nodes=3), ONE_KNOB, WORK)
-    assert {(r.pp, r.tp) for r in rej if "does not pack onto nodes of 4" in r.reason} == {(3, 1), (6, 1), (3, 2)}
+    assert ({(r.pp, r.tp) for r in rej if "does not pack onto nodes of 4" in r.reason}
+            == {(3, 1), (6, 1), (3, 2)})
     _, rej = enumerate_deployments(MODEL, Cluster(gpu(80), gpus_per_node=4, nodes=4), ONE_KNOB, WORK)
     assert {(r.pp, r.tp) for r in rej if "exceeds hand's 8 layers" in r.reason} == {(16, 1)}
-    # 374.3 MB of weights fit in 0.38 GB, but the 5.7 MB left hold 691 tokens of 8 KB (2 x 256 x 2 B x 8 layers).
+    # 374.3 MB of weights fit in 0.38 GB, but the 5.7 MB left hold 691 tokens of 8 KB (2 x 256 x 2 B x 8
+    # layers).
     feasible, rej = enumerate_deployments(MODEL, Cluster(gpu(0.38), gpus_per_node=1), ONE_KNOB, WORK)
     assert not feasible and "KV cache of 688 tokens" in rej[0].reason  # 43 blocks of 16
     assert "smaller than the longest request (2048)" in rej[0].reason
@@ -93,7 +97,8 @@ def test_every_policy_and_setting_is_enumerated_per_shape():
 def test_model_spec_from_an_hf_config():
     q = model_spec_from_hf({"num_hidden_layers": 64, "hidden_size": 5120, "num_attention_heads": 64,
                             "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 25600,
-                            "vocab_size": 151936, "max_position_embeddings": 40960, "hidden_act": "silu"}, "qwen3")
+                            "vocab_size": 151936, "max_position_embeddings": 40960, "hidden_act": "silu"},
+                            "qwen3")
     assert q.num_params == load_model_spec("qwen3-32b").num_params and q.q_dim == 8192
     with pytest.raises(ValueError, match="none of"):
         model_spec_from_hf({"hidden_size": 8}, "broken")
@@ -124,7 +129,8 @@ def stub_context(cluster: Cluster) -> PlanContext:
 def small_space() -> tuple[Cluster, list[Deployment]]:
     cluster = Cluster(load_hardware("a100"), gpus_per_node=2)
     space = SearchSpace(policies=("sarathi",), token_budgets=(256, 512, 1024), max_num_seqs=(64,))
-    feasible, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, space, WorkloadShape(500, 2048))
+    feasible, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, space,
+                                        WorkloadShape(500, 2048))
     return cluster, feasible
 
 
@@ -136,7 +142,8 @@ def test_search_finds_the_known_capacities_pruned_and_ranked(jobs: int):
     # Shapes: tp1·pp2 (10/GPU-pair at budget 512), tp2·pp1 (9), tp1·pp1 x2 (4): the last is pruned, so
     # only its representative (budget 512) was searched.
     searched = {(d.pp, d.tp, d.token_budget) for d in (c.deployment for c in ranked)}
-    assert searched == {(2, 1, 256), (2, 1, 512), (2, 1, 1024), (1, 2, 256), (1, 2, 512), (1, 2, 1024), (1, 1, 512)}
+    assert searched == {(2, 1, 256), (2, 1, 512), (2, 1, 1024), (1, 2, 256), (1, 2, 512), (1, 2, 1024),
+                        (1, 1, 512)}
     assert [c.capacity_per_gpu for c in ranked] == sorted((c.capacity_per_gpu for c in ranked), reverse=True)
     for c in ranked:
         truth = true_capacity(c.deployment)
@@ -179,7 +186,8 @@ def test_search_is_deterministic_and_probes_are_seeded():
     d = next(d for d in feasible if d.pp == 2 and d.token_budget == 512)
     first, again = probe(ctx, d, 4.0), probe(ctx, d, 4.0)
     assert first == again and first.ok and first.extra["num_requests"] == 10  # 4 req/s x 2 s < min_requests
-    assert probe(replace(ctx, duration_s=10.0), d, 4.0).extra["num_requests"] == 40  # cycled past the trace's 10
+    # cycled past the trace's 10
+    assert probe(replace(ctx, duration_s=10.0), d, 4.0).extra["num_requests"] == 40
 
 
 def test_a_plan_probe_replays_the_requests_a_real_capacity_probe_of_the_trace_replays(tmp_path):
@@ -192,12 +200,17 @@ def test_a_plan_probe_replays_the_requests_a_real_capacity_probe_of_the_trace_re
     from ppserve.plan.inputs import workload
 
     trace = tmp_path / "t.csv"
-    # Rows whose lengths grow with the row: a pool that cycled its first rows would replay short requests only.
-    trace.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{100 + 10 * i},{5 + i}\n" for i in range(300)))
-    estimates, pool, desc = workload(str(trace), 20, MODEL.max_model_len, seed=3, prefill_scale=0.5, decode_scale=0.5)
-    assert [(r.prompt_len, r.output_len) for r in estimates] == [(50 + 5 * i, round((5 + i) / 2) or 1) for i in range(20)]
+    # Rows whose lengths grow with the row: a pool that cycled its first rows would replay short requests
+    # only.
+    trace.write_text("num_prefill_tokens,num_decode_tokens\n"
+                     + "".join(f"{100 + 10 * i},{5 + i}\n" for i in range(300)))
+    estimates, pool, desc = workload(str(trace), 20, MODEL.max_model_len, seed=3, prefill_scale=0.5,
+                                     decode_scale=0.5)
+    assert ([(r.prompt_len, r.output_len) for r in estimates]
+            == [(50 + 5 * i, round((5 + i) / 2) or 1) for i in range(20)])
     assert len(pool) == 300 and pool[:20] == estimates and "first 20 rows" in desc
-    ctx = PlanContext(MODEL, Cluster(gpu(80), 1, 1), tuple(pool), SLO(0.1, 2.0), duration_s=10.0, min_requests=20, seed=3)
+    ctx = PlanContext(MODEL, Cluster(gpu(80), 1, 1), tuple(pool), SLO(0.1, 2.0), duration_s=10.0,
+                      min_requests=20, seed=3)
     spec = WorkloadSpec(source=f"trace:{trace}", num_requests=20, prefill_scale=0.5, decode_scale=0.5, seed=3,
                         max_model_len=MODEL.max_model_len)
     for rate in (1.0, 7.5, 25.0):  # below the minimum, between, past the 20 rows the estimates read
@@ -220,7 +233,8 @@ def test_the_report_ranks_draws_and_writes_a_config_serve_loads(tmp_path):
     best = ranked[0].deployment
     assert (cfg.parallel.pipeline_parallel_size, cfg.parallel.tensor_parallel_size) == (best.pp, best.tp)
     assert cfg.parallel.layer_partition == best.layer_counts == (16, 16)
-    assert (cfg.scheduler.policy, cfg.scheduler.token_budget, cfg.scheduler.max_num_seqs) == ("sarathi", 1024, 64)
+    assert (cfg.scheduler.policy, cfg.scheduler.token_budget,
+            cfg.scheduler.max_num_seqs) == ("sarathi", 1024, 64)
     assert cfg.model.model == "/models/llama3-8b" and cfg.cache.block_size == 16
     assert "run 1 of these" in paths["winner"].read_text()
     data = json.loads(paths["json"].read_text())
@@ -246,7 +260,8 @@ def test_the_planner_never_imports_torch_ray_or_grpc(tmp_path):
     code = (
         "import sys\n"
         "from ppserve.cli import main\n"
-        f"rc = main(['plan', '--model', 'smollm2-135m', '--hardware', 'cpu', '--gpus', '2', '--tbt-p99-ms', '300',"
+        f"rc = main(['plan', '--model', 'smollm2-135m', '--hardware', 'cpu', '--gpus', '2',"
+        f" '--tbt-p99-ms', '300',"
         f" '--num-requests', '20', '--duration-s', '3', '--prefill-scale', '0.05', '--decode-scale', '0.05',"
         f" '--policies', 'sarathi', '--token-budgets', '256',"
         f" '--refine', '1', '--jobs', '1', '--no-progress', '--out', {str(tmp_path)!r}])\n"
@@ -269,7 +284,8 @@ def test_a_fitted_profile_is_re_split_over_another_pp_and_tp(tmp_path):
 
     layer = StepCost(floor_s=1e-4, token_s=2e-6, prefill_key_s=1e-9, decode_key_s=3e-9)
     head = StepCost(floor_s=5e-4, token_s=1e-6, sample_s=4e-5)
-    measured = Profile(LayerCosts(layer, head).pipeline(ranges_from_counts([5, 3])), transfer_s=2e-4, note="fit")
+    measured = Profile(LayerCosts(layer, head).pipeline(ranges_from_counts([5, 3])), transfer_s=2e-4,
+                       note="fit")
     resplit = ProfileResplit(measured, (5, 3), tp=1)
     three = resplit.cost_model([3, 3, 2], tp=2)
     shape = BatchShape.uniform(100, 4, 200)
@@ -277,9 +293,11 @@ def test_a_fitted_profile_is_re_split_over_another_pp_and_tp(tmp_path):
     half = StepCost(1e-4, 1e-6, 0.5e-9, 1.5e-9)
     assert three.num_stages == 3 and three.transfer_time(shape) == 2e-4
     assert three.stage_time(0, shape) == pytest.approx(half.times(3).predict(shape))
-    assert three.stage_time(2, shape) == pytest.approx(half.times(2).plus(StepCost(5e-4, 0.5e-6, 0, 0, 2e-5)).predict(shape))
+    assert three.stage_time(2, shape) == pytest.approx(
+        half.times(2).plus(StepCost(5e-4, 0.5e-6, 0, 0, 2e-5)).predict(shape))
     one = resplit.cost_model([8], tp=1)  # back to a single stage: no transfer
-    assert one.stage_time(0, shape) == pytest.approx(layer.times(8).plus(head).predict(shape)) and one.transfer_time(shape) == 0
+    assert (one.stage_time(0, shape) == pytest.approx(layer.times(8).plus(head).predict(shape))
+            and one.transfer_time(shape) == 0)
     with pytest.raises(ValueError, match="has 2 stages"):
         ProfileResplit(measured, (8,))
     # The planner runs on it: a probe through the simulator priced by the re-split profile.
@@ -314,28 +332,31 @@ def test_the_slo_budget_is_the_largest_step_that_goes_round_the_pipeline_in_time
     assert slo_token_budget(two, 0.100, context=0, cap=2048, margin=1.0, block_size=1) == 40
     # The default margin: 10 + B <= 100 * SLO_BUDGET_MARGIN ms on one stage.
     one = linear_pipeline(1, 0.010, 0.001)
-    assert slo_token_budget(one, 0.100, context=0, cap=2048, block_size=1) == int(100 * SLO_BUDGET_MARGIN - 10 + 1e-9)
+    assert (slo_token_budget(one, 0.100, context=0, cap=2048, block_size=1)
+            == int(100 * SLO_BUDGET_MARGIN - 10 + 1e-9))
     # A step's floor alone outlasts the SLO around the pipeline: no budget meets it.
     assert slo_token_budget(linear_pipeline(2, 0.045, 0.001), 0.100, context=0, cap=2048) is None
     with pytest.raises(ValueError, match="margin"):
         slo_token_budget(two, 0.100, context=0, cap=2048, margin=0.0)
 
 
-def test_where_every_grid_budget_outlasts_the_slo_each_sarathi_setting_gains_the_slos_and_it_stands_for_its_shape():
+def test_where_every_grid_budget_outlasts_slo_each_sarathi_setting_gains_the_slos_and_stands_for_its_shape():
     from ppserve.plan.search import _representatives
     from ppserve.plan.slo_budget import with_slo_budgets
 
     cluster = Cluster(load_hardware("a100"), gpus_per_node=2)
     space = SearchSpace(policies=("sarathi", "vllm"), token_budgets=(256, 512), max_num_seqs=(64, 128))
-    feasible, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, space, WorkloadShape(500, 2048))
-    # Every stage at 10 ms + 1 ms a token, margin 0.65: 2 * (10 + B) <= 65 ms at pp 2 (B = 22 -> 16), 10 + B <=
-    # 65 at pp 1 (B = 55 -> 48); both below the grid's 256.
+    feasible, _ = enumerate_deployments(load_model_spec("llama3-8b"), cluster, space,
+                                        WorkloadShape(500, 2048))
+    # Every stage at 10 ms + 1 ms a token, margin 0.65: 2 * (10 + B) <= 65 ms at pp 2 (B = 22 -> 16),
+    # 10 + B <= 65 at pp 1 (B = 55 -> 48); both below the grid's 256.
     out = with_slo_budgets(feasible, lambda d: linear_pipeline(d.pp, 0.010, 0.001), 0.100, mean_prompt=64)
     added = [d for d in out if d.budget_from_slo]
     assert [replace(d, slo_budget=None) for d in out if not d.budget_from_slo] == feasible
     sarathi_settings = {(d.pp, d.tp, d.max_num_seqs) for d in feasible if d.policy == "sarathi"}
     assert {(d.pp, d.tp, d.max_num_seqs) for d in added} == sarathi_settings  # one per setting, none for vllm
-    assert {d.token_budget for d in added if d.pp == 2} == {16} and {d.token_budget for d in added if d.pp == 1} == {48}
+    assert ({d.token_budget for d in added if d.pp == 2} == {16}
+            and {d.token_budget for d in added if d.pp == 1} == {48})
     assert all(d.policy == "sarathi" and "from SLO" in d.label for d in added)
     assert all(out[i].budget_from_slo for i in _representatives(out).values())
     # Where the grid holds a budget the SLO allows (1 + 0.08 B <= 65 ms at pp 1: 800 tokens, capped at the

@@ -21,7 +21,8 @@ def _new(s, rid, prompt_len, **kw):
 
 
 def test_hit_and_query_counters_are_exact():
-    """First request: 22 tokens queried, 0 hit. Second (same 20-token prefix, 26 tokens): 5 blocks = 20 hit."""
+    """First request: 22 tokens queried, 0 hit. Second (same 20-token prefix, 26 tokens): 5 blocks = 20
+    hit."""
     s = make_scheduler(token_budget=64, block_size=4)
     a = _new(s, "a", 22, max_tokens=2, prefix=SYSTEM)
     a_blocks = step(s).new_requests[0].block_ids
@@ -32,7 +33,8 @@ def test_hit_and_query_counters_are_exact():
     assert b.num_cached_tokens == 20 and a.num_cached_tokens == 0
     new_b = next(n for n in out.new_requests if n.request_id == "b")
     assert new_b.num_computed_tokens == 20 and new_b.block_ids[:5] == a_blocks[:5]
-    assert dict(zip(out.order, out.num_scheduled_tokens, strict=True))["b"] == 6  # only the uncached part is work
+    # only the uncached part is work
+    assert dict(zip(out.order, out.num_scheduled_tokens, strict=True))["b"] == 6
     assert s.blocks.hit_rate == pytest.approx(20 / 48)
 
 
@@ -235,7 +237,8 @@ def test_simulator_shares_only_prefix_identities():
     from ppserve.sim.workload import shared_prefix, uniform_lengths
 
     plain = _sim(uniform_lengths(12, (20, 90), (2, 5)), caching=True)
-    assert plain.num_microbatches == _sim(uniform_lengths(12, (20, 90), (2, 5)), caching=False).num_microbatches
+    assert plain.num_microbatches == _sim(uniform_lengths(12, (20, 90), (2, 5)),
+                                          caching=False).num_microbatches
     wl = shared_prefix(num_groups=2, per_group=4, prefix_len=64, question_len=8, output_len=3)
     on, off = _sim(wl, caching=True), _sim(wl, caching=False)
     assert on.end_s < off.end_s
@@ -253,7 +256,8 @@ def test_multi_turn_workload_hits_the_previous_turn_and_answer():
     cached = []
     for k, w in enumerate(wl):  # one turn at a time, each answered before the next is sent
         tokens, salt = sim_prompt(k, w)
-        req = Request(f"r{k}", tokens, SamplingParams(max_tokens=w.output_len, ignore_eos=True), cache_salt=salt)
+        req = Request(f"r{k}", tokens, SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                      cache_salt=salt)
         s.add_request(req)
         while s.has_unfinished:
             step(s, token=SIM_TOKEN)
@@ -276,8 +280,8 @@ def test_bench_workloads_carry_prefix_identities_into_their_prompts():
     from ppserve.bench.prompts import PromptBuilder
     from ppserve.bench.workloads import WorkloadSpec, build_workload
 
-    spec = WorkloadSpec(source="shared-prefix", num_requests=8, prefix_groups=2, prefix_len=20, question_len=5,
-                        output_max=3, arrival="at-once")
+    spec = WorkloadSpec(source="shared-prefix", num_requests=8, prefix_groups=2, prefix_len=20,
+                        question_len=5, output_max=3, arrival="at-once")
     reqs = build_workload(spec)
     prompts = PromptBuilder(None, 1000, seed=0).build_for(reqs)
     assert [(r.prefix_id, r.prefix_len, r.prompt_len) for r in reqs[:2]] == [(0, 20, 25), (1, 20, 25)]
@@ -287,4 +291,5 @@ def test_bench_workloads_carry_prefix_identities_into_their_prompts():
     chats = PromptBuilder(None, 1000, seed=0).build_for(turns)
     assert chats[2][:14] == chats[0] and chats[3][:14] == chats[1] != chats[0]
     plain = build_workload(WorkloadSpec(source="uniform", num_requests=3))
-    assert PromptBuilder(None, 1000, 0).build_for(plain) == PromptBuilder(None, 1000, 0).build([r.prompt_len for r in plain])
+    assert (PromptBuilder(None, 1000, 0).build_for(plain)
+            == PromptBuilder(None, 1000, 0).build([r.prompt_len for r in plain]))

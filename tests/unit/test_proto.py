@@ -128,7 +128,8 @@ def test_stats_round_trip() -> None:
         total_recovery_s=4.0,
         stages=(StageBubbles(stage=0, busy_fraction=0.7, bubble_fraction=0.2, starvation_fraction=0.1),),
         workers=(
-            WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=15, node_ip="10.0.0.1", node_id="abc", pid=42),
+            WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=15, node_ip="10.0.0.1", node_id="abc",
+                       pid=42),
         ),
         config=ServingConfig(
             model="m",
@@ -169,7 +170,8 @@ def test_stats_round_trip() -> None:
 
 
 def test_stats_types_name_the_wire_fields() -> None:
-    """EngineStats and its parts are the one definition of the stats: each names exactly its message's fields."""
+    """EngineStats and its parts are the one definition of the stats: each names exactly its message's
+    fields."""
     for cls, msg in ((EngineStats, pb.Stats), (StageBubbles, pb.StageBubbles), (WorkerInfo, pb.Worker),
                      (ServingConfig, pb.ServingConfig)):
         assert {f.name for f in dataclasses.fields(cls)} == {f.name for f in msg.DESCRIPTOR.fields}, cls
@@ -239,7 +241,8 @@ def test_queue_full_is_resource_exhausted() -> None:
 
 
 def test_get_stats_over_the_fake_engine_is_typed() -> None:
-    """AsyncEngine.stats() -> servicer -> wire -> client: the same EngineStats, the workers' node_ip intact."""
+    """AsyncEngine.stats() -> servicer -> wire -> client: the same EngineStats, the workers' node_ip
+    intact."""
 
     async def body(client):  # type: ignore[no-untyped-def]
         await client.generate([1, 2], max_tokens=3)

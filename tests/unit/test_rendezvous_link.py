@@ -40,7 +40,8 @@ def _run_all(bodies: list[Callable[[], Any]]) -> list[BaseException | None]:
     return errors
 
 
-def _pipeline(p: int) -> tuple[list[tuple[RendezvousChannel, RendezvousChannel]], tuple[RendezvousChannel, ...]]:
+def _pipeline(p: int) -> tuple[list[tuple[RendezvousChannel, RendezvousChannel]],
+                               tuple[RendezvousChannel, ...]]:
     links = [_link(f"stage {s}", f"stage {s + 1}") for s in range(p - 1)]
     ring = _link(f"stage {p - 1}", "stage 0")
     return links, ring
@@ -84,7 +85,8 @@ def test_sending_before_receiving_on_every_stage_deadlocks_the_ring(p: int) -> N
     deadlocks = [e for e in errors if isinstance(e, RendezvousDeadlock)]
     assert deadlocks, errors
     # Stage 0 waits on stage 1 while the last stage waits on stage 0: the cycle, at first contact.
-    assert any(str(e).startswith("rendezvous link: stage 0 blocked") and "stage 1" in str(e) for e in deadlocks)
+    assert any(str(e).startswith("rendezvous link: stage 0 blocked") and "stage 1" in str(e)
+               for e in deadlocks)
     assert any(str(e).startswith(f"rendezvous link: stage {p - 1} blocked") and "stage 0" in str(e)
                for e in deadlocks)
 
@@ -139,7 +141,8 @@ def test_a_receive_with_no_sender_is_reported_with_the_stage_that_waits() -> Non
     errors = _run_all([lambda: out._meet("warm-up"), lambda: inp.recv(1, 4, torch.float32, 1, step=3)])
     assert errors[0] is None
     assert isinstance(errors[1], RendezvousDeadlock)
-    assert "stage 1 blocked" in str(errors[1]) and "step 3" in str(errors[1]) and "from stage 0" in str(errors[1])
+    assert ("stage 1 blocked" in str(errors[1]) and "step 3" in str(errors[1])
+            and "from stage 0" in str(errors[1]))
 
 
 def test_receives_posted_ahead_complete_in_order() -> None:
@@ -151,7 +154,8 @@ def test_receives_posted_ahead_complete_in_order() -> None:
             out.send(torch.full((k + 1, 1), k, dtype=torch.int64), (float(k),), step=k)
 
     def receiver() -> None:
-        posted.extend(inp.post_recv(k + 1, 1, torch.int64, 1, step=k) for k in range(4))  # all four, then the waits
+        # all four, then the waits
+        posted.extend(inp.post_recv(k + 1, 1, torch.int64, 1, step=k) for k in range(4))
         for k, p in enumerate(posted):
             hidden, values = p.wait()
             assert hidden.view(-1).tolist() == [k] * (k + 1) and values.get() == (float(k),)

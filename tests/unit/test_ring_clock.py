@@ -17,7 +17,8 @@ from tests.unit.sched_helpers import fake_result, make_request
 def mb(step_id: int, ring_step_id: int | None = None) -> SchedulerOutput:
     rid = f"r{step_id}"
     return SchedulerOutput(step_id, (rid,), (1,), (4,), (), (), (rid,),
-                           ring_request_ids=(rid,) if ring_step_id is not None else (), ring_step_id=ring_step_id)
+                           ring_request_ids=(rid,) if ring_step_id is not None else (),
+                           ring_step_id=ring_step_id)
 
 
 def test_stage0_frees_after_the_in_flight_work_in_order_each_once_its_ring_tokens_are_back():
@@ -60,9 +61,9 @@ def test_a_negative_margin_is_refused():
     with pytest.raises(ValueError, match="margin"):
         RingClock(margin_s=-1e-3, window=4)
     with pytest.raises(ValueError, match="ring_margin_ms"):
-        SchedulerConfig(async_scheduling=True, ring_margin_ms=-1.0)
+        SchedulerConfig(token_ring=True, ring_margin_ms=-1.0)
     with pytest.raises(ValueError, match="ring_margin_ms"):
-        SchedulerConfig(async_scheduling=True, ring_margin_ms=float("inf"))
+        SchedulerConfig(token_ring=True, ring_margin_ms=float("inf"))
 
 
 class Clock:
@@ -74,7 +75,7 @@ class Clock:
 
 
 def ring_scheduler(clock: Clock, margin_ms: float | None = 1.0, ring: bool = True, pp: int = 2) -> Scheduler:
-    cfg = SchedulerConfig(token_budget=8, async_scheduling=ring, ring_margin_ms=margin_ms)
+    cfg = SchedulerConfig(token_budget=8, token_ring=ring, ring_margin_ms=margin_ms)
     prior = PipelineCost((StepCost(floor_s=0.010),) * pp)  # every microbatch 10 ms a stage
     return Scheduler(cfg, 1000, 4, 4096, num_stages=pp, clock=clock, cost_prior=prior)
 
@@ -138,7 +139,8 @@ def test_the_engine_defers_the_fill_only_where_it_is_given_a_way_to_wait():
         s = ring_scheduler(clock)
         for i in range(4):
             s.add_request(make_request(f"r{i}", 3, max_tokens=50))
-        core = EngineCore(s, QueuePipeline(), clock=clock, clock_ns=lambda: 0, wait_until=wait, dispatch_s=0.0005)
+        core = EngineCore(s, QueuePipeline(), clock=clock, clock_ns=lambda: 0, wait_until=wait,
+                          dispatch_s=0.0005)
         for _ in range(6):
             core.step()
             if wait is None:  # an executor that computes in collect: refilled at once
@@ -159,7 +161,7 @@ def test_a_prompt_arriving_among_decodes_joins_the_rings_next_microbatch(arrival
     wl = [WorkloadRequest(0.0, 4, 40), WorkloadRequest(0.0, 4, 40), WorkloadRequest(arrival, 4, 2)]
 
     def run(ring: bool, margin_ms: float | None) -> tuple[float, float, float]:
-        cfg = SchedulerConfig(policy="sarathi", token_budget=64, async_scheduling=ring, ring_margin_ms=margin_ms)
+        cfg = SchedulerConfig(policy="sarathi", token_budget=64, token_ring=ring, ring_margin_ms=margin_ms)
         res = simulate(wl, ConstantCostModel(2, 0.010), SimConfig(cfg, 64, 16, 512, 0.001, 0.002,
                                                                   check_invariants=True))
         ttft = res.timings["r2"].ttft_s

@@ -61,7 +61,8 @@ CASES = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=
          SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.1, top_p=0.95, min_p=0.02)]
 
 
-@pytest.mark.parametrize("sp", CASES, ids=lambda sp: f"T{sp.temperature}-k{sp.top_k}-p{sp.top_p}-minp{sp.min_p}")
+@pytest.mark.parametrize("sp", CASES,
+                         ids=lambda sp: f"T{sp.temperature}-k{sp.top_k}-p{sp.top_p}-minp{sp.min_p}")
 def test_draws_follow_transformers_distribution_and_match_torch_multinomial(sp):
     torch.manual_seed(0)
     vocab = 700
@@ -94,14 +95,17 @@ def test_the_full_vocabulary_draw_over_many_blocks():
 
 
 def _sorted_nucleus_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The reference: probabilities in float64, sorted, the prefix whose mass before each token is under top_p."""
+    """The reference: probabilities in float64, sorted, the prefix whose mass before each token is under
+    top_p."""
     probs = weights.double() / weights.double().sum(-1, keepdim=True)
     sorted_probs, order = probs.sort(-1, descending=True)
     last = ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None].double()).sum(-1) - 1
     return weights.gather(1, order).gather(1, last[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("find", [nucleus_threshold, sampler._nucleus_threshold_radix, sampler._nucleus_threshold_cpu])
+@pytest.mark.parametrize("find",
+                         [nucleus_threshold, sampler._nucleus_threshold_radix,
+                          sampler._nucleus_threshold_cpu])
 def test_nucleus_threshold_equals_the_sorted_prefix(find):
     """Both ways of finding the threshold (the radix search a GPU runs, the bin-then-sort a CPU runs)."""
     torch.manual_seed(2)

@@ -77,7 +77,8 @@ def test_online_fit_recovers_every_stage_coefficients():
         assert fit.rms_residual() < 1e-6
     shape = BatchShape(((300, 1000), (1, 50), (1, 3000)), 3)
     assert cost.current.stage_times(shape) == pytest.approx(PIPE.stage_times(shape), rel=1e-4)
-    assert cost.current.pace(shape) == pytest.approx(LAST.predict(shape), rel=1e-4)  # the head's stage is slowest
+    # the head's stage is slowest
+    assert cost.current.pace(shape) == pytest.approx(LAST.predict(shape), rel=1e-4)
 
 
 def test_online_fit_follows_drift_and_ignores_garbage():
@@ -114,7 +115,8 @@ def _brute_force_nonnegative(a, b):
                     continue
                 for i, v in zip(support, sub, strict=True):
                     x[i] = v
-            value = sum(x[i] * a[i][j] * x[j] for i in range(n) for j in range(n)) / 2 - sum(bi * xi for bi, xi in zip(b, x, strict=True))
+            value = (sum(x[i] * a[i][j] * x[j] for i in range(n) for j in range(n)) / 2
+                     - sum(bi * xi for bi, xi in zip(b, x, strict=True)))
             if best is None or value < best[0] - 1e-15:
                 best = (value, x)
     assert best is not None
@@ -247,7 +249,8 @@ def test_time_budget_grants_fewer_tokens_to_long_context_chunks_on_the_slowest_s
 
 
 def test_even_chunks_cut_a_prompt_into_equal_chunks_at_most_a_token_over_the_grant():
-    """`even_chunks`: a prompt that does not fit whole takes the rest divided by the chunks the grant needs."""
+    """`even_chunks`: a prompt that does not fit whole takes the rest divided by the chunks the grant
+    needs."""
     time_s = PIPE.pace(BatchShape(((100, 0),), 0))
     grant = TimeBudget(4096, None, PIPE, time_s).chunk(4000, context=0)
     assert 90 < grant <= 100
@@ -258,8 +261,10 @@ def test_even_chunks_cut_a_prompt_into_equal_chunks_at_most_a_token_over_the_gra
     assert even(250) == -(-250 // 3) == 84  # 84 + 83 + 83, not grant + grant + the rest
     assert even(grant + 20) == -(-(grant + 20) // 2)  # a rest a little over the grant: two halves
     assert even(2 * grant + 2) == grant + 1  # two grants and a token each: two chunks, not three
-    tight = TimeBudget(4096, None, PIPE, time_s, min_rest=1, even_chunks=True)  # a share that lets no rest past it
-    assert tight.chunk(2 * grant + 2, context=0) == -(-(2 * grant + 2) // 3)  # ... gets no token over the grant
+    # a share that lets no rest past it
+    tight = TimeBudget(4096, None, PIPE, time_s, min_rest=1, even_chunks=True)
+    # ... gets no token over the grant
+    assert tight.chunk(2 * grant + 2, context=0) == -(-(2 * grant + 2) // 3)
     assert even(grant + 5) == grant + 5  # a rest under min_rest is still taken whole
     assert even(grant) == grant and even(30) == 30  # what fits is taken whole
     for wanted in range(1, 1200, 7):  # at most a token over the grant, and the chunks it implies are level
@@ -274,11 +279,12 @@ def test_a_decode_is_priced_by_the_fast_path_exactly_as_by_the_general_chunk():
     rng = random.Random(7)
     for _ in range(3000):
         stages = tuple(StepCost(rng.uniform(0, 3e-3), rng.uniform(0, 60e-6), rng.uniform(0, 4e-9),
-                                rng.choice([0.0, rng.uniform(0, 30e-9)]), rng.choice([0.0, rng.uniform(0, 2e-4)]))
+                                rng.choice([0.0, rng.uniform(0, 30e-9)]),
+                                rng.choice([0.0, rng.uniform(0, 2e-4)]))
                        for _ in range(rng.randint(1, 4)))
         pipe = PipelineCost(stages)
-        fast = TimeBudget(rng.choice([None, rng.randint(1, 40)]), rng.choice([None, rng.randint(1, 12)]), pipe,
-                          pipe.floor_s + rng.uniform(-1e-4, 3e-3), min_rest=rng.choice([0, 8]))
+        fast = TimeBudget(rng.choice([None, rng.randint(1, 40)]), rng.choice([None, rng.randint(1, 12)]),
+                          pipe, pipe.floor_s + rng.uniform(-1e-4, 3e-3), min_rest=rng.choice([0, 8]))
         slow = TimeBudget(fast.token_budget, fast.max_seqs, pipe, fast.time_budget_s, min_rest=fast.min_rest)
         for _ in range(rng.randint(0, 3)):  # a prefill chunk first, sometimes
             n = rng.randint(2, 64)
@@ -293,7 +299,8 @@ def test_a_decode_is_priced_by_the_fast_path_exactly_as_by_the_general_chunk():
                 break
             slow.spend(1, ctx, sampled=True)
             fast.spend_decode(ctx)
-            assert (fast.tokens_used, fast.num_seqs, fast.stage_used_s) == (slow.tokens_used, slow.num_seqs, slow.stage_used_s)
+            assert (fast.tokens_used, fast.num_seqs, fast.stage_used_s) == (slow.tokens_used, slow.num_seqs,
+                                                                            slow.stage_used_s)
 
 
 def test_summed_work_features_merge_exactly():
@@ -359,8 +366,9 @@ def test_budget_modes_from_config():
     assert isinstance(make_budget_mode(SchedulerConfig(budget_mode="time")), TimeBudgetMode)
     ad = make_budget_mode(SchedulerConfig(tbt_slo_ms=100, max_num_seqs=64), num_stages=4)
     assert isinstance(ad, AdaptiveTokenBudget) and ad.min_budget == 16 and ad.token_budget == 512
-    for bad in (dict(budget_mode="flops"), dict(time_budget_ms=5.0), dict(budget_mode="time", time_budget_ms=-1.0),
-                dict(tbt_slo_ms=0.0), dict(tbt_slo_ms=50.0, budget_mode="time"),
+    for bad in (dict(budget_mode="flops"), dict(time_budget_ms=5.0),
+                dict(budget_mode="time", time_budget_ms=-1.0), dict(tbt_slo_ms=0.0),
+                dict(tbt_slo_ms=50.0, budget_mode="time"),
                 dict(tbt_slo_ms=50.0, token_budget=1024, max_token_budget=512)):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
@@ -435,7 +443,8 @@ def test_adaptive_budget_meets_the_tbt_target(slo_ms):
     pp = 2
     cost = LinearStages(pp)
     cfg = SchedulerConfig(token_budget=512, max_token_budget=4096, tbt_slo_ms=slo_ms, max_num_seqs=64)
-    res = simulate(_heavy_workload(), cost, SimConfig(cfg, num_blocks=20_000, block_size=16, check_invariants=True))
+    res = simulate(_heavy_workload(), cost,
+                   SimConfig(cfg, num_blocks=20_000, block_size=16, check_invariants=True))
     p99 = res.latency()["tbt_s"]["p99"]
     assert p99 <= slo_ms * 1e-3
     # The largest budget whose full microbatches meet the target (pp full steps per token, 10% safety).

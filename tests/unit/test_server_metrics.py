@@ -30,8 +30,10 @@ def _samples(m: ServerMetrics) -> dict[str, float]:
 
 def _stats(**kw: Any) -> EngineStats:
     base = EngineStats(running=2, waiting=1, kv_blocks_used=3, kv_blocks_total=12, mean_bubble_fraction=0.1,
-                       stages=(StageBubbles(stage=0, busy_fraction=0.8, bubble_fraction=0.1, starvation_fraction=0.1),
-                               StageBubbles(stage=1, busy_fraction=0.7, bubble_fraction=0.2, starvation_fraction=0.1)))
+                       stages=(StageBubbles(stage=0, busy_fraction=0.8, bubble_fraction=0.1,
+                                            starvation_fraction=0.1),
+                               StageBubbles(stage=1, busy_fraction=0.7, bubble_fraction=0.2,
+                                            starvation_fraction=0.1)))
     return dataclasses.replace(base, **kw)
 
 
@@ -60,7 +62,8 @@ def test_refresh_sets_gauges_and_counters_only_grow() -> None:
     s = _samples(m)
     assert s["ppserve:num_requests_running{}"] == 2 and s["ppserve:num_requests_waiting{}"] == 1
     assert s["ppserve:kv_cache_usage_perc{}"] == 0.25
-    assert s["ppserve:stage_bubble_fraction{stage=1}"] == 0.2 and s["ppserve:stage_busy_fraction{stage=0}"] == 0.8
+    assert (s["ppserve:stage_bubble_fraction{stage=1}"] == 0.2
+            and s["ppserve:stage_busy_fraction{stage=0}"] == 0.8)
     assert s["ppserve:num_preemptions_total{}"] == 4 and s["ppserve:pipeline_restarts_total{}"] == 1
     m.refresh(_stats(num_preemptions=6, num_restarts=1, total_recovery_s=2.5, last_recovery_s=2.5))
     assert _samples(m)["ppserve:num_preemptions_total{}"] == 6  # the engine's totals, not their sum
@@ -70,6 +73,7 @@ def test_the_dashboard_plots_only_series_the_exporter_has() -> None:
     dash = json.loads(DASHBOARD.read_text())
     names = {fam.name for fam in ServerMetrics("m").registry.collect()}
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {re.sub(r"_(bucket|sum|count|total)$", "", n) for e in exprs for n in re.findall(r"ppserve:[a-z0-9_]+", e)}
+    used = {re.sub(r"_(bucket|sum|count|total)$", "", n) for e in exprs
+            for n in re.findall(r"ppserve:[a-z0-9_]+", e)}
     assert used and used <= names, used - names
     assert {"ppserve:stage_bubble_fraction", "ppserve:time_to_first_token_seconds"} <= used

@@ -76,7 +76,8 @@ def test_stage_weights_put_the_embedding_first_and_the_head_last():
     assert stage_weight_bytes(m, 2, False, True, 1) == 2 * layer + table  # the last stage needs the head too
     assert stage_weight_bytes(m, 2, False, False, 1) == 2 * layer
     untied = spec()
-    assert stage_weight_bytes(untied, 4, True, True, 2) == (4 * untied.layer_params_per_rank(2) + 2 * 50 * 64) * 2
+    assert (stage_weight_bytes(untied, 4, True, True, 2)
+            == (4 * untied.layer_params_per_rank(2) + 2 * 50 * 64) * 2)
 
 
 @pytest.mark.parametrize("name,params_b", [("mistral-7b", 7.24), ("yi-34b", 34.4), ("llama3-70b", 70.6),
@@ -144,7 +145,8 @@ def test_the_layer_floor_adds_a_fixed_cost_per_layer_to_every_step_and_to_the_sc
     base, with_floor = RooflineCostModel(m, hw, 2, 1), RooflineCostModel(m, floored, 2, 1)
     for shape in (BatchShape.uniform(0, 1, 128), BatchShape.uniform(512), BatchShape.uniform(0, 64, 4096)):
         for stage in (0, 1):  # 2 layers a stage: 0.8 ms more, whatever the batch
-            assert with_floor.stage_time(stage, shape) == pytest.approx(base.stage_time(stage, shape) + 0.8e-3)
+            assert (with_floor.stage_time(stage, shape)
+                    == pytest.approx(base.stage_time(stage, shape) + 0.8e-3))
     # The scheduler's prior (least squares over the roofline) carries it as its per-microbatch floor.
     assert with_floor.pipeline_cost().stages[0].floor_s == pytest.approx(
         base.pipeline_cost().stages[0].floor_s + 0.8e-3, abs=1e-5)
@@ -195,16 +197,18 @@ def test_the_per_sequence_cost_adds_per_sequence_and_layer():
 
 def test_efficiencies_load_from_the_hardware_yaml_and_must_be_fractions(tmp_path):
     hw = load_hardware("a100-pcie")
-    assert (hw.bw_eff, hw.decode_attn_bw_eff, hw.seq_overhead_s, hw.layer_overhead_s) == (0.68, None, 16.86e-6, 0.316e-3)
+    assert ((hw.bw_eff, hw.decode_attn_bw_eff, hw.seq_overhead_s, hw.layer_overhead_s)
+            == (0.68, None, 16.86e-6, 0.316e-3))
     a40 = load_hardware("a40")  # carried over from the A100 fit
     assert (a40.bw_eff, a40.seq_overhead_s, a40.layer_overhead_s) == (0.68, 16.86e-6, 0.316e-3)
     base = (CONFIG_DIR / "hardware" / "a100.yaml").read_text()
     path = tmp_path / "hw.yaml"
     path.write_text(base + "decode_attn_bw_eff: 5.9e-2\n")  # YAML 1.1 reads this as a string
     assert load_hardware(path).decode_attn_bw_eff == pytest.approx(0.059)
-    for key, value in (("decode_attn_bw_eff", "0"), ("bw_eff", "1.2"), ("mfu_eff", "0.0"), ("link_eff", "-0.1"),
-                       ("kv_mem_fraction", "1.5")):
-        text = "\n".join(line for line in base.splitlines() if not line.startswith(f"{key}:"))  # drop the table's own
+    for key, value in (("decode_attn_bw_eff", "0"), ("bw_eff", "1.2"), ("mfu_eff", "0.0"),
+                       ("link_eff", "-0.1"), ("kv_mem_fraction", "1.5")):
+        # drop the table's own
+        text = "\n".join(line for line in base.splitlines() if not line.startswith(f"{key}:"))
         path.write_text(text + f"\n{key}: {value}\n")
         with pytest.raises(ValueError, match=rf"{key} .*(in \(0, 1\]|>= 0)"):
             load_hardware(path)

@@ -30,7 +30,8 @@ def test_the_count_settles_the_percentile_whatever_the_other_values(q):
         need = over_count_for_certain_fail(n, q)
         assert 1 <= need <= n
         # `need` values just over X, the rest anywhere below it: the percentile is over X.
-        values = [1.0 + rng.random() * 1e-9 + 1e-12 for _ in range(need)] + [rng.uniform(-5, 1.0) for _ in range(n - need)]
+        values = ([1.0 + rng.random() * 1e-9 + 1e-12 for _ in range(need)]
+                  + [rng.uniform(-5, 1.0) for _ in range(n - need)])
         rng.shuffle(values)
         assert percentile(values, q) > 1.0
     # It never falls as the number of values grows: the largest possible count is a safe one.
@@ -114,7 +115,8 @@ def test_the_plan_is_the_same_with_full_probes(tmp_path):
 
     args = ["plan", "--model", "smollm2-135m", "--hardware", "cpu", "--gpus", "2", "--tbt-p99-ms", "300",
             "--num-requests", "20", "--duration-s", "3", "--prefill-scale", "0.05", "--decode-scale", "0.05",
-            "--policies", "sarathi", "--token-budgets", "256", "--refine", "1", "--jobs", "1", "--no-progress"]
+            "--policies", "sarathi", "--token-budgets", "256", "--refine", "1", "--jobs", "1",
+            "--no-progress"]
     plans = {}
     for name, extra in (("fast", []), ("full", ["--full-probes"])):
         assert main([*args, *extra, "--out", str(tmp_path / name)]) == 0
@@ -124,7 +126,10 @@ def test_the_plan_is_the_same_with_full_probes(tmp_path):
     def verdicts(plan):
         return {k: [(p["rate"], p["ok"]) for p in v["probes"]] for k, v in plan["probes"].items()}
 
-    stopped = [p for v in plans["fast"]["probes"].values() for p in v["probes"] if p["extra"].get("stopped_early")]
-    assert stopped and not any(p["extra"].get("stopped_early") for v in plans["full"]["probes"].values() for p in v["probes"])
+    stopped = [p for v in plans["fast"]["probes"].values()
+               for p in v["probes"] if p["extra"].get("stopped_early")]
+    assert stopped and not any(p["extra"].get("stopped_early") for v in plans["full"]["probes"].values()
+                               for p in v["probes"])
     assert verdicts(plans["fast"]) == verdicts(plans["full"])
-    assert [r["capacity_req_s"] for r in plans["fast"]["ranked"]] == [r["capacity_req_s"] for r in plans["full"]["ranked"]]
+    assert ([r["capacity_req_s"] for r in plans["fast"]["ranked"]]
+            == [r["capacity_req_s"] for r in plans["full"]["ranked"]])

@@ -94,8 +94,8 @@ def test_many_reads_cost_the_engine_no_drains_and_see_finished_requests() -> Non
 
 
 def test_a_snapshot_is_immutable_and_its_bubble_report_computed_once() -> None:
-    window = StatsWindow(lambda: [Span("compute", start_ns, time.perf_counter_ns(), 0, 0, 0)], time.perf_counter,
-                         window_s=5.0)
+    window = StatsWindow(lambda: [Span("compute", start_ns, time.perf_counter_ns(), 0, 0, 0)],
+                         time.perf_counter, window_s=5.0)
     start_ns = time.perf_counter_ns()
     window.record([TokenDelta("r", (1, 2), "ab", (0.0, 0.0), True, "length")])
     window.drain(lambda now_ns, since_ns: [(since_ns, now_ns)], [], ServingConfig(model="m"))
@@ -104,7 +104,8 @@ def test_a_snapshot_is_immutable_and_its_bubble_report_computed_once() -> None:
     assert snap is not None and not snap.ready
     first = snap.stats()
     assert snap.ready and snap.stats() == first
-    assert (first.running, first.tokens_generated, first.requests_finished, first.config.model) == (1, 2, 1, "m")
+    assert (first.running, first.tokens_generated, first.requests_finished,
+            first.config.model) == (1, 2, 1, "m")
     assert [st.stage for st in first.stages] == [0] and first.tokens_per_s > 0
     # A new publish replaces the snapshot; the old one a reader holds does not change.
     window.record([TokenDelta("s", (3,), "c", (0.0,), False, None)])

@@ -111,8 +111,8 @@ def test_cli(gpipe_trace, tmp_path, capsys):
     sub = parser.add_subparsers()
     timeline_cli.add_parser(sub)
     out = tmp_path / "cli.png"
-    args = parser.parse_args(["timeline", str(gpipe_trace), "-o", str(out), "--html", str(tmp_path / "c.html"),
-                              "--compare", str(gpipe_trace)])
+    args = parser.parse_args(["timeline", str(gpipe_trace), "-o", str(out), "--html",
+                              str(tmp_path / "c.html"), "--compare", str(gpipe_trace)])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "33.33%" in printed and out.exists() and (tmp_path / "c.html").exists()

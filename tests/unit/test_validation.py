@@ -30,7 +30,8 @@ def convert_all(req: pb.GenerateRequest):
     [
         (pb.GenerateRequest(), "prompt is empty"),
         (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), "prompt, prompt_token_ids"),
-        (pb.GenerateRequest(prompt_token_ids=[1, VOCAB]), f"prompt_token_ids[1]={VOCAB} is out of range [0, {VOCAB})"),
+        (pb.GenerateRequest(prompt_token_ids=[1, VOCAB]),
+         f"prompt_token_ids[1]={VOCAB} is out of range [0, {VOCAB})"),
         (pb.GenerateRequest(prompt_token_ids=[-1]), "prompt_token_ids[0]=-1"),
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=-0.5)), "temperature"),
@@ -41,10 +42,12 @@ def convert_all(req: pb.GenerateRequest):
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-2)), "top_k"),
         (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))),
          f"the limit is {MAX_STOP_STRINGS}"),
-        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=[""])), "stop strings must be non-empty"),
+        (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(stop=[""])),
+         "stop strings must be non-empty"),
         (pb.GenerateRequest(messages=[pb.ChatMessage(role="wizard", content="hi")]),
          "messages[0].role 'wizard' is unknown"),
-        (pb.GenerateRequest(prompt="a", request_id="r" * 300), "request_id has 300 characters; the limit is 256"),
+        (pb.GenerateRequest(prompt="a", request_id="r" * 300),
+         "request_id has 300 characters; the limit is 256"),
         (pb.GenerateRequest(prompt="a", request_id="a\nb"), "request_id"),
     ],
 )
@@ -67,7 +70,8 @@ def test_invalid_utf8_and_oversized_bytes_are_named_not_raised():
         got = parse(data)
         assert isinstance(got, convert.MalformedRequest) and got.reason == f"{field} is not valid UTF-8"
     big = parse(pb.GenerateRequest(prompt="x" * 5000).SerializeToString())
-    assert isinstance(big, convert.MalformedRequest) and "the limit is 4096 (server.max_message_bytes)" in big.reason
+    assert (isinstance(big, convert.MalformedRequest)
+            and "the limit is 4096 (server.max_message_bytes)" in big.reason)
     assert isinstance(parse(b"\xff\xff\xff"), convert.MalformedRequest)
     ok = parse(pb.GenerateRequest(prompt="fine").SerializeToString())
     assert isinstance(ok, pb.GenerateRequest) and ok.prompt == "fine"
@@ -109,7 +113,8 @@ def generate_requests(draw):
     if "ids" in which:
         req.prompt_token_ids.extend(draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=20)))
     if "messages" in which:
-        for role, content in draw(st.lists(st.tuples(st.one_of(st.sampled_from(convert.CHAT_ROLES), st.text()),
+        for role, content in draw(st.lists(st.tuples(st.one_of(st.sampled_from(convert.CHAT_ROLES),
+                                                               st.text()),
                                                      st.text(max_size=20)), max_size=4)):
             req.messages.add(role=role, content=content)
     sp = req.sampling
