@@ -15,7 +15,8 @@ REF = re.compile(r"ARCHITECTURE\.md §(\d+)(?:-§(\d+))?")
 def _tracked_text_files() -> list[Path]:
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     paths = [ROOT / line for line in out.splitlines() if not line.startswith("ppserve/server/gen/")]
-    return [p for p in paths if p.suffix in {".py", ".md", ".yaml", ".json", ".sh", ".toml", ".proto"} and p.is_file()]
+    return [p for p in paths if p.suffix in {".py", ".md", ".yaml", ".json", ".sh", ".toml", ".proto"}
+            and p.is_file()]
 
 
 def test_every_section_reference_names_a_section_that_exists() -> None:
