@@ -77,6 +77,18 @@ def test_no_measured_history_in_comments() -> None:
                          "entry):\n" + "\n".join(figures))
 
 
+def test_the_architecture_holds_no_measured_history() -> None:
+    arch = PACKAGE / "ARCHITECTURE.md"
+    hits = [f"ppserve/ARCHITECTURE.md:{n}: {what}: {line.strip()[:100]}"
+            for n, line in enumerate(arch.read_text().splitlines(), 1)
+            for what, pattern in PATTERNS.items() if pattern.search(line)]
+    anchors = set(ANCHOR.findall(DECISIONS.read_text()))
+    hits += [f"ppserve/ARCHITECTURE.md: cites #{a}, not in docs/decisions.md"
+             for a in CITATION.findall(arch.read_text()) if a not in anchors]
+    assert not hits, ("the architecture states the rules; the evidence is in docs/decisions.md:\n"
+                      + "\n".join(hits))
+
+
 def test_no_docstring_of_twenty_lines_or_more() -> None:
     _, long_docs = _scan()
     assert not long_docs, ("cut these docstrings to the rule in a few lines (evidence: docs/decisions.md):\n"
