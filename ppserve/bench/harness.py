@@ -124,7 +124,8 @@ def summarize_run(
         t1 = max(t.token_times_s[-1] for t in done)
         dur = max(t1 - t0, 1e-9)
         ntok = sum(len(t.token_times_s) for t in done)
-        out["throughput"] = {"duration_s": dur, "requests_per_s": len(done) / dur, "output_tokens_per_s": ntok / dur}
+        out["throughput"] = {"duration_s": dur, "requests_per_s": len(done) / dur,
+                             "output_tokens_per_s": ntok / dur}
     else:
         out["throughput"] = {"duration_s": 0.0, "requests_per_s": 0.0, "output_tokens_per_s": 0.0}
     if any(s.kind == "compute" for s in spans):
@@ -388,7 +389,8 @@ async def _grpc_clients(
                                       request_id=f"r{k}", timeout=timeout_s)
             queue = (c.metrics or {}).get("queue_time_s")
             # Token times are server Unix seconds; client and server share this machine's clock.
-            out[f"r{k}"] = RequestTiming(arrival, None if queue is None else arrival + queue, list(c.token_times))
+            out[f"r{k}"] = RequestTiming(arrival, None if queue is None else arrival + queue,
+                                         list(c.token_times))
             bar.update(1)
 
         try:

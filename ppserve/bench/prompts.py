@@ -1,10 +1,10 @@
 """Prompts of exact token lengths: real text tokenized by the served model's tokenizer, or random ids.
 
 The text is English prose: the licence texts the OS ships (/usr/share/common-licenses), else the
-Python standard library's own documentation (module and function docstrings); no download either way. It is tokenized
-once; a prompt of n tokens is a slice of n consecutive token ids starting at a seeded offset, so its
-length is exact (re-encoding decoded text would not be) and its content is real text.
-Models without a tokenizer (tiny test checkpoints) get seeded random ids instead.
+Python standard library's own documentation (module and function docstrings); no download either way. It is
+tokenized once; a prompt of n tokens is a slice of n consecutive token ids starting at a seeded offset, so its
+length is exact (re-encoding decoded text would not be) and its content is real text. Models without a
+tokenizer (tiny test checkpoints) get seeded random ids instead.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class PromptBuilder:
             self.seed = seed
         tails = self.build([max(1, r.prompt_len - r.prefix_len) for r in requests])
         return [(prefixes[r.prefix_id][: r.prefix_len] if r.prefix_id is not None else [])
-                + (tail if r.prompt_len > r.prefix_len else []) for r, tail in zip(requests, tails, strict=True)]
+                + (tail if r.prompt_len > r.prefix_len else [])
+                for r, tail in zip(requests, tails, strict=True)]
 
     def decode(self, prompt: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else str(self.tokenizer.decode(list(prompt)))

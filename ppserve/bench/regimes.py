@@ -1,19 +1,19 @@
 """The regime suite (issue 21): every microbatch formation on every load regime, in the simulator.
 
 One table answers "are the microbatches uniform in every regime?": the simulator (ppserve/sim, the
-engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md §11) runs five
+engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md#the-simulator) runs five
 formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
-Formations (`FORMATIONS`): `sarathi`, the default (the balanced formation, ARCHITECTURE.md §3, with the
-token ring); `sarathi-unbal` (balance=False); `sarathi-no-ring` (token_ring=False); the baselines `vllm`
-and `orca` as published. Regimes (`regimes()`, each with its description; request counts full /
-`--reduced`): Sarathi's saturated GPT-3 case, the conversation trace at three rates, long prompts, sparse
-arrivals, one long prompt, bursts, decode-heavy, shared prefixes, multi-turn; the workloads and why each
-is there: docs/decisions.md#regime-suite.
-Per cell: mean bubble fraction and each stage's (active window), throughput, TTFT p50/p99, TBT p99,
-per-request bubble p50 (SimResult.summary()). Per regime, `criteria` checks what the simulator can
-promise deterministically: balanced sarathi's mean bubble <= the unbalanced one's, its throughput >=
-THROUGHPUT_FLOOR x the best formation's and its TTFT p50 <= TTFT_CEILING x the best formation's.
+Formations (`FORMATIONS`): `sarathi`, the default (the balanced formation,
+ARCHITECTURE.md#how-a-microbatch-is-formed, with the token ring); `sarathi-unbal` (balance=False);
+`sarathi-no-ring` (token_ring=False); the baselines `vllm` and `orca` as published. Regimes (`regimes()`, each
+with its description; request counts full / `--reduced`): Sarathi's saturated GPT-3 case, the conversation
+trace at three rates, long prompts, sparse arrivals, one long prompt, bursts, decode-heavy, shared prefixes,
+multi-turn; the workloads and why each is there: docs/decisions.md#regime-suite. Per cell: mean bubble
+fraction and each stage's (active window), throughput, TTFT p50/p99, TBT p99, per-request bubble p50
+(SimResult.summary()). Per regime, `criteria` checks what the simulator can promise deterministically:
+balanced sarathi's mean bubble <= the unbalanced one's, its throughput >= THROUGHPUT_FLOOR x the best
+formation's and its TTFT p50 <= TTFT_CEILING x the best formation's.
 
     ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR] [--spans DIR]
 """
@@ -152,33 +152,41 @@ def regimes(reduced: bool = False) -> list[Regime]:
 
     out = [
         Regime("sarathi-gpt3",
-               f"GPT-3 175B A100 TP8xPP8, {n('sarathi-gpt3')} x 1024 tokens at P:D 10 at t=0 (reproduce_sarathi)",
+               f"GPT-3 175B A100 TP8xPP8, {n('sarathi-gpt3')} x 1024 tokens at P:D 10 at t=0 "
+               "(reproduce_sarathi)",
                lambda: fixed_ratio(n("sarathi-gpt3"), 1024, 10.0),
-               model="gpt3-175b", pp=8, tp=8, token_budget=256, max_num_seqs=128, overhead_ms=0.2, dispatch_ms=0.0),
+               model="gpt3-175b", pp=8, tp=8, token_budget=256, max_num_seqs=128, overhead_ms=0.2,
+               dispatch_ms=0.0),
     ]
     for rate in (2.0, 4.0, 8.0):
         out.append(Regime(f"conv-{rate:g}",
-                          f"Llama-2-70B A100 PP4xTP4, conversation trace {n('conv')} rows, Poisson {rate:g} req/s",
+                          f"Llama-2-70B A100 PP4xTP4, conversation trace {n('conv')} rows, Poisson {rate:g} "
+                          "req/s",
                           functools.partial(_poisson_conv, n("conv"), rate)))
     out += [
         Regime("long-prompts",
                f"{n('long-prompts')} prompts log-uniform {LONG_PROMPT[0]}-{LONG_PROMPT[1]}, outputs "
                f"{LONG_OUTPUT[0]}-{LONG_OUTPUT[1]}, Poisson 0.5 req/s, context {LONG_CONTEXT}",
-               lambda: with_poisson_arrivals(log_uniform_prompts(n("long-prompts"), LONG_PROMPT, LONG_OUTPUT, seed=0),
+               lambda: with_poisson_arrivals(log_uniform_prompts(n("long-prompts"), LONG_PROMPT, LONG_OUTPUT,
+                                                                 seed=0),
                                              0.5, seed=0),
                max_model_len=LONG_CONTEXT),
         Regime("sparse", f"{n('sparse')} requests (conversation lengths) 60 s apart",
                lambda: evenly_spaced(_conv(n("sparse")), 60.0)),
         Regime("one-long-prompt", "one 4096-token prompt, 1 output token, context 8192",
                lambda: [WorkloadRequest(0.0, 4096, 1)], max_model_len=8192),
-        Regime("bursty", f"bursts of 16 requests every 10 s, {n('bursty') // 16} bursts, conversation lengths",
+        Regime("bursty",
+               f"bursts of 16 requests every 10 s, {n('bursty') // 16} bursts, conversation lengths",
                lambda: bursty_arrivals(_conv(n("bursty")), 16, 10.0)),
-        Regime("decode-heavy", f"{n('decode-heavy')} requests, prompts 64-256, 1000 output tokens, Poisson 2 req/s",
-               lambda: with_poisson_arrivals(uniform_lengths(n("decode-heavy"), (64, 256), (1000, 1000), seed=0),
+        Regime("decode-heavy",
+               f"{n('decode-heavy')} requests, prompts 64-256, 1000 output tokens, Poisson 2 req/s",
+               lambda: with_poisson_arrivals(uniform_lengths(n("decode-heavy"), (64, 256), (1000, 1000),
+                                                             seed=0),
                                              2.0, seed=0)),
         Regime("shared-prefix", f"{n('shared-prefix')} requests: 8 system prompts of 1024 tokens + 64-token "
                "questions, 64 out, Poisson 4 req/s (prefix caching)",
-               lambda: with_poisson_arrivals(shared_prefix(8, n("shared-prefix") // 8, 1024, 64, 64), 4.0, seed=0)),
+               lambda: with_poisson_arrivals(shared_prefix(8, n("shared-prefix") // 8, 1024, 64, 64), 4.0,
+                                             seed=0)),
         Regime("multi-turn", f"{n('multi-turn')} conversations x 4 turns re-sending their history (512-token "
                "system prompt, 64-token questions, 128-token answers), a turn every 20 s (prefix caching)",
                lambda: multi_turn(n("multi-turn"), 4, 512, 64, 128, gap_s=20.0)),
@@ -240,7 +248,8 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
 
 
 def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One regime's criteria from its cells (one per formation): each figure, the reference it is held to, the ratio, pass."""
+    """One regime's criteria from its cells (one per formation): each figure, the reference it is held to, the
+    ratio, pass."""
     by = {c["formation"]: c for c in cells}
     bal, unbal = by[BALANCED], by[UNBALANCED]
     best_thr = max(c["requests_per_s"] for c in cells)
@@ -261,7 +270,8 @@ def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
                        "ratio": thr_ratio, "floor": THROUGHPUT_FLOOR,
                        "ok": thr_ratio is not None and thr_ratio >= THROUGHPUT_FLOOR},
         "ttft_p50": {"balanced": bal["ttft_p50_s"], "best": best_ttft,
-                     "best_formation": next((c["formation"] for c in cells if c["ttft_p50_s"] == best_ttft), None),
+                     "best_formation": next((c["formation"] for c in cells if c["ttft_p50_s"] == best_ttft),
+                                            None),
                      "ratio": ttft_ratio, "ceiling": TTFT_CEILING,
                      "ok": ttft_ratio is not None and ttft_ratio <= TTFT_CEILING},
     }
@@ -299,7 +309,8 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
             wl = regime.workload()
             cells = []
             for f in FORMATIONS:
-                cells.append(pending[regime.name, f.name].result() if pool else run_cell(regime, f, wl, spans_dir))
+                cells.append(pending[regime.name, f.name].result() if pool
+                             else run_cell(regime, f, wl, spans_dir))
                 if progress:
                     c = cells[-1]
                     progress(f"{regime.name:>16} {f.name:>13}: bubble {100 * c['mean_bubble']:5.1f}% "
@@ -317,7 +328,8 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
 
 def _cell_by_name(reduced: bool, regime_name: str, formation_name: str,
                   spans_dir: str | Path | None = None) -> dict[str, Any]:
-    """`run_cell` in a worker process: a regime's workload is a closure, so the names cross, not the objects."""
+    """`run_cell` in a worker process: a regime's workload is a closure, so the names cross, not the
+    objects."""
     regime = next(r for r in regimes(reduced) if r.name == regime_name)
     return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name), spans_dir=spans_dir)
 
@@ -340,8 +352,8 @@ def _x(x: float | None) -> str:
 
 def cells_table(suite: Mapping[str, Any]) -> str:
     """One row per (regime, formation)."""
-    head = ("| regime | formation | reqs | bubble mean | of it, < p requests | bubble per stage | req/s | out tok/s "
-            "| TTFT p50 (ms) | TTFT p99 (ms) | TBT p99 (ms) | per-req bubble p50 (ms) |")
+    head = ("| regime | formation | reqs | bubble mean | of it, < p requests | bubble per stage | req/s | "
+            "out tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TBT p99 (ms) | per-req bubble p50 (ms) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in suite["regimes"].items():
         for c in r["cells"]:
@@ -357,8 +369,8 @@ def cells_table(suite: Mapping[str, Any]) -> str:
 
 def criteria_table(suite: Mapping[str, Any]) -> str:
     """One row per regime: balanced sarathi against the unbalanced formation and the best one."""
-    head = (f"| regime | bubble: balanced / unbalanced (<= 1) | throughput: balanced / best (>= {THROUGHPUT_FLOOR}) "
-            f"| TTFT p50: balanced / best (<= {TTFT_CEILING}) | all |")
+    head = ("| regime | bubble: balanced / unbalanced (<= 1) | throughput: balanced / best (>= "
+            f"{THROUGHPUT_FLOOR}) | TTFT p50: balanced / best (<= {TTFT_CEILING}) | all |")
     lines = [head, "|---|---|---|---|---|"]
     for name, r in suite["regimes"].items():
         k = r["criteria"]
@@ -370,7 +382,8 @@ def criteria_table(suite: Mapping[str, Any]) -> str:
         lines.append(
             f"| {name} | {_pct(b['balanced'])} / {_pct(b['unbalanced'])}{mark(b['ok'])} "
             f"| {_x(t['ratio'])} (best {t['best_formation']}){mark(t['ok'])} "
-            f"| {_x(f['ratio'])} (best {f['best_formation']}){mark(f['ok'])} | {'pass' if k['ok'] else 'FAIL'} |"
+            f"| {_x(f['ratio'])} (best {f['best_formation']}){mark(f['ok'])} | "
+            f"{'pass' if k['ok'] else 'FAIL'} |"
         )
     return "\n".join(lines)
 
@@ -402,7 +415,8 @@ def plot_regimes(suite: Mapping[str, Any], path: str | Path) -> Path:
     ax2.set_ylim(0, 1.05)
     ax2.grid(axis="y", alpha=0.3)
     ax2.set_xticks(range(len(names)), names, rotation=20, ha="right")
-    fig.suptitle(f"ppserve bench regimes{' --reduced' if suite.get('reduced') else ''} (simulator)", fontsize=9)
+    fig.suptitle(f"ppserve bench regimes{' --reduced' if suite.get('reduced') else ''} (simulator)",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -418,7 +432,8 @@ def markdown(suite: Mapping[str, Any], command: str = "") -> str:
     return "\n".join(parts)
 
 
-def write_suite(suite: Mapping[str, Any], outdir: str | Path, command: str = "", plot: bool = True) -> dict[str, Path]:
+def write_suite(suite: Mapping[str, Any], outdir: str | Path, command: str = "",
+                plot: bool = True) -> dict[str, Path]:
     """regimes.json, regimes.md and (with `plot`) regimes.png in `outdir`."""
     from ppserve.bench.report import write_json
 

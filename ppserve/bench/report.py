@@ -50,7 +50,8 @@ def _jsonable(x: Any) -> Any:
 
 
 def write_json(path: str | Path, data: Any) -> Path:
-    """`data` as indented JSON at `path` (its folder made if missing); what JSON cannot hold becomes a string."""
+    """`data` as indented JSON at `path` (its folder made if missing); what JSON cannot hold becomes a
+    string."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=_jsonable) + "\n")
@@ -83,12 +84,13 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
         lines.append(
             f"| {s['name']}{' (aborted)' if s.get('aborted') else ''} | {lat['num_requests']} "
             f"| {_f(lat['ttft_s']['p50'], 1, 2)} | {_f(lat['ttft_s']['p99'], 1, 2)} "
-            f"| {_f(lat['tbt_s']['p50'], 1e3)} | {_f(lat['tbt_s']['p99'], 1e3)} | {_f(lat['tpot_s']['mean'], 1e3)} "
-            f"| {_f(lat['scheduling_delay_s']['p50'], 1, 2)} | {_f(thr['output_tokens_per_s'], 1, 2)} "
-            f"| {_f(thr['requests_per_s'], 1, 3)} | {_pct(bub.get('mean_bubble_fraction'))} "
-            f"| {_pct(bub.get('short_handed_bubble_fraction'))} | {stages} "
-            f"| {_f(bub.get('per_request_bubble_s', {}).get('p50'), 1e3)} | {bub.get('num_microbatches', '-')} "
-            f"| {s.get('num_preemptions', '-')} | {_pct(s.get('prefix_cache_hit_rate'))} |"
+            f"| {_f(lat['tbt_s']['p50'], 1e3)} | {_f(lat['tbt_s']['p99'], 1e3)} | "
+            f"{_f(lat['tpot_s']['mean'], 1e3)} | {_f(lat['scheduling_delay_s']['p50'], 1, 2)} | "
+            f"{_f(thr['output_tokens_per_s'], 1, 2)} | {_f(thr['requests_per_s'], 1, 3)} | "
+            f"{_pct(bub.get('mean_bubble_fraction'))} | {_pct(bub.get('short_handed_bubble_fraction'))} | "
+            f"{stages} | {_f(bub.get('per_request_bubble_s', {}).get('p50'), 1e3)} | "
+            f"{bub.get('num_microbatches', '-')} | {s.get('num_preemptions', '-')} | "
+            f"{_pct(s.get('prefix_cache_hit_rate'))} |"
         )
     return "\n".join(lines)
 
@@ -134,10 +136,12 @@ def sweep_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         s = r["summary"]
         lines.append(
-            f"| {r['token_budget']} | {_f(_get(s, 'latency.tbt_s.p50'), 1e3)} | {_f(_get(s, 'latency.tbt_s.p99'), 1e3)} "
-            f"| {_f(_get(s, 'latency.ttft_s.p50'), 1, 2)} | {_f(_get(s, 'throughput.output_tokens_per_s'), 1, 2)} "
-            f"| {_f(_get(s, 'throughput.requests_per_s'), 1, 3)} | {_pct(_get(s, 'bubbles.mean_bubble_fraction'))} "
-            f"| {s.get('bubbles', {}).get('num_microbatches', '-')} |"
+            f"| {r['token_budget']} | {_f(_get(s, 'latency.tbt_s.p50'), 1e3)} | "
+            f"{_f(_get(s, 'latency.tbt_s.p99'), 1e3)} | {_f(_get(s, 'latency.ttft_s.p50'), 1, 2)} | "
+            f"{_f(_get(s, 'throughput.output_tokens_per_s'), 1, 2)} | "
+            f"{_f(_get(s, 'throughput.requests_per_s'), 1, 3)} | "
+            f"{_pct(_get(s, 'bubbles.mean_bubble_fraction'))} | "
+            f"{s.get('bubbles', {}).get('num_microbatches', '-')} |"
         )
     return "\n".join(lines)
 
@@ -187,7 +191,8 @@ def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     return v, [(i + 1) / n for i in range(n)]
 
 
-def plot_latency_cdfs(samples: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path, note: str = "") -> Path:
+def plot_latency_cdfs(samples: Mapping[str, Mapping[str, Sequence[float]]], path: str | Path,
+                      note: str = "") -> Path:
     """samples: run -> {"ttft_s": [...], "tbt_s": [...], "scheduling_delay_s": [...]}; one CDF panel each."""
     plt = _plt()
     keys = [("ttft_s", "TTFT (s)"), ("tbt_s", "TBT (ms)"), ("scheduling_delay_s", "scheduling delay (s)")]
@@ -219,7 +224,8 @@ def plot_bubble_bars(summaries: Mapping[str, Mapping[str, Any]], path: str | Pat
         vals = [100 * summaries[n]["bubbles"]["stages"][st]["bubble_fraction"] for n in names]
         ax.bar([i + st * width for i in range(len(names))], vals, width, label=f"stage {st}")
     ax.bar([i + num_stages * width for i in range(len(names))],
-           [100 * summaries[n]["bubbles"]["mean_bubble_fraction"] for n in names], width, label="mean", color="k",
+           [100 * summaries[n]["bubbles"]["mean_bubble_fraction"] for n in names], width, label="mean",
+           color="k",
            alpha=0.6)
     ax.set_xticks([i + num_stages * width / 2 for i in range(len(names))], names)
     window = summaries[names[0]]["bubbles"]["window"] if names else "-"
@@ -257,7 +263,8 @@ def plot_capacity(results: Mapping[str, Mapping[str, Any]], path: str | Path, sl
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, r in results.items():
-        pts = sorted((p["rate"], p["tbt_p99_s"]) for p in r.get("probes", []) if p.get("tbt_p99_s") is not None)
+        pts = sorted((p["rate"], p["tbt_p99_s"]) for p in r.get("probes", [])
+                     if p.get("tbt_p99_s") is not None)
         if pts:
             ax.plot([p[0] for p in pts], [1e3 * p[1] for p in pts], "o-", label=label)
     ax.axhline(1e3 * slo_tbt_s, color="r", ls="--", label="TBT SLO")

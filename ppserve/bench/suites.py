@@ -1,6 +1,7 @@
 """The four benchmarks, each a function from settings to a results folder:
 
-- `compare`:  one workload, one seed, several policies side by side in one run (ARCHITECTURE.md §3, §6);
+- `compare`:  one workload, one seed, several policies side by side in one run
+              (ARCHITECTURE.md#how-a-microbatch-is-formed, #serving-metrics);
 - `capacity`: the Sarathi-Serve capacity search per policy, on the real pipeline and/or the simulator;
 - `sweep`:    token budget vs p99 TBT and throughput (sarathi);
 - `validate`: the simulator, fitted to a profile of the real pipeline on workload A, predicts per-stage
@@ -52,11 +53,13 @@ class BenchContext:
     save_traces: bool = True
 
     def settings(self) -> dict[str, Any]:
-        return {"engine": dataclasses.asdict(self.engine), "workload": self.workload.to_dict(), "mode": self.mode}
+        return {"engine": dataclasses.asdict(self.engine), "workload": self.workload.to_dict(),
+                "mode": self.mode}
 
     def scale_note(self) -> str:
         w = self.workload
-        scale = (f", prefill x{w.prefill_scale:g}, decode x{w.decode_scale:g}" if w.source.startswith("trace:") else "")
+        scale = (f", prefill x{w.prefill_scale:g}, decode x{w.decode_scale:g}"
+                 if w.source.startswith("trace:") else "")
         arr = f"Poisson {w.rate:g} req/s" if w.arrival == "poisson" else w.arrival
         return (f"{w.source}{scale}, {w.num_requests} requests, {arr}, seed {w.seed}; pp={self.engine.pp}, "
                 f"budget {self.engine.token_budget}, max_num_seqs {self.engine.max_num_seqs}, "
@@ -83,8 +86,8 @@ def load_prompt_builder(spec: EngineSpec, seed: int) -> PromptBuilder:
     return PromptBuilder(tok, vocab, seed)
 
 
-def _inputs(ctx: BenchContext, workload: WorkloadSpec | None = None,
-            builder: PromptBuilder | None = None) -> tuple[list[WorkloadRequest], list[list[int]], PromptBuilder]:
+def _inputs(ctx: BenchContext, workload: WorkloadSpec | None = None, builder: PromptBuilder | None = None
+            ) -> tuple[list[WorkloadRequest], list[list[int]], PromptBuilder]:
     w = workload or ctx.workload
     reqs = build_workload(w)
     builder = builder or load_prompt_builder(ctx.engine, w.seed)
@@ -105,7 +108,8 @@ def _save_trace(ctx: BenchContext, run: RunResult, name: str) -> None:
         from ppserve.metrics.trace import save_chrome_trace
 
         (ctx.outdir / "traces").mkdir(exist_ok=True)
-        save_chrome_trace(ctx.outdir / "traces" / f"{name}.json", run.spans, work_intervals=run.work_intervals)
+        save_chrome_trace(ctx.outdir / "traces" / f"{name}.json", run.spans,
+                          work_intervals=run.work_intervals)
 
 
 def _renumbered(runs: Sequence[RunResult]) -> list[Span]:
@@ -234,7 +238,8 @@ def sim_config(ctx: BenchContext, policy: str, overhead_s: float, num_blocks: in
     from ppserve.sim.simulator import SimConfig
 
     e = ctx.engine
-    sched = SchedulerConfig(policy=policy, token_budget=token_budget or e.token_budget, max_num_seqs=e.max_num_seqs,
+    sched = SchedulerConfig(policy=policy, token_budget=token_budget or e.token_budget,
+                            max_num_seqs=e.max_num_seqs,
                             per_microbatch_seq_cap=e.seq_cap)
     return SimConfig(scheduler=sched, num_blocks=num_blocks or 100_000, block_size=e.block_size or 16,
                      max_model_len=e.max_model_len or 2048, schedule_overhead_s=overhead_s)
@@ -266,7 +271,8 @@ def capacity(ctx: BenchContext, policies: Sequence[str] = ("sarathi", "vllm"), *
         raise ValueError(f"capacity on must be real, sim or both, got {on!r}")
     reqs0, _, builder = _inputs(ctx)
     real = _RealCapacity(ctx, builder, tbt_slo_s, tbt_factor, sched_delay_slo_s, run_slack_s,
-                         ProbeSize(probe_duration_s, ctx.workload.num_requests, max(ctx.workload.num_requests, 20_000)))
+                         ProbeSize(probe_duration_s, ctx.workload.num_requests,
+                                   max(ctx.workload.num_requests, 20_000)))
     results: dict[str, dict[str, Any]] = {}
     if on in ("real", "both") or profile_path is None or tbt_slo_s is None:
         # The real pipeline: the probes themselves, or (simulator only) one run for the profile and the SLO.
@@ -358,11 +364,13 @@ def probe_workload(workload: WorkloadSpec, rate: float, size: ProbeSize) -> list
 def simulated_probe(ctx: BenchContext, policy: str, rate: float, profile: Any, overhead_s: float,
                     num_blocks: int | None, size: ProbeSize, slo: SLO) -> Probe:
     """One capacity probe in the simulator: `probe_workload` over the profile, judged against the SLO."""
-    s, _ = simulate_summary(ctx, policy, probe_workload(ctx.workload, rate, size), profile, overhead_s, num_blocks)
+    s, _ = simulate_summary(ctx, policy, probe_workload(ctx.workload, rate, size), profile, overhead_s,
+                            num_blocks)
     return probe_from_summary(rate, s, slo)
 
 
-def _simulated_capacity(ctx: BenchContext, policies: Sequence[str], real: _RealCapacity, profile_path: str | None,
+def _simulated_capacity(ctx: BenchContext, policies: Sequence[str], real: _RealCapacity,
+                        profile_path: str | None,
                         size: ProbeSize, start_rate: float, sim_max_evals: int, slo: SLO,
                         results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Capacity in the simulator, over a profile fitted from the real probes (or a saved one)."""
@@ -391,7 +399,8 @@ def _capacity_ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     for where in ("real", "sim"):
         base = results.get(f"{where}/sarathi", {}).get("capacity")
         for label, r in results.items():
-            if label.startswith(where + "/") and not label.endswith("/sarathi") and base and r.get("capacity"):
+            if (label.startswith(where + "/") and not label.endswith("/sarathi") and base
+                    and r.get("capacity")):
                 ratios[f"{where}: sarathi / {label.split('/', 1)[1]}"] = base / r["capacity"]
     return ratios
 
@@ -430,7 +439,8 @@ def sweep(ctx: BenchContext, budgets: Sequence[int] = (32, 64, 128, 256, 512), p
     data = {"suite": "sweep", "command": command, "settings": ctx.settings(), "note": note,
             "prompt_source": builder.source, "workload": workload_stats(reqs), "rows": rows}
     table = report.sweep_table(rows)
-    (ctx.outdir / "sweep.md").write_text(f"# Token-budget sweep\n\n{note}\n\n" + (f"`{command}`\n\n" if command else "")
+    (ctx.outdir / "sweep.md").write_text(f"# Token-budget sweep\n\n{note}\n\n"
+                                         + (f"`{command}`\n\n" if command else "")
                                          + table + "\n")
     report.write_json(ctx.outdir / "results.json", data)
     report.plot_sweep(rows, ctx.outdir / "sweep.png", note)
@@ -464,7 +474,8 @@ class CapacityCheck:
 
 
 def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: str = "sarathi",
-             tolerance: float = 0.15, command: str = "", capacity: CapacityCheck | None = None) -> dict[str, Any]:
+             tolerance: float = 0.15, command: str = "",
+             capacity: CapacityCheck | None = None) -> dict[str, Any]:
     """Real run on A -> fit profile -> simulate B; real run on B; compare per-stage busy time, TBT and TTFT
     percentiles, bubble and throughput (and with `capacity`, B's capacity: `CapacityCheck`)."""
     from ppserve.sim.cost_model import Profile, fit_profile
@@ -524,14 +535,16 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
         profiles = {"fitted on A": profile}
         if startup is not None:
             profiles["start-up"] = Profile(startup, profile.transfer_s, "the stages' start-up step costs")
-        out["capacity"] = _validate_capacity(ctx, wb, builder, policy, profiles, overhead, num_blocks, decode_step,
+        out["capacity"] = _validate_capacity(ctx, wb, builder, policy, profiles, overhead, num_blocks,
+                                             decode_step,
                                              capacity)
         c = out["capacity"]
         sims = "; ".join(f"simulated over the {name} profile {v['capacity']} req/s, error "
-                         + ("-" if v["error"] is None else f"{100 * v['error']:+.1f}%") for name, v in c["sim"].items())
-        cap_line = (f"\n\ncapacity of B (p99 TBT <= {1e3 * c['slo']['tbt_p99_s']:.0f} ms, median scheduling delay <= "
-                    f"{c['slo']['sched_delay_p50_s']:g} s): real {c['real']['capacity']} req/s (bracket "
-                    f"{c['real']['bracket']}); {sims}")
+                         + ("-" if v["error"] is None else f"{100 * v['error']:+.1f}%")
+                         for name, v in c["sim"].items())
+        cap_line = (f"\n\ncapacity of B (p99 TBT <= {1e3 * c['slo']['tbt_p99_s']:.0f} ms, median scheduling "
+                    f"delay <= {c['slo']['sched_delay_p50_s']:g} s): real {c['real']['capacity']} req/s "
+                    f"(bracket {c['real']['bracket']}); {sims}")
     lines = ["| workload | " + " | ".join(k for k in rows[0] if k != "workload") + " |",
              "|---|" + "---|" * (len(rows[0]) - 1)]
     for r in rows:
@@ -540,15 +553,17 @@ def validate(ctx: BenchContext, held_out: WorkloadSpec | None = None, policy: st
             for k, v in r.items() if k != "workload") + " |")
     table = "\n".join(lines)
     note = (f"{ctx.scale_note()}; A = rows {wa.start}..{wa.start + wa.num_requests - 1}, B = rows "
-            f"{wb.start}..{wb.start + wb.num_requests - 1} (seed {wb.seed}); overhead {overhead * 1e3:.2f} ms")
+            f"{wb.start}..{wb.start + wb.num_requests - 1} (seed {wb.seed}); overhead "
+            f"{overhead * 1e3:.2f} ms")
     (ctx.outdir / "validate.md").write_text(
         f"# Simulator validation\n\n{note}\n\n" + (f"`{command}`\n\n" if command else "") + table
-        + f"\n\nmax |error| on held-out B (per-stage busy, p50 TBT): {100 * out['max_abs_error_held_out']:.1f}% "
-        f"(tolerance {100 * tolerance:.0f}%)" + cap_line + "\n")
+        + "\n\nmax |error| on held-out B (per-stage busy, p50 TBT): "
+        f"{100 * out['max_abs_error_held_out']:.1f}% (tolerance {100 * tolerance:.0f}%)" + cap_line + "\n")
     report.write_json(ctx.outdir / "results.json", out)
     print(table + cap_line)
     print(f"held-out max |error| {100 * out['max_abs_error_held_out']:.1f}% "
-          f"({'within' if out['within_tolerance'] else 'outside'} {100 * tolerance:.0f}%); results in {ctx.outdir}")
+          f"({'within' if out['within_tolerance'] else 'outside'} {100 * tolerance:.0f}%); results in "
+          f"{ctx.outdir}")
     return out
 
 
@@ -565,7 +580,8 @@ def _validate_capacity(ctx: BenchContext, wb: WorkloadSpec, builder: PromptBuild
                 max(wb.rate, 0.1), max_evals=14, rel_tol=check.rel_tol)
             for name, p in profiles.items()}
     first = next(iter(sims.values()))
-    real_search = _RealCapacity(ctx_b, builder, slo.tbt_p99_s, check.tbt_factor, check.sched_delay_slo_s, 60.0, size)
+    real_search = _RealCapacity(ctx_b, builder, slo.tbt_p99_s, check.tbt_factor, check.sched_delay_slo_s,
+                                60.0, size)
     real = real_search.search(policy, first.capacity or max(wb.rate, 0.1), check.max_evals, check.rel_tol)
     return {"slo": {"tbt_p99_s": slo.tbt_p99_s, "sched_delay_p50_s": slo.sched_delay_p50_s,
                     "decode_step_s": decode_step, "tbt_factor": check.tbt_factor},

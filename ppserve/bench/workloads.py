@@ -41,7 +41,8 @@ SYNTHETIC = ("uniform", "zipf", "fixed", "shared-prefix", "multi-turn")
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    source: str = "trace:splitwise_conv.csv"  # trace:<name|path> | uniform | zipf | fixed | shared-prefix | multi-turn
+    # trace:<name|path> | uniform | zipf | fixed | shared-prefix | multi-turn
+    source: str = "trace:splitwise_conv.csv"
     num_requests: int = 48
     start: int = 0  # first trace row (a held-out workload uses other rows)
     prefill_scale: float = 0.15
@@ -71,7 +72,8 @@ class WorkloadSpec:
         if self.arrival == "poisson" and self.rate <= 0:
             raise ValueError(f"workload rate must be > 0 requests/s, got {self.rate!r}")
         if not (self.source.startswith("trace:") or self.source in SYNTHETIC):
-            raise ValueError(f"workload source must be trace:<file> or one of {SYNTHETIC}, got {self.source!r}")
+            raise ValueError(f"workload source must be trace:<file> or one of {SYNTHETIC}, got "
+                             f"{self.source!r}")
 
     def with_rate(self, rate: float) -> WorkloadSpec:
         return replace(self, rate=rate)
@@ -102,9 +104,11 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
                           prefill_scale=spec.prefill_scale, decode_scale=spec.decode_scale,
                           need_arrivals=spec.arrival == "trace")
         if len(reqs) < n:
-            raise ValueError(f"trace {spec.source} has only {len(reqs)} rows from row {spec.start}; asked for {n}")
+            raise ValueError(f"trace {spec.source} has only {len(reqs)} rows from row {spec.start}; asked "
+                             f"for {n}")
     elif spec.source == "uniform":
-        reqs = uniform_lengths(n, (spec.prompt_min, spec.prompt_max), (spec.output_min, spec.output_max), spec.seed)
+        reqs = uniform_lengths(n, (spec.prompt_min, spec.prompt_max), (spec.output_min, spec.output_max),
+                               spec.seed)
     elif spec.source == "zipf":
         reqs = zipf_lengths(n, (spec.prompt_min, spec.prompt_max), (spec.output_min, spec.output_max),
                             spec.zipf_theta, spec.seed)
@@ -112,7 +116,8 @@ def build_workload(spec: WorkloadSpec) -> list[WorkloadRequest]:
         reqs = shared_prefix(spec.prefix_groups, max(1, n // spec.prefix_groups), spec.prefix_len,
                              spec.question_len, spec.output_max)
     elif spec.source == "multi-turn":
-        reqs = multi_turn(max(1, n // spec.turns), spec.turns, spec.prefix_len, spec.question_len, spec.output_max)
+        reqs = multi_turn(max(1, n // spec.turns), spec.turns, spec.prefix_len, spec.question_len,
+                          spec.output_max)
     else:
         reqs = fixed_ratio(n, spec.total_tokens, spec.pd_ratio)
     if spec.arrival == "poisson":

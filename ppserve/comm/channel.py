@@ -102,8 +102,9 @@ class InProcChannel:
             raise RuntimeError("in-process channel: the previous stage sent nothing for this microbatch")
         hidden, times = self._queue.popleft()
         if hidden.shape != (num_tokens, hidden_size) or len(times) != num_times:
-            raise RuntimeError(f"in-process channel: got hidden states {tuple(hidden.shape)} with {len(times)} "
-                               f"time values, expected {(num_tokens, hidden_size)} with {num_times}")
+            raise RuntimeError(f"in-process channel: got hidden states {tuple(hidden.shape)} with "
+                               f"{len(times)} time values, expected {(num_tokens, hidden_size)} with "
+                               f"{num_times}")
         return hidden, LinkValues(times)
 
     def close(self) -> None:

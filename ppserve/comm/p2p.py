@@ -47,7 +47,8 @@ class TorchP2PChannel:
                   step: int = -1) -> _Posted:
         hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=self.device)
         times = torch.empty(num_times, dtype=torch.float64, device=self.device)
-        works = [dist.irecv(hidden, src=self.peer, group=self.group), dist.irecv(times, src=self.peer, group=self.group)]
+        works = [dist.irecv(hidden, src=self.peer, group=self.group),
+                 dist.irecv(times, src=self.peer, group=self.group)]
         return _Posted(hidden, times, works)
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, num_times: int,

@@ -97,7 +97,8 @@ class RendezvousChannel:
         kind, _ = self._read_header(f"at its first contact with {self.peer} ({what}): {self.peer} never "
                                     "reached its side of the link")
         if kind != _HELLO:
-            raise RuntimeError(f"rendezvous link {self.me} <- {self.peer}: expected the first contact, got {kind!r}")
+            raise RuntimeError(f"rendezvous link {self.me} <- {self.peer}: expected the first contact, "
+                               f"got {kind!r}")
         self._met = True
 
     def _read_exactly(self, n: int, blocked: str) -> bytes:
@@ -118,7 +119,8 @@ class RendezvousChannel:
             finally:
                 self._sock.settimeout(None)
             if k == 0:
-                raise ConnectionError(f"rendezvous link: {self.peer} closed the link while {self.me} was {blocked}")
+                raise ConnectionError(f"rendezvous link: {self.peer} closed the link while {self.me} was "
+                                      f"{blocked}")
             got += k
         return bytes(buf)
 
@@ -138,25 +140,29 @@ class RendezvousChannel:
         self._seq += 1
         # The tensor is read when the message goes, as NCCL reads it: a stage that overwrote a buffer still
         # in flight would corrupt its message here as it would there.
-        self._in_flight = threading.Thread(target=self._deliver, args=(msg, hidden.contiguous(), times), daemon=True,
-                                           name=f"rendezvous {self.me} -> {self.peer}")
+        self._in_flight = threading.Thread(target=self._deliver, args=(msg, hidden.contiguous(), times),
+                                           daemon=True, name=f"rendezvous {self.me} -> {self.peer}")
         self._in_flight.start()
 
     def _deliver(self, msg: _Message, hidden: Tensor, times: tuple[float, ...]) -> None:
         """The link's stream: wait for the receive of `msg` to be posted, check that it matches, send."""
         try:
-            kind, posted = self._read_header(f"sending {msg.describe()} to {self.peer}, which never posted the "
-                                             "matching receive")
+            kind, posted = self._read_header(f"sending {msg.describe()} to {self.peer}, which never posted "
+                                             "the matching receive")
             if kind != _POST:
-                raise RuntimeError(f"rendezvous link {self.me} -> {self.peer}: expected a posted receive, got {kind!r}")
+                raise RuntimeError(f"rendezvous link {self.me} -> {self.peer}: expected a posted receive, "
+                                   f"got {kind!r}")
             if posted != msg:
                 error = (f"rendezvous link {self.me} -> {self.peer}: {self.peer} posted its receive "
-                         f"{posted.describe()}, but {self.me} sends {msg.describe()}: a receive posted out of order")
+                         f"{posted.describe()}, but {self.me} sends {msg.describe()}: a receive posted out "
+                         "of order")
                 data = error.encode()
                 self._sock.sendall(_HEADER.pack(_ERROR, len(data), 0, 0, 0, 0, 0) + data)
                 raise RuntimeError(error)
-            header = _HEADER.pack(_DATA, msg.seq, msg.step, msg.num_tokens, msg.hidden_size, msg.dtype, msg.num_times)
-            self._sock.sendall(header + bytes(_bytes_of(hidden)) + np.asarray(times, dtype=np.float64).tobytes())
+            header = _HEADER.pack(_DATA, msg.seq, msg.step, msg.num_tokens, msg.hidden_size, msg.dtype,
+                                  msg.num_times)
+            self._sock.sendall(header + bytes(_bytes_of(hidden))
+                               + np.asarray(times, dtype=np.float64).tobytes())
         except BaseException as e:  # raised on the stage's thread at its next send or close; logged now
             logger.error("%s", e)
             self._error = e
@@ -187,8 +193,9 @@ class RendezvousChannel:
 
     def _wait(self, msg: _Message) -> tuple[Tensor, LinkValues]:
         if not self._posted or self._posted[0] != msg:
-            raise RuntimeError(f"rendezvous link {self.me} <- {self.peer}: waited on receive {msg.describe()} "
-                               "before an earlier posted one: receives complete in posting order")
+            raise RuntimeError(f"rendezvous link {self.me} <- {self.peer}: waited on receive "
+                               f"{msg.describe()} before an earlier posted one: receives complete in "
+                               "posting order")
         kind, got = self._read_header(f"waiting for {msg.describe()} from {self.peer}, which never sent it")
         if kind != _DATA or got != msg:
             raise RuntimeError(f"rendezvous link {self.me} <- {self.peer}: expected {msg.describe()}, "
@@ -197,7 +204,8 @@ class RendezvousChannel:
         dtype = _DTYPES[msg.dtype]
         n_hidden = msg.num_tokens * msg.hidden_size * dtype.itemsize
         data = self._read_exactly(n_hidden + 8 * msg.num_times, f"reading {msg.describe()}")
-        hidden = (torch.frombuffer(bytearray(data[:n_hidden]), dtype=dtype, count=msg.num_tokens * msg.hidden_size)
+        hidden = (torch.frombuffer(bytearray(data[:n_hidden]), dtype=dtype,
+                                   count=msg.num_tokens * msg.hidden_size)
                   if n_hidden else torch.empty(0, dtype=dtype))
         values = np.frombuffer(data, dtype=np.float64, count=msg.num_times, offset=n_hidden)
         return hidden.view(msg.num_tokens, msg.hidden_size), LinkValues(tuple(float(v) for v in values))

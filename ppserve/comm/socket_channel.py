@@ -31,7 +31,8 @@ from torch import Tensor
 from ppserve.comm.channel import Deferred, LinkValues, PostedRecv
 
 STORE_KEY = "ppserve/stage_link/{rank}"  # "token@host:port" that a rank's inbound link listens on
-RING_STORE_KEY = "ppserve/token_ring/{rank}"  # the same for stage 0's inbound token ring (scheduler.token_ring)
+# the same for stage 0's inbound token ring (scheduler.token_ring)
+RING_STORE_KEY = "ppserve/token_ring/{rank}"
 TOKEN_BYTES = 16
 TOKEN_TIMEOUT_S = 30.0  # a connection that does not send its token by then is not the sender
 
@@ -54,7 +55,8 @@ class SocketChannel:
         if sent == total:
             return
         rest = b"".join(parts)[sent:]  # rare (a long chunk, a full buffer): a copy is fine here
-        self._writer = threading.Thread(target=self._write, args=(rest,), name="stage-link-writer", daemon=True)
+        self._writer = threading.Thread(target=self._write, args=(rest,), name="stage-link-writer",
+                                        daemon=True)
         self._writer.start()
 
     def _write(self, data: bytes) -> None:
@@ -73,7 +75,8 @@ class SocketChannel:
 
     def post_recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, num_times: int,
                   step: int = -1) -> PostedRecv:
-        return Deferred(lambda: self.recv(num_tokens, hidden_size, dtype, num_times, step))  # data waits in the buffer
+        # data waits in the buffer
+        return Deferred(lambda: self.recv(num_tokens, hidden_size, dtype, num_times, step))
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, num_times: int,
              step: int = -1) -> tuple[Tensor, LinkValues]:
@@ -87,7 +90,8 @@ class SocketChannel:
                 raise ConnectionError(f"stage link: the previous stage closed the link after {got} of "
                                       f"{len(buf)} bytes of a microbatch")
             got += n
-        hidden = torch.frombuffer(buf, dtype=dtype, count=num_tokens * hidden_size).view(num_tokens, hidden_size)
+        hidden = (torch.frombuffer(buf, dtype=dtype, count=num_tokens * hidden_size)
+                  .view(num_tokens, hidden_size))
         times = np.frombuffer(buf, dtype=np.float64, count=num_times, offset=n_hidden)
         return hidden, LinkValues(tuple(float(t) for t in times))
 

@@ -103,7 +103,8 @@ class AsyncEngine:
         return cls(LLMEngine(config), **kwargs)
 
     def add_observer(self, observer: EngineObserver) -> None:
-        """Tell `observer` (on the engine thread) of requests added, deltas and microbatches. Before start()."""
+        """Tell `observer` (on the engine thread) of requests added, deltas and microbatches.
+        Before start()."""
         self.observers.append(observer)
         self.engine.core.step_observers.append(observer.on_step)
 

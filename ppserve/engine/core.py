@@ -4,8 +4,8 @@
     (its tokens, and the stage times it carries for the cost model) -> intake -> fill the pipeline again
 
 A result's stage times measure the step `timed_step_id`, which GPU stages report one step late or
-more (ARCHITECTURE.md §5): the loop keeps each collected microbatch until its times come back and
-hands the scheduler that microbatch's composition with them, never the current one's.
+more (ARCHITECTURE.md#measuring-bubbles): the loop keeps each collected microbatch until its times come
+back and hands the scheduler that microbatch's composition with them, never the current one's.
 
 The loop knows nothing of models, Ray or time itself. It is handed a scheduler, an executor (the Ray
 or in-process pipeline, or the simulator's cost-model pipeline), two clocks (seconds for request times,
@@ -27,7 +27,8 @@ from ppserve.sched.output import RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.scheduler import Scheduler
 
 MAX_UNTIMED = 256  # collected microbatches kept for their times: stages lag a few steps, never this many
-MAX_FORMATION_WAIT_S = 1.0  # the longest a real engine sleeps before forming a microbatch (a guard, not a tuning)
+# the longest a real engine sleeps before forming a microbatch (a guard, not a tuning)
+MAX_FORMATION_WAIT_S = 1.0
 
 
 def sleep_until(clock: Callable[[], float]) -> Callable[[float], None]:
@@ -86,8 +87,8 @@ class EngineCore:
     def step(self) -> tuple[float, list[RequestUpdate]] | None:
         """Fill the pipeline, collect the oldest microbatch, update the scheduler, fill again (with the
         token ring, where the engine can wait: the fill of the ring's extra slot is deferred to the next
-        step, which first waits until it is due). Returns (the time the result came back, what each request gained), or None when nothing could
-        be put in flight."""
+        step, which first waits until it is due). Returns (the time the result came back, what each
+        request gained), or None when nothing could be put in flight."""
         sched = self.scheduler
         if self.deferred_failure is not None:
             failure, self.deferred_failure = self.deferred_failure, None
@@ -104,7 +105,8 @@ class EngineCore:
         now = self.clock()
         done = sched.in_flight[0]
         timed = self.timed_output(done, result)
-        outcome = sched.step_done(done, result, timed, self.dispatch_s if self.wait_until is not None else None)
+        outcome = sched.step_done(done, result, timed,
+                                  self.dispatch_s if self.wait_until is not None else None)
         for observe in self.step_observers:
             observe(done, result)
         if timed is not None:
@@ -142,7 +144,8 @@ class EngineCore:
         return timed
 
     def fill(self) -> None:
-        """Take in what has arrived, then schedule and submit until the pipeline is full or nothing can run."""
+        """Take in what has arrived, then schedule and submit until the pipeline is full or nothing can
+        run."""
         if self.intake is not None:
             self.intake()
         sched = self.scheduler

@@ -137,7 +137,8 @@ class ConnectionDispatch:
 
 
 class CompiledGraphDispatch:
-    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int, max_in_flight: int | None = None) -> None:
+    def __init__(self, actors: list[StageActorHandle], num_stages: int, tp: int,
+                 max_in_flight: int | None = None) -> None:
         from ray.dag import InputNode, MultiOutputNode
 
         with InputNode() as inp:
@@ -203,7 +204,8 @@ class ClassicDispatch:
                 if left <= 0:
                     raise StageFailure(f"step {step_id}: no answer from {len(pending)} stage actor(s) in "
                                        f"{timeout_s:g} s (parallel.stage_timeout_s): hung")
-                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(FAILURE_POLL_S, left))
+                ready, pending = ray.wait(pending, num_returns=len(pending),
+                                          timeout=min(FAILURE_POLL_S, left))
                 if ready:
                     ray.get(ready, timeout=RAY_GET_TIMEOUT_S)  # raises at once for a dead or failed stage
             result = ray.get(refs[self.last], timeout=RAY_GET_TIMEOUT_S)

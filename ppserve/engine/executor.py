@@ -99,8 +99,8 @@ def pool_cap(config: EngineConfig, arch: ModelArch, block_size: int, fitted: int
 def agreed_block_size(sizes: list[int]) -> int:
     """The one KV block size of a pipeline (the scheduler's allocator is shared by every stage)."""
     if len(set(sizes)) != 1:
-        raise ValueError(f"the stages chose different KV block sizes {sizes} (their attention backends differ: "
-                         "flash-attn on some nodes only?); set cache.block_size")
+        raise ValueError(f"the stages chose different KV block sizes {sizes} (their attention backends "
+                         "differ: flash-attn on some nodes only?); set cache.block_size")
     return sizes[0]
 
 
@@ -170,7 +170,8 @@ class InProcExecutor:
     def submit(self, out: SchedulerOutput) -> None:
         # Queued, not run: here submitting would compute, and the engine refills the pipeline right after
         # a collect, so the tokens just sampled would reach the caller only after the next microbatch's
-        # compute (a whole step late at pp = 1). The work runs in collect instead (ARCHITECTURE.md §2).
+        # compute (a whole step late at pp = 1). The work runs in collect instead
+        # (ARCHITECTURE.md#the-life-of-a-microbatch).
         self._pending.append(out)
 
     def collect(self, timeout_s: float | None = None) -> StepResult:
@@ -185,7 +186,8 @@ class InProcExecutor:
         return [d for a in self.actors for d in a.drain_spans()]
 
     def describe(self) -> list[WorkerInfo]:
-        return [WorkerInfo(stage=s, tp_rank=0, layer_start=start, layer_end=end, node_ip="local", pid=os.getpid())
+        return [WorkerInfo(stage=s, tp_rank=0, layer_start=start, layer_end=end, node_ip="local",
+                           pid=os.getpid())
                 for s, (start, end) in enumerate(self.ranges)]
 
     def repartition(self, ranges: list[tuple[int, int]]) -> None:

@@ -150,7 +150,8 @@ class LLM:
                     first_scheduled_time=req.first_scheduled_time,
                     token_times=list(tr.token_times),
                     index=index[rid],
-                    logprobs=logprobs[rid][: len(req.output_token_ids)] if req.sampling.logprobs is not None else None,
+                    logprobs=(logprobs[rid][: len(req.output_token_ids)]
+                              if req.sampling.logprobs is not None else None),
                     num_cached_tokens=req.num_cached_tokens or 0,
                 )
             )
@@ -161,7 +162,8 @@ class LLM:
         conversations: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete chat conversations (lists of {"role", "content"}), rendered by the model's chat template."""
+        """Complete chat conversations (lists of {"role", "content"}), rendered by the model's chat
+        template."""
         # One conversation or a list of them, told apart by the first item (which narrows only the first
         # branch: hence the cast in the second).
         convs = ([conversations] if conversations and isinstance(conversations[0], dict)
@@ -184,7 +186,8 @@ class LLM:
 
     def save_trace(self, path: str | Path) -> Path:
         path = Path(path)
-        save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals(), counters=self.engine.cache_counters)
+        save_chrome_trace(path, self.spans(), work_intervals=self.work_intervals(),
+                          counters=self.engine.cache_counters)
         return path
 
     def reset_prefix_cache(self) -> None:

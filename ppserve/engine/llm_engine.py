@@ -53,14 +53,16 @@ def context_limit(asked: int | None, max_positions: int, sliding_window: int | N
     limit = max_positions if sliding_window is None else min(max_positions, sliding_window)
     if asked is None:
         if limit < max_positions:
-            logger.warning("the model attends over a sliding window of %d tokens: the context is capped there "
-                           "(max_position_embeddings %d)", limit, max_positions)
+            logger.warning("the model attends over a sliding window of %d tokens: the context is capped "
+                           "there (max_position_embeddings %d)", limit, max_positions)
         return limit
     if asked > max_positions:
-        raise ValueError(f"model.max_model_len {asked} exceeds the model's max_position_embeddings {max_positions}")
+        raise ValueError(f"model.max_model_len {asked} exceeds the model's max_position_embeddings "
+                         f"{max_positions}")
     if asked > limit:
         raise ValueError(f"model.max_model_len {asked} exceeds the model's sliding window of {limit} tokens "
-                         "(sliding-window attention is not implemented; full attention is the same within it)")
+                         "(sliding-window attention is not implemented; full attention is the same within "
+                         "it)")
     return asked
 
 
@@ -94,7 +96,8 @@ class LLMEngine:
 
     def init_tokenizer(self) -> None:
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        if any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if any((self.model_dir / f).exists()
+               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -135,8 +138,8 @@ class LLMEngine:
             # simulator, whose scheduler starts from the roofline's (worker/startup_cost.py).
             cost_prior=self.executor.startup_cost,
         )
-        # With the token ring the engine may wait to form a microbatch until stage 0 needs it (sched/ring_clock.py):
-        # only where the stages compute on their own while it waits.
+        # With the token ring the engine may wait to form a microbatch until stage 0 needs it
+        # (sched/ring_clock.py): only where the stages compute on their own while it waits.
         wait = sleep_until(self.clock) if self.executor.asynchronous else None
         self.core = EngineCore(self.scheduler, self.executor, clock=self.clock, wait_until=wait,
                                dispatch_s=self.executor.dispatch_latency_s)
@@ -258,7 +261,8 @@ class LLMEngine:
         limit when max_tokens, prompt + max_tokens or min_tokens is too long."""
         limit = self.config.scheduler.max_tokens_limit or self.max_model_len
         if sampling.max_tokens is None:
-            room = max(1, min(limit, self.max_model_len - num_prompt_tokens))  # a full prompt is refused later
+            # a full prompt is refused later
+            room = max(1, min(limit, self.max_model_len - num_prompt_tokens))
             sampling = dataclasses.replace(sampling, max_tokens=room)
         assert sampling.max_tokens is not None
         if sampling.max_tokens > limit:
@@ -267,11 +271,11 @@ class LLMEngine:
         total = num_prompt_tokens + sampling.max_tokens
         # A prompt that alone fills the context is refused by the scheduler, with its own message.
         if num_prompt_tokens < self.max_model_len and total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) is "
-                             f"{total} tokens, above the model's context of {self.max_model_len} tokens")
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({sampling.max_tokens}) "
+                             f"is {total} tokens, above the model's context of {self.max_model_len} tokens")
         if sampling.min_tokens > sampling.max_tokens:
-            raise ValueError(f"min_tokens ({sampling.min_tokens}) is above max_tokens ({sampling.max_tokens}, "
-                             "or what the context leaves after the prompt)")
+            raise ValueError(f"min_tokens ({sampling.min_tokens}) is above max_tokens "
+                             f"({sampling.max_tokens}, or what the context leaves after the prompt)")
         return sampling
 
     def cancel(self, request_id: str) -> bool:
@@ -294,7 +298,8 @@ class LLMEngine:
         `reset_prefix_cache`): between benchmark runs that replay the same prompts. Only while no
         request is in the engine (a running request's blocks are not a cache)."""
         if self.has_unfinished:
-            raise RuntimeError("reset_prefix_cache needs an idle engine: requests are still running or waiting")
+            raise RuntimeError("reset_prefix_cache needs an idle engine: requests are still running or "
+                               "waiting")
         self.scheduler.reset_prefix_cache()
 
     @property
@@ -333,7 +338,8 @@ class LLMEngine:
                                         {"hit_rate": b.hit_rate, "cached_blocks": float(b.num_cached)}))
 
     def recover(self, cause: BaseException) -> None:
-        """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it cannot."""
+        """Rebuild the pipeline and requeue every unfinished request by recompute; PipelineFailed if it
+        cannot."""
         rebuild = getattr(self.executor, "rebuild", None)
         limit = self.config.parallel.max_restarts
         t0 = time.perf_counter()

@@ -41,7 +41,8 @@ class PromptInput:
         if self.messages is not None:
             for i, (role, _) in enumerate(self.messages):
                 if role not in CHAT_ROLES:
-                    raise ValueError(f"messages[{i}].role {role!r} is unknown; expected one of {', '.join(CHAT_ROLES)}")
+                    raise ValueError(f"messages[{i}].role {role!r} is unknown; expected one of "
+                                     f"{', '.join(CHAT_ROLES)}")
 
 
 @dataclass(frozen=True)

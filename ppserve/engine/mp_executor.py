@@ -82,7 +82,8 @@ class StageProcess:
                  next_rank: int | None, gpu: int | None) -> None:
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve_calls, args=(child, spec, rank, world, prev_rank, next_rank, gpu),
+        self.proc = ctx.Process(target=serve_calls,
+                                args=(child, spec, rank, world, prev_rank, next_rank, gpu),
                                 name=f"ppserve-{name.replace(' ', '-')}", daemon=True)
         self.proc.start()
         child.close()  # this end belongs to the child: its exit then closes the pipe
@@ -91,19 +92,22 @@ class StageProcess:
         try:
             self.conn.send((method, args))
         except OSError as e:
-            raise StageFailure(f"{self.name}: its process is gone ({type(e).__name__}) before {method}") from e
+            raise StageFailure(f"{self.name}: its process is gone ({type(e).__name__}) before "
+                               f"{method}") from e
 
     def result(self, method: str, deadline: float) -> Any:
         """The answer to the last call: StageFailure when the process died, failed or ran past `deadline`."""
         while not self.conn.poll(max(0.0, min(FAILURE_POLL_S, deadline - time.monotonic()))):
             if not self.proc.is_alive():
-                raise StageFailure(f"{self.name}: its process exited (code {self.proc.exitcode}) during {method}")
+                raise StageFailure(f"{self.name}: its process exited (code {self.proc.exitcode}) during "
+                                   f"{method}")
             if time.monotonic() >= deadline:
                 raise StageFailure(f"{self.name}: {method} took longer than its limit")
         try:
             kind, value = self.conn.recv()
         except (EOFError, OSError) as e:
-            raise StageFailure(f"{self.name}: its process exited (code {self.proc.exitcode}) during {method}") from e
+            raise StageFailure(f"{self.name}: its process exited (code {self.proc.exitcode}) during "
+                               f"{method}") from e
         if kind == "error":
             raise StageFailure(f"{self.name}: {method}: {value}")
         return value
@@ -117,7 +121,8 @@ class StageProcess:
 
 
 class MultiprocExecutor(RemoteStagesExecutor):
-    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch,
+                 ranges: list[tuple[int, int]]) -> None:
         par = config.parallel
         self.config, self.model_dir, self.arch = config, model_dir, arch
         self.num_stages, self.tp = par.pipeline_parallel_size, par.tensor_parallel_size
@@ -180,7 +185,8 @@ class MultiprocExecutor(RemoteStagesExecutor):
         self.startup_cost = startup_pipeline_cost(costs[:: self.tp])  # TP rank 0's of each stage
 
         def connect(address: Any, authkey: bytes) -> None:
-            self.call_all("serve_connection", per_rank=[(address, authkey, i) for i in range(len(self.procs))])
+            self.call_all("serve_connection",
+                          per_rank=[(address, authkey, i) for i in range(len(self.procs))])
 
         self.dispatch = ConnectionDispatch(len(self.procs), self.num_stages, self.tp, "127.0.0.1", connect)
 

@@ -11,7 +11,8 @@ from ppserve.config import add_config_arguments
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("offline", help="generate offline (no server): prompts in, text and bubble figures out")
+    p = sub.add_parser("offline",
+                       help="generate offline (no server): prompts in, text and bubble figures out")
     p.add_argument("prompts", nargs="*", help="prompts (default: a few built-in questions)")
     add_config_arguments(p)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -65,4 +65,5 @@ class OutputState:
         return out, hit
 
     def times(self) -> RequestTimes:
-        return RequestTimes(self.request.arrival_time, self.request.first_scheduled_time, list(self.token_times))
+        return RequestTimes(self.request.arrival_time, self.request.first_scheduled_time,
+                            list(self.token_times))

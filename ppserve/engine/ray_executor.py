@@ -70,7 +70,8 @@ def ray_single_machine_mode() -> Iterator[None]:
 
 
 class RayExecutor(RemoteStagesExecutor):
-    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch, ranges: list[tuple[int, int]]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, arch: ModelArch,
+                 ranges: list[tuple[int, int]]) -> None:
         import ray
 
         self.config = config
@@ -81,16 +82,18 @@ class RayExecutor(RemoteStagesExecutor):
         self.startup_timeout_s = par.startup_timeout_s
         self.dispatch: ControlPlane | None = None
         self.init_ray()
-        self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker, ray.cluster_resources().get("GPU", 0),
-                                                       par.world_size)
+        self.gpus_per_worker = resolve_gpus_per_worker(par.gpus_per_worker,
+                                                       ray.cluster_resources().get("GPU", 0), par.world_size)
         self.dispatch_kind = resolve_dispatch(par.dispatch, self.gpus_per_worker)
         self.init_actors()
         self.init_clock_offsets()
         self.block_size = agreed_block_size(self._startup_get([a.block_size.remote() for a in self.actors],
                                                               "reading the KV block size"))
-        blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory, config.cache.gpu_memory_utilization)
+        blocks = [a.num_blocks_for_memory.remote(config.cache.kv_cache_memory,
+                                                 config.cache.gpu_memory_utilization)
                   for a in self.actors]
-        fitted = pool_cap(config, arch, self.block_size, min(self._startup_get(blocks, "sizing the KV cache")))
+        fitted = pool_cap(config, arch, self.block_size,
+                          min(self._startup_get(blocks, "sizing the KV cache")))
         self.num_kv_blocks = config.cache.num_blocks or fitted
         self.init_caches_and_dispatch()
 
@@ -101,7 +104,8 @@ class RayExecutor(RemoteStagesExecutor):
         try:
             return ray.get(refs, timeout=self.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{what} took longer than parallel.startup_timeout_s={self.startup_timeout_s:g} s") from None
+            raise TimeoutError(f"{what} took longer than "
+                               f"parallel.startup_timeout_s={self.startup_timeout_s:g} s") from None
 
     # ---- construction ----------------------------------------------------------------------------
     def init_ray(self) -> None:
@@ -124,7 +128,8 @@ class RayExecutor(RemoteStagesExecutor):
             self.owns_ray = True
             ip = ray.util.get_node_ip_address()
             if ip != "127.0.0.1":
-                logger.warning("embedded Ray runs on %s, not loopback: its servers listen on all interfaces", ip)
+                logger.warning("embedded Ray runs on %s, not loopback: its servers listen on all interfaces",
+                               ip)
 
     def init_actors(self) -> None:
         import ray
@@ -145,7 +150,8 @@ class RayExecutor(RemoteStagesExecutor):
             b = dict(bundle)
             if par.stage_resources:
                 b[par.stage_resources[s]] = 0.01
-            self.placement_groups.append(placement_group([dict(b) for _ in range(self.tp)], strategy="STRICT_PACK"))
+            self.placement_groups.append(placement_group([dict(b) for _ in range(self.tp)],
+                                                         strategy="STRICT_PACK"))
         self._startup_get([pg.ready() for pg in self.placement_groups], "placing the stages (Ray resources)")
         if not par.stage_resources:
             # The groups are interchangeable: renumber the stages so neighbours share nodes (placement.py).
@@ -223,7 +229,8 @@ class RayExecutor(RemoteStagesExecutor):
 
         # Classic calls queue behind the in-flight microbatches, so this is bounded like them; under a
         # compiled graph the actor answers between its graph steps.
-        batches = ray.get([a.drain_spans.remote() for a in self.actors], timeout=self.config.parallel.stage_timeout_s)
+        batches = ray.get([a.drain_spans.remote() for a in self.actors],
+                          timeout=self.config.parallel.stage_timeout_s)
         return self.on_engine_clock(batches)
 
     # ---- failure recovery and repartitioning ------------------------------------------------------

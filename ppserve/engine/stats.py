@@ -5,7 +5,7 @@ GetStats (server/servicer.py, converted in server/convert.py), Prometheus `/metr
 its field names are those of the ppserve.v1 `Stats` message, so the conversion is field for field.
 `EngineCounts` is the part LLMEngine knows itself (queue, KV blocks, restarts); `StatsWindow`, owned by
 the AsyncEngine and fed on the engine thread only, adds the recent window: output tokens per second
-and each stage's bubble figures (ARCHITECTURE.md §5) over the last `window_s` seconds.
+and each stage's bubble figures (ARCHITECTURE.md#measuring-bubbles) over the last `window_s` seconds.
 
 Readers never run on the engine thread: it publishes an immutable `StatsSnapshot` after every step
 (counts and token totals: a few attribute reads) and, at a bounded rate, the spans it drained

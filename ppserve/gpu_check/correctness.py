@@ -25,7 +25,8 @@ def sizes(cuda: bool) -> dict[str, int]:
     """Sequences x length for the teacher-forced part (8 x 128 = 1,024 positions on a GPU), greedy prompts
     and tokens, and the chunks the sequences are fed in."""
     if cuda:
-        return dict(seqs=8, length=128, first_chunk=45, chunk=32, decodes=8, prompts=8, prompt_len=24, tokens=24)
+        return dict(seqs=8, length=128, first_chunk=45, chunk=32, decodes=8, prompts=8, prompt_len=24,
+                    tokens=24)
     return dict(seqs=2, length=40, first_chunk=13, chunk=8, decodes=4, prompts=2, prompt_len=8, tokens=6)
 
 
@@ -55,7 +56,8 @@ def teacher_forced(workers: list[Any], tokens: list[int], pieces: list[tuple[int
             hidden = torch.tensor(tokens[a:b], device=device)
             for w in workers:
                 first = w.model.is_first
-                hidden = w.model(hidden if first else None, None if first else hidden, positions, w.kv_caches, meta)
+                hidden = w.model(hidden if first else None, None if first else hidden, positions, w.kv_caches,
+                                 meta)
             out.append(workers[-1].model.compute_logits(hidden).float())
     return torch.cat(out)
 
@@ -100,7 +102,8 @@ def reference(model_dir: Any, dtype: Any, device: str, seqs: list[list[int]], pr
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_tokens,
                                min_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             ref = y[0, len(ids):].tolist()
-            j = next((i for i, (a, b) in enumerate(zip(g, ref, strict=False)) if a != b), min(len(g), len(ref)))
+            j = next((i for i, (a, b) in enumerate(zip(g, ref, strict=False)) if a != b),
+                     min(len(g), len(ref)))
             firsts.append(j)
             margin = None
             if j < min(len(g), len(ref)):
@@ -142,7 +145,8 @@ def one_dtype(ctx: Context, model_dir: Any, pp: int, dtype_name: str, n: dict[st
                                  near_tie_fraction=figures["near_tie_fraction"])
     if ctx.cuda:
         torch.cuda.empty_cache()
-    return {"ok": ok and greedy["ok"], "dtype_setting": dtype_name, "dtype": name, "attention_backend": backend,
+    return {"ok": ok and greedy["ok"], "dtype_setting": dtype_name, "dtype": name,
+            "attention_backend": backend,
             "teacher_forced": {**figures, "ok": ok, "reasons": reasons}, "greedy": greedy}
 
 

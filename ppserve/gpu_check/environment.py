@@ -12,7 +12,8 @@ from ppserve.gpu_check.phase import Context
 
 # Dense bf16 tensor-core peak (FLOP/s) and HBM bandwidth (bytes/s) by device name, from the vendors' data
 # sheets (SXM parts); the roofline phase reports achieved figures against these.
-PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12), "L40S": (362e12, 0.864e12)}
+PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
+         "L40S": (362e12, 0.864e12)}
 
 
 def device_peaks(gpu_name: str) -> tuple[float, float] | None:
@@ -42,7 +43,8 @@ def run(ctx: Context) -> dict[str, Any]:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device visible; --device cpu runs the phases that do not need one")
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    sms=props.multi_processor_count,
                     memory_gib=round(props.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count(),
                     peaks=device_peaks(props.name))
         info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # False: fp32 checks are fp32

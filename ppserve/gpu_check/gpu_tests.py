@@ -40,13 +40,15 @@ def run(ctx: Context) -> dict[str, Any]:
                                "in the checkout to carry it"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(DEPS), env.get("PYTHONPATH", "")) if p)
     timeout = max(1.0, float(ctx.options.get("limit_s") or DEFAULT_LIMIT_S) - PHASE_MARGIN_S)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *TESTS],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           *TESTS],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
     lines = proc.stdout.strip().splitlines()
     summary = lines[-1] if lines else ""  # pytest's counts: its stdout's last line (stderr comes after it)
     status = pytest_status(proc.returncode, summary)
-    result: dict[str, Any] = {"ok": status == PASS, "returncode": proc.returncode, "output": tail, "summary": summary}
+    result: dict[str, Any] = {"ok": status == PASS, "returncode": proc.returncode, "output": tail,
+                              "summary": summary}
     if status == NOT_RUN:
         result["not_run"] = f"pytest tested nothing: {summary or f'exit status {proc.returncode}'}"
     return result

@@ -19,7 +19,8 @@ from ppserve.gpu_check.phase import Context
 TOLERANCES = {"float32": (1e-4, 1e-4), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol)
 
 
-def _paged_case(query_lens: list[int], context_lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype: Any,
+def _paged_case(query_lens: list[int], context_lens: list[int], hq: int, hkv: int, d: int, bs: int,
+                dtype: Any,
                 device: str, seed: int) -> dict[str, Any]:
     """Triton vs SDPA on one microbatch over a cache with shuffled, non-contiguous block tables."""
     import torch
@@ -38,9 +39,11 @@ def _paged_case(query_lens: list[int], context_lens: list[int], hq: int, hkv: in
     cache = allocate_kv_cache(1, sum(need) + 2, bs, hkv, d, dtype, device)[0].normal_()
     ref_cache = cache.clone()
     scale = d ** -0.5
-    got = TritonPagedBackend().forward(q, k, v, cache, AttentionMetadata.build(query_lens, context_lens, tables, bs,
+    got = TritonPagedBackend().forward(q, k, v, cache,
+                                       AttentionMetadata.build(query_lens, context_lens, tables, bs,
                                                                                device), scale)
-    want = SdpaBackend().forward(q, k, v, ref_cache, AttentionMetadata.build(query_lens, context_lens, tables, bs,
+    want = SdpaBackend().forward(q, k, v, ref_cache,
+                                 AttentionMetadata.build(query_lens, context_lens, tables, bs,
                                                                              device), scale)
     return _compare(got, want, dtype)
 
@@ -79,9 +82,11 @@ def _ops_cases(dtype: Any, device: str) -> dict[str, Any]:
     rotated = torch.cat((-h64[..., 32:], h64[..., :32]), dim=-1)
     return {
         "rms_norm": _compare(ops.rms_norm(x, w, 1e-5), rms(x64), dtype),
-        "add_rms_norm": {"sum": _compare(total, x64 + y64, dtype), "norm": _compare(normed, rms(x64 + y64), dtype)},
+        "add_rms_norm": {"sum": _compare(total, x64 + y64, dtype),
+                         "norm": _compare(normed, rms(x64 + y64), dtype)},
         "silu_mul": _compare(ops.silu_mul(gate_up), torch.nn.functional.silu(g64) * u64, dtype),
-        "rope_": _compare(ops.rope_(heads.clone(), cos.to(dtype), sin.to(dtype)), h64 * cos + rotated * sin, dtype),
+        "rope_": _compare(ops.rope_(heads.clone(), cos.to(dtype), sin.to(dtype)), h64 * cos + rotated * sin,
+                          dtype),
     }
 
 
@@ -110,7 +115,8 @@ def run(ctx: Context) -> dict[str, Any]:
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         cases[f"mixed_{name}"] = _paged_case([1, 37, 1, 20], [61, 37, 45, 70], 8, 2, d, 16, dtype, device, 1)
         # Two long decodes with GQA 4 (Llama-3-8B's 32/8): the split-K path.
-        cases[f"split_k_{name}"] = _paged_case([1, 1], [long_ctx, long_ctx // 3 + 5], 8, 2, d, 16, dtype, device, 2)
+        cases[f"split_k_{name}"] = _paged_case([1, 1], [long_ctx, long_ctx // 3 + 5], 8, 2, d, 16, dtype,
+                                               device, 2)
         cases[f"ops_{name}"] = _ops_cases(dtype, device)
     plan = split_k_plan(2, 2, -(-long_ctx // 16), sm_count(torch.device(device)))
     if plan is None or plan < MIN_PAGES_PER_SPLIT:
@@ -119,5 +125,6 @@ def run(ctx: Context) -> dict[str, Any]:
 
 
 def headline(r: dict[str, Any]) -> str:
-    worst = max((c["max_abs_err"] for k, c in r["cases"].items() if k.startswith(("mixed", "split"))), default=0.0)
+    worst = max((c["max_abs_err"] for k, c in r["cases"].items() if k.startswith(("mixed", "split"))),
+                default=0.0)
     return f"triton paged + split-K + ops vs torch, fp32/bf16: worst attention error {worst:.2e}"

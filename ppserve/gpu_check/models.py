@@ -25,7 +25,8 @@ from typing import Any
 # SmolLM2-135M-Instruct's config.json (the default model), float32 on disk like its GGUF conversion.
 SMOLLM2_135M: dict[str, Any] = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
                                     num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152,
-                                    rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+                                    rope_theta=100000.0, max_position_embeddings=8192,
+                                    tie_word_embeddings=True)
 # Llama-3-8B's config.json.
 LLAMA3_8B: dict[str, Any] = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                  num_key_value_heads=8, num_hidden_layers=32, vocab_size=128256,
@@ -34,7 +35,8 @@ LLAMA3_8B: dict[str, Any] = dict(hidden_size=4096, intermediate_size=14336, num_
 SMOLLM2_SHRUNK: dict[str, Any] = {**SMOLLM2_135M, "hidden_size": 192, "intermediate_size": 512,
                                   "num_attention_heads": 3, "num_key_value_heads": 1, "num_hidden_layers": 2,
                                   "vocab_size": 512, "max_position_embeddings": 1024}
-LLAMA3_SHRUNK: dict[str, Any] = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 896, "num_attention_heads": 4,
+LLAMA3_SHRUNK: dict[str, Any] = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 896,
+                                 "num_attention_heads": 4,
                                  "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 1024,
                                  "max_position_embeddings": 1024}
 # Decoder layers' weights: a little wider than transformers' default init (0.02), so that the layers

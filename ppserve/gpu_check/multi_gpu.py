@@ -37,7 +37,8 @@ def sizes(cuda: bool) -> dict[str, int]:
     """Prompts x generated tokens (16 x 64 = 1,024 teacher-forced positions on GPUs), the token budget that
     chunks them, and the burst timed for bubbles."""
     if cuda:
-        return dict(prompts=16, prompt_min=40, prompt_max=200, tokens=64, budget=128, burst=48, burst_tokens=32)
+        return dict(prompts=16, prompt_min=40, prompt_max=200, tokens=64, budget=128, burst=48,
+                    burst_tokens=32)
     return dict(prompts=3, prompt_min=6, prompt_max=30, tokens=6, budget=16, burst=6, burst_tokens=4)
 
 
@@ -52,7 +53,8 @@ def layout(cuda: bool, gpus: int) -> tuple[int, int] | None:
 
 def compare_logprobs(outs: list[Any], ref_logits: list[Any]) -> dict[str, Any]:
     """Our top-k log-probabilities at every generated position against the reference's at the same ids;
-    top-1: our (greedy) token against the reference's argmax where its top two are more than NEAR_TIE apart."""
+    top-1: our (greedy) token against the reference's argmax where its top two are more than NEAR_TIE
+    apart."""
     import torch
 
     errs, scale, agree, clear = [], 0.0, [], []
@@ -94,7 +96,8 @@ def run(ctx: Context) -> dict[str, Any]:
     prompts = source.draw([rng.randint(n["prompt_min"], n["prompt_max"]) for _ in range(n["prompts"])])
     burst = source.draw([rng.randint(n["prompt_min"], n["prompt_max"]) for _ in range(n["burst"])])
     overrides = ["scheduler.token_ring=true"] + ([] if ctx.cuda else ["parallel.stage_link=rendezvous"])
-    with LLM(str(model_dir), dtype="float32", executor="mp", pipeline_parallel_size=pp, tensor_parallel_size=tp,
+    with LLM(str(model_dir), dtype="float32", executor="mp", pipeline_parallel_size=pp,
+             tensor_parallel_size=tp,
              token_budget=n["budget"], max_model_len=512, max_num_seqs=64, trace=True,
              cuda_graphs="auto" if ctx.cuda else "eager", overrides=overrides) as llm:
         links = "NCCL" if ctx.cuda else "rendezvous (CPU)"
@@ -103,13 +106,15 @@ def run(ctx: Context) -> dict[str, Any]:
         llm.generate(burst, SamplingParams(max_tokens=n["burst_tokens"], ignore_eos=True))
         report = llm.bubble_stats(window=(t0, time.perf_counter_ns()))
         stages = {s.stage: round(s.bubble_fraction, 4) for s in report.stages}
-        workers = [{"stage": w.stage, "tp_rank": w.tp_rank, "pid": w.pid} for w in llm.engine.executor.describe()]
+        workers = [{"stage": w.stage, "tp_rank": w.tp_rank, "pid": w.pid}
+                   for w in llm.engine.executor.describe()]
     got = [o.token_ids for o in outs]
     seqs = [p + g[:-1] for p, g in zip(prompts, got, strict=True)]  # the pipeline's own path
     logits, greedy = reference(model_dir, torch.float32, ctx.device, seqs, prompts, got, n["tokens"])
     ref_logits = [lg[len(p) - 1:] for lg, p in zip(logits, prompts, strict=True)]
     figures = compare_logprobs(outs, ref_logits)
-    ok, reasons = logits_verdict("float32", figures["positions"], figures["max_abs_err"], figures["max_abs_ref"],
+    ok, reasons = logits_verdict("float32", figures["positions"], figures["max_abs_err"],
+                                 figures["max_abs_ref"],
                                  figures["top1_agreement_decided"], need_positions=1000 if ctx.cuda else 1,
                                  near_tie_fraction=figures["near_tie_fraction"])
     spans_ok = sorted(stages) == list(range(pp))

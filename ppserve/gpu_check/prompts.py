@@ -31,5 +31,6 @@ class PromptSource:
         if len(lengths) > len(self.unused_firsts):
             raise ValueError(f"{len(lengths)} more prompts asked of a source with {len(self.unused_firsts)} "
                              "first tokens left")
-        return [[self.unused_firsts.pop()] + [self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(n - 1)]
+        return [[self.unused_firsts.pop()]
+                + [self.rng.randrange(FIRST_TOKEN, self.vocab) for _ in range(n - 1)]
                 for n in lengths]

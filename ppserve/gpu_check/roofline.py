@@ -40,7 +40,8 @@ def plan(cuda: bool) -> dict[str, Any]:
 
 
 def token_budget(p: dict[str, Any]) -> int:
-    """The microbatch token budget: the longest prefill runs as one microbatch, the largest batch decodes in one."""
+    """The microbatch token budget: the longest prefill runs as one microbatch, the largest batch decodes in
+    one."""
     return int(max(max(p["prefill"]), max(p["batches"])))
 
 
@@ -94,13 +95,16 @@ def decode_point(llm: Any, log: StepLog, prompts: list[list[int]], max_tokens: i
     log.rows.clear()
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     rows = log.rows
-    full = [i for i, r in enumerate(rows) if r["prefill"] == 0 and r["decode"] == batch and r["seconds"] is not None]
+    full = [i for i, r in enumerate(rows) if r["prefill"] == 0 and r["decode"] == batch
+            and r["seconds"] is not None]
     if not full:
-        raise RuntimeError(f"no decode-only microbatch of {batch} sequences (token budget or max_num_seqs too small?)")
+        raise RuntimeError(f"no decode-only microbatch of {batch} sequences (token budget or max_num_seqs "
+                           "too small?)")
     seconds = statistics.median(rows[i]["seconds"] for i in full)
     ctx = statistics.median(rows[i]["context"] for i in full)
     # Step i's wall: from the previous microbatch's collection to its own (pp 1: it ran in between).
-    pairs = [(rows[i]["t"] - rows[i - 1]["t"], rows[i]["seconds"]) for i in full if i > 0 and rows[i - 1]["prefill"] == 0]
+    pairs = [(rows[i]["t"] - rows[i - 1]["t"], rows[i]["seconds"]) for i in full if i > 0
+             and rows[i - 1]["prefill"] == 0]
     bw = (bytes_w + ctx * kv_bytes_per_token) / seconds
     return {"steps": len(full), "max_tokens": max_tokens, "cached_prompt_tokens": cached_tokens(outs),
             "median_step_ms": round(seconds * 1e3, 3),
@@ -177,7 +181,8 @@ def run(ctx: Context) -> dict[str, Any]:
     source = PromptSource(shape["vocab_size"], seed=0)  # every run's prompts its own: none is cached
     t0 = time.perf_counter()
     # bf16 on the device; a CPU dry run computes in float32 (bf16 GEMMs crawl on CPUs without it).
-    with LLM(str(model_dir), dtype="bfloat16" if ctx.cuda else "float32", executor="inproc", max_num_seqs=max(p["batches"]),
+    with LLM(str(model_dir), dtype="bfloat16" if ctx.cuda else "float32", executor="inproc",
+             max_num_seqs=max(p["batches"]),
              token_budget=budget, max_model_len=max_len, cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         start_s = time.perf_counter() - t0
         worker = llm.engine.executor.workers[0]
@@ -186,12 +191,14 @@ def run(ctx: Context) -> dict[str, Any]:
         decode = []
         for b in p["batches"]:
             prompts = source.draw([p["prompt"]] * b)
-            decode.append(measured(llm, {"batch": b}, partial(decode_point, llm, log, prompts, max_tokens[b], bytes_w,
+            decode.append(measured(llm, {"batch": b},
+                                   partial(decode_point, llm, log, prompts, max_tokens[b], bytes_w,
                                                              kv_bytes_per_token, peak_bw)))
         prefill = []
         for n in p["prefill"]:
             prompts = source.draw([n] * p["repeats"])
-            prefill.append(measured(llm, {"tokens": n}, partial(prefill_point, llm, log, prompts, shape, layers,
+            prefill.append(measured(llm, {"tokens": n},
+                                    partial(prefill_point, llm, log, prompts, shape, layers,
                                                                peak_flops)))
         memory, backend = worker.memory_log, worker.model.attn_backend.name
         graphs = worker.graphs is not None
@@ -215,9 +222,11 @@ def headline(r: dict[str, Any]) -> str:
                      f"({best_bw['fraction_of_peak_bw']} of peak)")
     if prefill:
         best_pf = max(prefill, key=lambda x: x["achieved_TFLOPs"])
-        parts.append(f"prefill {best_pf['achieved_TFLOPs']:.1f} TFLOP/s ({best_pf['fraction_of_peak_flops']} of peak)")
+        parts.append(f"prefill {best_pf['achieved_TFLOPs']:.1f} TFLOP/s "
+                     f"({best_pf['fraction_of_peak_flops']} of peak)")
     if decode:
-        parts.append(f"host overhead {min(over, default=float('nan')):.2f}-{max(over, default=float('nan')):.2f} ms/step")
+        parts.append("host overhead "
+                     f"{min(over, default=float('nan')):.2f}-{max(over, default=float('nan')):.2f} ms/step")
     failed = [f"batch {x['batch']}" for x in r["decode"] if "error" in x]
     failed += [f"prefill {x['tokens']}" for x in r["prefill"] if "error" in x]
     if failed:

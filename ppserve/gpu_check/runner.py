@@ -82,7 +82,8 @@ def run_one(name: str, args: argparse.Namespace, limit_s: float, out: Path) -> d
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=phase_env(args.device), cwd=ROOT,
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=phase_env(args.device),
+                                  cwd=ROOT,
                                   timeout=limit_s)
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:

@@ -104,7 +104,8 @@ def lag_report(results: list[Any], cuda: bool) -> dict[str, Any]:
     else:
         median, worst = statistics.median(lags), max(lags)
         if cuda and median < 1:
-            problems.append(f"median lag {median} steps: not read late (was something waiting for the device?)")
+            problems.append(f"median lag {median} steps: not read late (was something waiting for the "
+                            "device?)")
         if cuda and worst > MAX_LAG:
             problems.append(f"lags up to {worst} steps, more than {MAX_LAG}")
         if not cuda and worst != 0:
@@ -151,7 +152,8 @@ def run(ctx: Context) -> dict[str, Any]:
                for _ in range(w["requests"])]
     params = [SamplingParams(max_tokens=rng.randint(*w["output"]), ignore_eos=True) for _ in prompts]
     calls: Counter[str] = Counter()
-    with strict_host_sync(), LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2, max_model_len=512,
+    with strict_host_sync(), LLM(str(model_dir), executor="inproc", pipeline_parallel_size=2,
+                                 max_model_len=512,
                                  cuda_graphs="auto" if ctx.cuda else "eager") as llm:
         timer = type(llm.engine.executor.workers[0].timer).__name__
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: Triton compiles
@@ -163,8 +165,8 @@ def run(ctx: Context) -> dict[str, Any]:
     report = lag_report(results, ctx.cuda)
     shortest = min((t for r in results for t in r.stage_seconds), default=None)
     if ctx.cuda and shortest is not None and shortest < MIN_SLEEP_S:
-        report["problems"].append(f"a stage time of {shortest * 1e3:.3f} ms is shorter than the device's sleep "
-                                  "in it: not the device's time")
+        report["problems"].append(f"a stage time of {shortest * 1e3:.3f} ms is shorter than the device's "
+                                  "sleep in it: not the device's time")
     if calls[TIMER_MODULE]:
         report["problems"].append(f"the step timer synchronized {calls[TIMER_MODULE]} times in the loop")
     expected_timer = "EventStepTimer" if ctx.cuda else "HostStepTimer"

@@ -81,7 +81,8 @@ class GreedyVerdict:
     failures: list[str] = field(default_factory=list)
 
 
-def greedy_verdict(first_difference: Sequence[int], margins: Sequence[float | None], num_tokens: int) -> GreedyVerdict:
+def greedy_verdict(first_difference: Sequence[int], margins: Sequence[float | None],
+                   num_tokens: int) -> GreedyVerdict:
     """`first_difference[i]`: tokens prompt i agreed on before the first difference (num_tokens if none);
     `margins[i]`: the reference's logit of its token minus ours at that difference (None if none)."""
     if len(first_difference) != len(margins) or not first_difference:
@@ -100,17 +101,19 @@ def greedy_verdict(first_difference: Sequence[int], margins: Sequence[float | No
 
 
 def logits_verdict(dtype: str, positions: int, max_abs_err: float, max_abs_ref: float, top1_decided: float,
-                   need_positions: int = MIN_POSITIONS, near_tie_fraction: float = 0.0) -> tuple[bool, list[str]]:
+                   need_positions: int = MIN_POSITIONS,
+                   near_tie_fraction: float = 0.0) -> tuple[bool, list[str]]:
     """Whether teacher-forced logits in `dtype` are close enough; the reasons when not."""
     rel_limit, top1_limit = LOGIT_LIMITS[dtype]
     reasons = []
     if positions < need_positions:
         reasons.append(f"{positions} positions compared, fewer than {need_positions}")
     if near_tie_fraction > MAX_NEAR_TIE_FRACTION:
-        reasons.append(f"{near_tie_fraction:.0%} of the positions are near-ties, over {MAX_NEAR_TIE_FRACTION:.0%}: "
-                       "top-1 agreement tells nothing there")
+        reasons.append(f"{near_tie_fraction:.0%} of the positions are near-ties, over "
+                       f"{MAX_NEAR_TIE_FRACTION:.0%}: top-1 agreement tells nothing there")
     if max_abs_err > rel_limit * max(max_abs_ref, 1.0):
-        reasons.append(f"max |logit error| {max_abs_err:.3g} over {rel_limit:g} x the logits' scale {max_abs_ref:.3g}")
+        reasons.append(f"max |logit error| {max_abs_err:.3g} over {rel_limit:g} x the logits' scale "
+                       f"{max_abs_ref:.3g}")
     if top1_decided < top1_limit:
         reasons.append(f"top-1 agreement {top1_decided:.4f} at decided positions, under {top1_limit}")
     return not reasons, reasons

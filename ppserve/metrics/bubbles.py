@@ -1,6 +1,7 @@
 """Pipeline bubble figures: pure functions from spans and work intervals to a labelled report.
 
-Definitions (ARCHITECTURE.md §5), for one (stage, tp rank) and one window W (a set of time intervals):
+Definitions (ARCHITECTURE.md#measuring-bubbles), for one (stage, tp rank) and one window W (a set of time
+intervals):
 - busy       = |union of its prepare, compute and send spans ∩ W|   (overlaps count once)
 - bubble     = |(work ∩ W) − busy spans|   idle while the engine had work (a request waiting or in flight)
 - starvation = |W − work − busy spans|     idle with no work at all: the load's fault, not the pipeline's
@@ -185,7 +186,8 @@ def idle_intervals(
     return out
 
 
-def short_handed(lifetimes: Iterable[Interval], num_stages: int, within: Sequence[Interval]) -> list[Interval]:
+def short_handed(lifetimes: Iterable[Interval], num_stages: int,
+                 within: Sequence[Interval]) -> list[Interval]:
     """The parts of normalized `within` where fewer than `num_stages` requests were in the system, given
     each request's lifetime (arrival, last token; ns on the spans' clock).
 
@@ -231,7 +233,8 @@ def short_handed_fractions(
     num_stages: int,
 ) -> tuple[float, float]:
     """(the mean bubble fraction that fell while fewer than `num_stages` requests were in the system, the
-    part of the window that was so), from each request's lifetime (arrival, last token) on the spans' clock."""
+    part of the window that was so), from each request's lifetime (arrival, last token) on the spans'
+    clock."""
     work = None if work_intervals is None else list(work_intervals)
     _, win = resolve_window(spans, work, window)
     few = short_handed(lifetimes, num_stages, win)

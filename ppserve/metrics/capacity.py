@@ -1,6 +1,6 @@
-"""Capacity under an SLO (the Sarathi-Serve protocol, ARCHITECTURE.md §6): the highest Poisson request rate
-at which p99 TBT <= a target and median scheduling delay <= 2 s, found by search over the rate on a
-fixed trace.
+"""Capacity under an SLO (the Sarathi-Serve protocol, ARCHITECTURE.md#serving-metrics): the highest Poisson
+request rate at which p99 TBT <= a target and median scheduling delay <= 2 s, found by search over the
+rate on a fixed trace.
 
 Pure Python: `find_capacity` only needs `evaluate(rate) -> Probe`, so the same search runs on the real
 pipeline (`ppserve bench capacity`), on the simulator (`ppserve bench capacity --on sim`, `ppserve plan`),
@@ -29,7 +29,8 @@ class SLO:
     ttft_p90_s: float | None = None  # p90 time to first token must not exceed this (None: not checked)
 
     def __post_init__(self) -> None:
-        if self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0 or (self.ttft_p90_s is not None and self.ttft_p90_s <= 0):
+        if (self.tbt_p99_s <= 0 or self.sched_delay_p50_s <= 0
+                or (self.ttft_p90_s is not None and self.ttft_p90_s <= 0)):
             raise ValueError(f"SLO limits must be > 0, got {self}")
 
 
@@ -50,7 +51,8 @@ class ProbeSize:
 
     def __post_init__(self) -> None:
         if not (self.duration_s > 0 and 1 <= self.min_requests <= self.max_requests):
-            raise ValueError(f"a probe needs duration_s > 0 and 1 <= min_requests <= max_requests, got {self}")
+            raise ValueError("a probe needs duration_s > 0 and 1 <= min_requests <= max_requests, "
+                             f"got {self}")
 
     def wanted(self, rate: float) -> int:
         """Requests the duration asks for at `rate` (before the cap)."""
@@ -94,8 +96,10 @@ def probe_from_summary(rate: float, summary: dict[str, Any], slo: SLO) -> Probe:
         reasons.append(f"median scheduling delay {delay:.4g} s > {slo.sched_delay_p50_s:.4g} s")
     ttft = lat.get("ttft_s", {}).get("p90")
     if slo.ttft_p90_s is not None and (ttft is None or ttft > slo.ttft_p90_s):
-        reasons.append("no first tokens" if ttft is None else f"p90 TTFT {ttft:.4g} s > {slo.ttft_p90_s:.4g} s")
-    extra = {"output_tokens_per_s": summary.get("throughput", {}).get("output_tokens_per_s"), "ttft_p90_s": ttft}
+        reasons.append("no first tokens" if ttft is None
+                       else f"p90 TTFT {ttft:.4g} s > {slo.ttft_p90_s:.4g} s")
+    extra = {"output_tokens_per_s": summary.get("throughput", {}).get("output_tokens_per_s"),
+             "ttft_p90_s": ttft}
     return Probe(rate, not reasons, tbt, delay, "; ".join(reasons) or "meets SLO", extra)
 
 
@@ -127,9 +131,11 @@ def find_capacity(
 
     `max_evals` counts new evaluations only; the prior probes are free and come first in the result."""
     if not 0 < min_rate <= start_rate <= max_rate:
-        raise ValueError(f"need 0 < min_rate <= start_rate <= max_rate, got {min_rate}, {start_rate}, {max_rate}")
+        raise ValueError("need 0 < min_rate <= start_rate <= max_rate, "
+                         f"got {min_rate}, {start_rate}, {max_rate}")
     if max_evals < 1 or rel_tol <= 0 or growth <= 1:
-        raise ValueError(f"need max_evals >= 1, rel_tol > 0 and growth > 1, got {max_evals}, {rel_tol}, {growth}")
+        raise ValueError("need max_evals >= 1, rel_tol > 0 and growth > 1, "
+                         f"got {max_evals}, {rel_tol}, {growth}")
     probes: list[Probe] = list(prior)
     cache: dict[float, Probe] = {p.rate: p for p in prior}
     budget = len(probes) + max_evals

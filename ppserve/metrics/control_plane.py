@@ -95,11 +95,12 @@ def control_plane_latency(spans: Iterable[Span]) -> dict[str, Any]:
             if (i < len(starts) and by_start[i][1] not in ahead and on_stages(starts[i]) <= last
                     and (j == len(left_at) or starts[i] <= left_at[j])):
                 turnaround.append(starts[i] - end)
-    return {"dispatch": _stats(dispatch), "hop": _stats(hop), "turnaround": _stats(turnaround), "ring": _stats(ring)}
+    return {"dispatch": _stats(dispatch), "hop": _stats(hop), "turnaround": _stats(turnaround),
+            "ring": _stats(ring)}
 
 
-def _formed_ahead(compute: dict[int, dict[int, Span]], schedule: dict[int, Span], first_prepare: dict[int, int],
-                  last: int) -> tuple[set[int], dict[int, int]]:
+def _formed_ahead(compute: dict[int, dict[int, Span]], schedule: dict[int, Span],
+                  first_prepare: dict[int, int], last: int) -> tuple[set[int], dict[int, int]]:
     """(the steps formed while the step that last carried one of their requests was still in flight: on
     the token ring, or a prompt's next chunk; for those that stage 0 started no earlier than that step's
     last stage ended, when the last of it ended: their ring tokens' time). A next chunk that follows its

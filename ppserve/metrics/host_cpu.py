@@ -48,8 +48,8 @@ class CpuUsage:
 
     def format_text(self, own_name: str = "this process") -> str:
         return (f"host CPU over {self.seconds:.2f} s on {self.cores} cores: stage processes "
-                f"{100 * self.stages:.1f} %, {own_name} {100 * self.own:.1f} %, other {100 * self.other:.1f} %, "
-                f"idle {100 * self.idle:.1f} %")
+                f"{100 * self.stages:.1f} %, {own_name} {100 * self.own:.1f} %, "
+                f"other {100 * self.other:.1f} %, idle {100 * self.idle:.1f} %")
 
     def to_dict(self) -> dict[str, float]:
         return {"seconds": self.seconds, "cores": float(self.cores), "stages": self.stages, "own": self.own,

@@ -1,4 +1,5 @@
-"""Serving latency metrics from per-request timelines: TTFT, TBT, TPOT, scheduling delay (ARCHITECTURE.md §6).
+"""Serving latency metrics from per-request timelines: TTFT, TBT, TPOT, scheduling delay
+(ARCHITECTURE.md#serving-metrics).
 
 Definitions follow Sarathi-Serve and Vidur:
 - TTFT: arrival to first output token.

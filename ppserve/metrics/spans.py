@@ -1,8 +1,8 @@
 """Span records: what one stage (one tp rank) did and when, plus clock alignment and JSONL storage.
 
-A span is the raw fact every other metric is derived from (ARCHITECTURE.md §5). Workers record them with a
-`SpanRecorder`; the engine shifts each worker's spans onto its own clock with `estimate_offset` /
-`shift`, and keeps them as JSON lines. The engine also reports *work intervals*: half-open
+A span is the raw fact every other metric is derived from (ARCHITECTURE.md#measuring-bubbles). Workers
+record them with a `SpanRecorder`; the engine shifts each worker's spans onto its own clock with
+`estimate_offset` / `shift`, and keeps them as JSON lines. The engine also reports *work intervals*: half-open
 `(start_ns, end_ns)` ranges during which some request was waiting or in flight. Spans plus work
 intervals are the whole input of the bubble math in `ppserve.metrics.bubbles`.
 

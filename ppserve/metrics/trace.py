@@ -155,7 +155,8 @@ class _Tracks:
         return tid
 
     def place(self, name: str, items: list[Item]) -> int:
-        """Give each lane of `items` a track (overflow lanes "... (overlap k)"); returns the first lane's tid."""
+        """Give each lane of `items` a track (overflow lanes "... (overlap k)"); returns the first lane's
+        tid."""
         lanes = _lanes(items) or [[]]
         first = self.new(name)
         for k, lane in enumerate(lanes):

@@ -1,1 +1,2 @@
-"""Llama-family model code: parallel layers, paged attention, the stage-aware decoder and its weight loader."""
+"""Llama-family model code: parallel layers, paged attention, the stage-aware decoder and its weight
+loader."""

@@ -13,13 +13,15 @@ from typing import Any
 
 @dataclass(frozen=True)
 class MoeSpec:
-    """A mixture-of-experts model's sparse MLP (ppserve/model/moe.py): its routing and which layers have it."""
+    """A mixture-of-experts model's sparse MLP (ppserve/model/moe.py): its routing and which layers have
+    it."""
 
     num_experts: int
     top_k: int  # experts per token
     expert_intermediate_size: int  # each expert's SiLU-gated MLP width
     normalize_topk: bool  # renormalize the chosen experts' probabilities to sum to 1
-    weights_in_model_dtype: bool  # the routing weights are cast to the model dtype (Qwen3-MoE) or kept float32 (Mixtral)
+    # the routing weights are cast to the model dtype (Qwen3-MoE) or kept float32 (Mixtral)
+    weights_in_model_dtype: bool
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the sparse block; the others are dense
 
     def is_sparse(self, layer: int) -> bool:

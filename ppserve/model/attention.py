@@ -11,8 +11,9 @@ import functools
 import importlib.util
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +74,8 @@ class AttentionMetadata:
         return len(self.query_lens)
 
     @classmethod
-    def build(cls, query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
-              block_size: int, device: torch.device | str = "cpu",
+    def build(cls, query_lens: Sequence[int], context_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]], block_size: int, device: torch.device | str = "cpu",
               slot_mapping: Tensor | None = None) -> AttentionMetadata:
         """Build metadata from per-sequence lists; computes the slot mapping unless one is given."""
         query_lens, context_lens = [int(x) for x in query_lens], [int(x) for x in context_lens]
@@ -105,15 +106,17 @@ class AttentionMetadata:
             query_lens, context_lens, block_size, slot_mapping=slot_mapping, block_tables=tables,
             decode_index=torch.tensor(decodes, dtype=torch.int64, device=device),
             decode_token_idx=torch.tensor([cu[i] for i in decodes], dtype=torch.int64, device=device),
-            decode_context_lens=torch.tensor([context_lens[i] for i in decodes], dtype=torch.int64, device=device),
+            decode_context_lens=torch.tensor([context_lens[i] for i in decodes], dtype=torch.int64,
+                                             device=device),
             cu_query_lens_t=torch.tensor(cu, dtype=torch.int32, device=device),
             cu_context_lens_t=torch.tensor(cu_ctx, dtype=torch.int32, device=device),
         )
 
     @classmethod
-    def from_device(cls, query_lens: list[int], context_lens: list[int], block_size: int, *, slot_mapping: Tensor,
-                    block_tables: Tensor, decode_index: Tensor, decode_token_idx: Tensor, decode_context_lens: Tensor,
-                    cu_query_lens_t: Tensor, cu_context_lens_t: Tensor) -> AttentionMetadata:
+    def from_device(cls, query_lens: list[int], context_lens: list[int], block_size: int, *,
+                    slot_mapping: Tensor, block_tables: Tensor, decode_index: Tensor,
+                    decode_token_idx: Tensor, decode_context_lens: Tensor, cu_query_lens_t: Tensor,
+                    cu_context_lens_t: Tensor) -> AttentionMetadata:
         """Metadata from tensors already on the device (the stage's input batch uploads them in one
         copy: worker/staging.py) and the per-sequence lengths the backends loop over on the host.
         `block_tables` [S, >= the batch's widest table]; `decode_index` the decodes' rows in it."""
@@ -141,8 +144,8 @@ class AttentionMetadata:
         )
 
     @classmethod
-    def for_static_decodes(cls, slot_mapping: Tensor, context_lens: Tensor, block_tables: Tensor, block_size: int,
-                           cu_query_lens_t: Tensor, decode_token_idx: Tensor,
+    def for_static_decodes(cls, slot_mapping: Tensor, context_lens: Tensor, block_tables: Tensor,
+                           block_size: int, cu_query_lens_t: Tensor, decode_token_idx: Tensor,
                            cu_context_lens_t: Tensor) -> AttentionMetadata:
         """Decode-only metadata made of given device buffers only (a CUDA graph's static inputs).
 
@@ -188,7 +191,8 @@ class AttentionMetadata:
         # The total is known on the host: given as output_size, repeat_interleave does not read it back.
         seq_of = torch.repeat_interleave(torch.arange(len(ctx), device=device), ctx,
                                          output_size=sum(self.context_lens))  # [sum ctx]
-        pos = torch.arange(seq_of.numel(), device=device) - self.cu_context_lens_t[:-1].to(torch.int64)[seq_of]
+        pos = (torch.arange(seq_of.numel(), device=device)
+               - self.cu_context_lens_t[:-1].to(torch.int64)[seq_of])
         block = self.block_tables[seq_of, pos // self.block_size]
         return block * self.block_size + pos % self.block_size
 
@@ -286,7 +290,8 @@ class SdpaBackend(AttentionBackend):
         for first, n in meta.prefill_runs if batch_prompts else [(i, 1) for i in meta.prefill_seqs]:
             start, end = meta.cu_query_lens[first], meta.cu_query_lens[first + n]
             if n == 1:
-                out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, first, scale)
+                out[start:end] = self._chunk(q[start:end], k[start:end], v[start:end], kv_cache, meta, first,
+                                             scale)
             else:
                 out[start:end] = self._whole_prompts(q[start:end], k[start:end], v[start:end], n, scale)
         return out
@@ -301,7 +306,7 @@ class SdpaBackend(AttentionBackend):
         one batched causal call. Each row's arithmetic is what one call per prompt does (the same output,
         bit for bit), without a call's fixed cost per prompt (docs/decisions.md#whole-prompts-batched)."""
         def heads_first(x: Tensor) -> Tensor:
-            return x.unflatten(0, (n, -1)).transpose(1, 2)  # [n, H, L, D]
+            return cast(Tensor, x.unflatten(0, (n, -1))).transpose(1, 2)  # [n, H, L, D]
 
         out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
                                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])
@@ -315,15 +320,19 @@ class SdpaBackend(AttentionBackend):
         if "dec_mask" not in meta.scratch:
             valid = torch.arange(nb * bs, device=query.device)[None, :] < meta.decode_context_lens[:, None]
             bias = torch.zeros(valid.shape, dtype=query.dtype, device=query.device)
-            meta.scratch["dec_mask"] = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]  # [Nd, 1, 1, L]
+            # [Nd, 1, 1, L]
+            meta.scratch["dec_mask"] = bias.masked_fill_(~valid, float("-inf"))[:, None, None, :]
             meta.scratch["dec_blocks"] = meta.decode_block_tables.reshape(-1)
         blocks = meta.scratch["dec_blocks"]
         # [Nd * nb, bs * Hkv * D] -> [Nd, Hkv, nb * bs, D] (a strided view; SDPA reads it as is)
-        keys = kv_cache[0].view(num_blocks, -1).index_select(0, blocks).view(nd, nb * bs, hkv, d).transpose(1, 2)
-        values = kv_cache[1].view(num_blocks, -1).index_select(0, blocks).view(nd, nb * bs, hkv, d).transpose(1, 2)
+        keys = (kv_cache[0].view(num_blocks, -1).index_select(0, blocks)
+                .view(nd, nb * bs, hkv, d).transpose(1, 2))
+        values = (kv_cache[1].view(num_blocks, -1).index_select(0, blocks)
+                  .view(nd, nb * bs, hkv, d).transpose(1, 2))
         grouped = query.view(nd, hkv, hq // hkv, d)  # query heads of one KV head side by side
         keys, values = keys.to(query.dtype), values.to(query.dtype)  # no-op unless cache.dtype differs
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.scratch["dec_mask"], scale=scale)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.scratch["dec_mask"],
+                                             scale=scale)
         return out.reshape(nd, hq, d)
 
     def _chunk(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata, seq: int,
@@ -335,7 +344,8 @@ class SdpaBackend(AttentionBackend):
             # No earlier context: this step's own k/v are the whole context, no cache read needed.
             keys = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
             values = v.transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
         else:
             _, num_blocks, bs, hkv, d = kv_cache.shape
             nb = -(-ctx // bs)
@@ -353,8 +363,8 @@ class SdpaBackend(AttentionBackend):
             values = kv_cache[1].view(num_blocks, -1).index_select(0, blocks).view(nb * bs, hkv, d)[:ctx]
             keys, values = keys.to(q.dtype), values.to(q.dtype)  # no-op unless cache.dtype differs
             out = F.scaled_dot_product_attention(query, keys.transpose(0, 1).unsqueeze(0),
-                                                 values.transpose(0, 1).unsqueeze(0), attn_mask=meta.scratch[key],
-                                                 scale=scale, enable_gqa=gqa)
+                                                 values.transpose(0, 1).unsqueeze(0),
+                                                 attn_mask=meta.scratch[key], scale=scale, enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)  # [ql, Hq, D]
 
 
@@ -435,8 +445,9 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # optional, GPU only
 
-        self._varlen = flash_attn_varlen_func
-        self._with_kvcache = flash_attn_with_kvcache
+        # flash-attn is untyped: both return a tensor
+        self._varlen: Callable[..., Tensor] = flash_attn_varlen_func
+        self._with_kvcache: Callable[..., Tensor] = flash_attn_with_kvcache
         self._fallback = SdpaBackend()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
@@ -450,7 +461,8 @@ class FlashAttnBackend(AttentionBackend):
                       max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_context_len,
                       softmax_scale=scale, causal=True)  # flash-attn >= 2.1 aligns causal bottom-right
         if meta.block_size % 256 == 0 and kv_cache.dtype == q.dtype:
-            return self._varlen(q, kv_cache[0], kv_cache[1], block_table=_int32(meta, "block_tables"), **common)
+            return self._varlen(q, kv_cache[0], kv_cache[1], block_table=_int32(meta, "block_tables"),
+                                **common)
         _, _, _, hkv, d = kv_cache.shape
         slots = meta.context_slots()  # [sum ctx]
         keys = kv_cache[0].view(-1, hkv, d).index_select(0, slots).to(q.dtype)  # [sum ctx, Hkv, D]

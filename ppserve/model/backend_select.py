@@ -41,7 +41,8 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         return SdpaBackend()
     if prefer == "triton_paged":
         if not triton_attention.triton_available():
-            raise ValueError("attention backend 'triton_paged' needs the triton package (CUDA builds of torch ship it)")
+            raise ValueError("attention backend 'triton_paged' needs the triton package "
+                             "(CUDA builds of torch ship it)")
         if not (on_cuda or triton_attention.interpreting()):
             raise ValueError("attention backend 'triton_paged' needs a CUDA device "
                              "(or TRITON_INTERPRET=1 to run its kernel slowly on CPU, for checks)")
@@ -55,8 +56,8 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
     if prefer == "cpu_paged":
         kernel = None if on_cuda else native.paged_decode()
         if kernel is None:
-            raise ValueError("attention backend 'cpu_paged' needs a CPU device and a C compiler to build its kernel "
-                             "(see the log for the build error)")
+            raise ValueError("attention backend 'cpu_paged' needs a CPU device and a C compiler to build its "
+                             "kernel (see the log for the build error)")
         return CpuPagedBackend(kernel, native.prefill_attention())
     if prefer != "auto":
         raise ValueError(f"unknown attention backend {prefer!r} ({', '.join(ATTENTION_BACKENDS)})")

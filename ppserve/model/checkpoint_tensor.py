@@ -22,10 +22,12 @@ class CheckpointTensor:
     def __init__(self, source: Any, dtype: torch.dtype | None = None, row_start: int = 0,
                  rows: int | None = None) -> None:
         self._source = source  # safetensors' slice object: get_shape() and [a:b, c:d] indexing
-        full = list(source.get_shape())
+        full: list[int] = list(source.get_shape())
         self._row_start = row_start
-        rows = full[0] - row_start if rows is None and full else rows
-        self.shape = torch.Size([rows, *full[1:]] if full else [])
+        if full:
+            self.shape = torch.Size([full[0] - row_start if rows is None else rows, *full[1:]])
+        else:
+            self.shape = torch.Size([])
         self._dtype = dtype
 
     def to(self, dtype: torch.dtype) -> CheckpointTensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,8 @@ class RMSNorm(nn.Module):
         is modified (x may be a tensor the caller still holds, such as a stage's received input)."""
         return ops.add_rms_norm(x, y, self.weight, self.eps)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         _copy_checked(param, full, "RMSNorm.weight")
 
 
@@ -63,7 +65,7 @@ class RMSNorm(nn.Module):
 # Rotary position embedding
 # ---------------------------------------------------------------------------------------------
 
-def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
+def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
     """Llama 3.1 frequency rescaling: long wavelengths divided by `factor`, short kept, smooth between."""
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
@@ -78,7 +80,7 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> Tensor:
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> Tensor:
     """Inverse frequencies [head_dim // 2] for the HF rope variants ppserve supports."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
@@ -100,7 +102,9 @@ class RotaryEmbedding(nn.Module):
     any number of heads at once (the model rotates q and k together, they are adjacent in the QKV output).
     """
 
-    def __init__(self, head_dim: int, base: float, scaling: dict | None = None,
+    inv_freq: Tensor  # the buffer registered in __init__
+
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -108,13 +112,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, base, scaling).to(device), persistent=False)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [T] -> cos, sin [T, 1, D] in `dtype` (computed in float32 like the reference, then cast)."""
+        """positions [T] -> cos, sin [T, 1, D] in `dtype` (computed in float32 like the reference, then
+        cast)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
 
+    # Shadows nn.Module.apply(fn) on purpose (the name the models and tests call): ppserve never walks a model
+    # with Module.apply, which would reach this instead.
     @staticmethod
-    def apply(x: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> Tensor:
+    def apply(x: Tensor, cos: Tensor, sin: Tensor, inplace: bool = False) -> Tensor:  # type: ignore[override]
         """x [T, H, D] -> rotated x. With `inplace` the fused kernel may rotate x itself (bf16 on CPU)."""
         return ops.rope_(x, cos, sin) if inplace else ops.rope(x, cos, sin)
 
@@ -148,7 +155,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.fast.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         _copy_checked(param, full[self.out_start:self.out_end], "ColumnParallelLinear")
 
 
@@ -174,10 +182,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def prepack(self) -> None:
         kernel = native.panel_gemm() if can_prepack(self.weight) else None
-        if (kernel is not None and kernel.accepts(self.weight) and self.bias is None and len(self.local_sizes) == 2
-                and self.local_sizes[0] == self.local_sizes[1] and self.local_sizes[0] % 16 == 0):
+        if (kernel is not None and kernel.accepts(self.weight) and self.bias is None
+                and len(self.local_sizes) == 2 and self.local_sizes[0] == self.local_sizes[1]
+                and self.local_sizes[0] % 16 == 0):
             self.gate_up_panels, self.gate_up_kernel = kernel.pack_gate_up(self.weight), kernel.kernel
-            self.fast = PackedWeight()  # one copy: the model only calls `silu_mul`; a plain forward is F.linear
+            # one copy: the model only calls `silu_mul`; a plain forward is F.linear
+            self.fast = PackedWeight()
         else:
             self.gate_up_panels = self.gate_up_kernel = None
             super().prepack()
@@ -190,7 +200,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert kernel is not None  # it packed the weight
         return kernel(x, self.gate_up_panels, None, silu_mul=True)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         if not isinstance(shard_id, int):
             raise ValueError(f"MergedColumnParallelLinear needs an integer shard_id, got {shard_id!r}")
         start, end = self.tp.shard_range(self.out_sizes[shard_id])
@@ -233,7 +244,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads_local * head_dim
         self.kv_size = self.num_kv_heads_local * head_dim
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         d = self.head_dim
         if shard_id == "q":
             start = self.tp.rank * self.num_heads_local * d
@@ -281,7 +293,8 @@ class RowParallelLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         if param is self.bias:
             _copy_checked(param, full, "RowParallelLinear.bias")
         else:
@@ -305,7 +318,8 @@ class _VocabShard(nn.Module):
         self.vocab_end = min(self.vocab_start + self.per_rank, vocab_size)
         self.weight = _empty((self.per_rank, hidden_size), dtype, device)
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         if full.shape[0] != self.vocab_size:
             raise ValueError(f"vocab matrix has {full.shape[0]} rows, expected {self.vocab_size}")
         with torch.no_grad():
@@ -360,6 +374,9 @@ def prime_linear_paths(model: nn.Module, max_tokens: int, max_logit_rows: int) -
         if not isinstance(fast, PackedWeight):
             continue
         rows = max_logit_rows if isinstance(module, ParallelLMHead) else max_tokens
-        bias = None if isinstance(module, (RowParallelLinear, ParallelLMHead)) else module.bias
-        timed += fast.prime(module.weight, bias, rows)
+        # nn.Module types its attributes Tensor | Module; a linear layer's are its weight and bias tensors
+        weight = cast(Tensor, module.weight)
+        bias = (None if isinstance(module, (RowParallelLinear, ParallelLMHead))
+                else cast("Tensor | None", module.bias))
+        timed += fast.prime(weight, bias, rows)
     return timed

@@ -6,7 +6,7 @@ The stage mechanics (embedding and head ownership, loading, the forward loop) ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -42,11 +42,13 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads,
                                           arch.attention_bias, tp, dtype, device)
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, tp, dtype, device)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, False, tp, dtype,
+                                        device)
         self.backend = backend
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
         """rope: (cos, sin) [T, 1, D] for this step's positions, shared by all layers; x [T, H] -> [T, H]."""
         proj = self.qkv_proj
         qkv = proj(x)  # [T, (Hq + 2 Hkv) D]
@@ -56,11 +58,12 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))  # [T, Hq * D] -> [T, H]
+        return cast(Tensor, self.o_proj(out.reshape(t, -1)))  # [T, Hq * D] -> [T, H]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArch, tp: TPContext, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, arch: ModelArch, tp: TPContext, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         inter = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, tp,
@@ -70,19 +73,26 @@ class LlamaMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         act = self.gate_up_proj.silu_mul(x)  # bf16 on AMX: the activation in the GEMM's epilogue
         if act is not None:
-            return self.down_proj(act)
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, 2 I_local] -> [T, I_local]
+            return cast(Tensor, self.down_proj(act))
+        # [T, 2 I_local] -> [T, I_local]
+        return cast(Tensor, self.down_proj(ops.silu_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP with residual adds. Families with other blocks (Qwen3's normed q/k,
     a mixture of experts) pass their own `self_attn` / `mlp` modules."""
 
+    # Set only on a layer whose tensors are named unlike its family's (an MoE layer), which then uses this
+    # map (StageModel.weights_of); other layers have no such attribute.
+    layer_weights: WeightMap
+
     def __init__(self, arch: ModelArch, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                 backend: AttentionBackend, self_attn: nn.Module | None = None, mlp: nn.Module | None = None) -> None:
+                 backend: AttentionBackend, self_attn: nn.Module | None = None,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.self_attn = self_attn if self_attn is not None else LlamaAttention(arch, tp, dtype, device, backend)
+        self.self_attn = (self_attn if self_attn is not None
+                          else LlamaAttention(arch, tp, dtype, device, backend))
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.mlp = mlp if mlp is not None else LlamaMLP(arch, tp, dtype, device)
 
@@ -95,7 +105,8 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add_and_norm(residual, x)
-        residual, h = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(rope, h, kv_cache, meta))
+        residual, h = self.post_attention_layernorm.add_and_norm(residual,
+                                                                 self.self_attn(rope, h, kv_cache, meta))
         return self.mlp(h), residual
 
 

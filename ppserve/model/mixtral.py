@@ -9,7 +9,7 @@ transformers' fused layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`)
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -45,11 +45,12 @@ class MixtralForCausalLM(StageModel):
     """One pipeline stage of a Mixtral model."""
 
     layer_class = LlamaDecoderLayer
-    layer_weights: WeightMap = {}  # set per model in make_layer (the expert count names the tensors)
+    # set per model in make_layer (the expert count names the tensors)
+    layer_weights: ClassVar[WeightMap] = {}
 
     @classmethod
-    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                   backend: AttentionBackend) -> nn.Module:
+    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype,
+                   device: torch.device | str, backend: AttentionBackend) -> nn.Module:
         assert arch.moe is not None  # parse_mixtral always sets it
         block = LlamaDecoderLayer(arch, tp, dtype, device, backend,
                                   mlp=SparseMoeBlock(arch.hidden_size, arch.moe, tp, dtype, device))

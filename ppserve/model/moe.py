@@ -12,13 +12,13 @@ is replicated; the block ends in one all-reduce, as the dense MLP's down project
 both layouts load: per-expert tensors (`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1 / w3 / w2`)
 and transformers' fused ones (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]);
 `expert_weights` builds the weight map for either. Expert parallelism would replace the slice of every
-expert by whole experts per rank; see ppserve/ARCHITECTURE.md §7.
+expert by whole experts per rank; see ppserve/ARCHITECTURE.md#models-and-weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,8 @@ def check_moe_config(cfg: dict[str, Any]) -> None:
     """Refuse what the router and experts here do not implement, naming the field."""
     for field, unused in _UNSUPPORTED_FIELDS.items():
         if cfg.get(field) not in unused:
-            raise ValueError(f"unsupported MoE config: {field}={cfg[field]!r} (ppserve's MoE block has routed "
-                             "experts only, softmax top-k routing)")
+            raise ValueError(f"unsupported MoE config: {field}={cfg[field]!r} (ppserve's MoE block has "
+                             "routed experts only, softmax top-k routing)")
     scoring = cfg.get("scoring_func", "softmax")
     if scoring != "softmax":
         raise ValueError(f"unsupported MoE config: scoring_func={scoring!r} (only softmax)")
@@ -66,7 +66,8 @@ def moe_spec(num_experts: int, top_k: int, expert_intermediate_size: int, normal
 class TopKRouter(nn.Module):
     """Replicated router: hidden [T, H] -> (routing weights [T, k], expert ids [T, k])."""
 
-    def __init__(self, hidden_size: int, spec: MoeSpec, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, hidden_size: int, spec: MoeSpec, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=dtype, device=device),
@@ -103,7 +104,8 @@ class TopKRouter(nn.Module):
             top /= top.sum(dim=-1, keepdim=True)  # topk made it: no second tensor needed
         return (top.to(logits.dtype) if self.spec.weights_in_model_dtype else top), ids
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         _copy(param, as_tensor(full), "router weight")
         self.loaded = True
 
@@ -142,7 +144,8 @@ class ExpertWeights(nn.Module):
         parts = 2 if kind == "gate_up" else 1
         self.loaded = [[False] * parts for _ in range(spec.num_experts)]  # what the checkpoint delivered
 
-    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None:
         if not isinstance(shard_id, ExpertShard):
             raise ValueError(f"expert weights need an ExpertShard, got {shard_id!r}")
         a, b, inter = self.start, self.end, self.inter
@@ -160,12 +163,14 @@ class ExpertWeights(nn.Module):
             self.loaded[e][0] = True
         else:
             part = int(shard_id.part)
-            _copy(param[e, part * self.local:(part + 1) * self.local], full[a:b], f"expert {e} gate/up part {part}")
+            _copy(param[e, part * self.local:(part + 1) * self.local], full[a:b],
+                  f"expert {e} gate/up part {part}")
             self.loaded[e][part] = True
 
     def missing_weights(self) -> list[str]:
         names = {"gate_up": ("gate", "up"), "down": ("down",)}[self.kind]
-        return [f"expert {e} {names[p]}" for e, row in enumerate(self.loaded) for p, ok in enumerate(row) if not ok]
+        return [f"expert {e} {names[p]}" for e, row in enumerate(self.loaded) for p, ok in enumerate(row)
+                if not ok]
 
 
 def _copy(dst: Tensor, src: Tensor | CheckpointTensor, what: str) -> None:
@@ -188,12 +193,18 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up = ExpertWeights("gate_up", spec, hidden_size, tp, dtype, device)
         self.experts.down = ExpertWeights("down", spec, hidden_size, tp, dtype, device)
-        self.panels: moe_ops.PanelExperts | None = None  # set by prepack() where the panel GEMM takes the experts
+        # set by prepack() where the panel GEMM takes the experts
+        self.panels: moe_ops.PanelExperts | None = None
 
     def prepack(self) -> None:
         """After every load: the experts' panel layout (bf16 on a CPU with AMX or AVX512-BF16), derived from
         the loaded weights and held outside the state dict, as the linear layers' `PackedWeight` is."""
-        self.panels = moe_ops.pack_experts(self.experts.gate_up.weight, self.experts.down.weight)
+        self.panels = moe_ops.pack_experts(*self._expert_weights())
+
+    def _expert_weights(self) -> tuple[Tensor, Tensor]:
+        """The experts' gate_up and down weights (`experts` is a plain nn.Module, which types its children
+        Tensor | Module)."""
+        return cast(ExpertWeights, self.experts.gate_up).weight, cast(ExpertWeights, self.experts.down).weight
 
     @property
     def capturable(self) -> bool:
@@ -209,8 +220,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
-        out = moe_ops.experts(x, ids, weights, self.experts.gate_up.weight, self.experts.down.weight,
-                              self.kernel, self.panels)
+        gate_up, down = self._expert_weights()
+        out = moe_ops.experts(x, ids, weights, gate_up, down, self.kernel, self.panels)
         return self.tp.all_reduce(out)  # each rank summed its slice of every expert
 
 
@@ -219,14 +230,16 @@ QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
-def expert_weights(prefix: str, num_experts: int, names: tuple[str, str, str], ours: str = "mlp") -> WeightMap:
+def expert_weights(prefix: str, num_experts: int, names: tuple[str, str, str],
+                   ours: str = "mlp") -> WeightMap:
     """Weight-map entries of a sparse block stored under checkpoint module `prefix` ("mlp",
     "block_sparse_moe"): the router, every expert's per-expert tensors, and the fused layout's two tensors
     (transformers writes them under "mlp")."""
     gate, up, down = names
-    entries: WeightMap = {f"{prefix}.gate": (f"{ours}.gate", RouterShard()), "mlp.gate": (f"{ours}.gate", RouterShard()),
-                          "mlp.experts.gate_up_proj": (f"{ours}.experts.gate_up", ExpertShard(None, "gate_up")),
-                          "mlp.experts.down_proj": (f"{ours}.experts.down", ExpertShard(None, "down"))}
+    entries: WeightMap = {
+        f"{prefix}.gate": (f"{ours}.gate", RouterShard()), "mlp.gate": (f"{ours}.gate", RouterShard()),
+        "mlp.experts.gate_up_proj": (f"{ours}.experts.gate_up", ExpertShard(None, "gate_up")),
+        "mlp.experts.down_proj": (f"{ours}.experts.down", ExpertShard(None, "down"))}
     for e in range(num_experts):
         entries[f"{prefix}.experts.{e}.{gate}"] = (f"{ours}.experts.gate_up", ExpertShard(e, 0))
         entries[f"{prefix}.experts.{e}.{up}"] = (f"{ours}.experts.gate_up", ExpertShard(e, 1))

@@ -27,7 +27,7 @@ class TPContext:
         """Sum `x` over the group in place and return it."""
         if self.size == 1:
             return x
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)  # type: ignore[arg-type]
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
     def max_over_group(self, value: float, device: torch.device | str) -> float:
@@ -37,7 +37,7 @@ class TPContext:
         if self.size == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)  # type: ignore[arg-type]
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return float(t.item())
 
     def all_gather_last_dim(self, x: Tensor) -> Tensor:
@@ -46,7 +46,7 @@ class TPContext:
             return x
         x = x.contiguous()
         shards = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(shards, x, group=self.group)  # type: ignore[arg-type]
+        dist.all_gather(shards, x, group=self.group)
         return torch.cat(shards, dim=-1)
 
     def gather_last_dim_to_first(self, x: Tensor) -> Tensor | None:

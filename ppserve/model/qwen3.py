@@ -8,7 +8,7 @@ Qwen3's optional sliding window (`use_sliding_window`) is refused.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,8 @@ def qwen3_fields(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
     """The ModelArch fields Qwen3 and Qwen3-MoE share."""
     require_silu(cfg)
     if cfg.get("use_sliding_window"):
-        raise ValueError("unsupported Qwen3 config: use_sliding_window=true (ppserve attends the whole context)")
+        raise ValueError("unsupported Qwen3 config: use_sliding_window=true "
+                         "(ppserve attends the whole context)")
     return dict(**common_fields(cfg, architecture), attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=False)
 
@@ -43,23 +44,26 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype, device)
 
-    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    def forward(self, rope: tuple[Tensor, Tensor], x: Tensor, kv_cache: Tensor,
+                meta: AttentionMetadata) -> Tensor:
         proj = self.qkv_proj
         qkv = proj(x)  # [T, (Hq + 2 Hkv) D]
         t, hq, hkv, d = qkv.shape[0], proj.num_heads_local, proj.num_kv_heads_local, proj.head_dim
-        # Each q and k head normed, before the rotation; in place in the fused output where the kernel takes it.
-        qk = ops.qk_norm_rope_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), self.q_norm.weight, self.k_norm.weight,
-                               hq, *rope, self.q_norm.eps)
+        # Each q and k head normed, before the rotation; in place in the fused output where the kernel takes
+        # it.
+        qk = ops.qk_norm_rope_(qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d), self.q_norm.weight,
+                               self.k_norm.weight, hq, *rope, self.q_norm.eps)
         q, k = qk.split([hq, hkv], dim=1)
         v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))
+        return cast(Tensor, self.o_proj(out.reshape(t, -1)))
 
 
 def qwen3_layer(arch: ModelArch, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
                 backend: AttentionBackend, mlp: nn.Module | None = None) -> LlamaDecoderLayer:
     """A Qwen3 decoder layer: normed-q/k attention, then `mlp` (Llama's dense MLP when None)."""
-    return LlamaDecoderLayer(arch, tp, dtype, device, backend, Qwen3Attention(arch, tp, dtype, device, backend), mlp)
+    return LlamaDecoderLayer(arch, tp, dtype, device, backend,
+                             Qwen3Attention(arch, tp, dtype, device, backend), mlp)
 
 
 QWEN3_ATTENTION_NORMS: WeightMap = {
@@ -76,6 +80,6 @@ class Qwen3ForCausalLM(StageModel):
     layer_weights = QWEN3_WEIGHTS
 
     @classmethod
-    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                   backend: AttentionBackend) -> nn.Module:
+    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype,
+                   device: torch.device | str, backend: AttentionBackend) -> nn.Module:
         return qwen3_layer(arch, tp, dtype, device, backend)

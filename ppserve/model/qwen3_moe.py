@@ -34,7 +34,8 @@ def parse_qwen3_moe(cfg: dict[str, Any], architecture: str) -> ModelArch:
                    if num_experts > 0 and i not in dense_only and (i + 1) % step == 0)
     moe = None if not sparse else moe_spec(
         num_experts, int(cfg.get("num_experts_per_tok", 1)), int(cfg["moe_intermediate_size"]),
-        normalize_topk=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True, sparse_layers=sparse)
+        normalize_topk=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True,
+        sparse_layers=sparse)
     return ModelArch(**fields, moe=moe)
 
 
@@ -52,8 +53,8 @@ class Qwen3MoeForCausalLM(StageModel):
     layer_weights = QWEN3_WEIGHTS  # a dense layer's; a sparse layer carries its own
 
     @classmethod
-    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                   backend: AttentionBackend) -> nn.Module:
+    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype,
+                   device: torch.device | str, backend: AttentionBackend) -> nn.Module:
         if arch.moe is None or not arch.moe.is_sparse(layer):
             return qwen3_layer(arch, tp, dtype, device, backend)
         block = qwen3_layer(arch, tp, dtype, device, backend,

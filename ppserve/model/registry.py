@@ -64,4 +64,5 @@ def build_stage_model(arch: ModelArch, layer_start: int, layer_end: int, tp: TPC
                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                       attn_backend: AttentionBackend | None = None) -> StageModel:
     """One stage's (empty) model; load it with `load_weights`."""
-    return REGISTRY[arch.architecture].model_class(arch, layer_start, layer_end, tp, dtype, device, attn_backend)
+    return REGISTRY[arch.architecture].model_class(arch, layer_start, layer_end, tp, dtype, device,
+                                                   attn_backend)

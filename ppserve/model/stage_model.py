@@ -15,7 +15,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,19 @@ class SelfCheckedShard:
 WeightMap = dict[str, tuple[str, Any]]  # checkpoint module in a layer -> (our module path, shard id | Fused)
 
 
+class _LoadsWeights(Protocol):
+    """A module a weight map names: it copies its shard of a checkpoint tensor into a parameter."""
+
+    def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
+                      shard_id: object = None) -> None: ...
+
+
+class _Prepacks(Protocol):
+    """A module with a fast-path weight layout to rebuild after loading."""
+
+    def prepack(self) -> None: ...
+
+
 class StageModel(nn.Module):
     """Decoder layers [layer_start, layer_end) of one model for one pipeline stage and TP rank."""
 
@@ -61,10 +74,10 @@ class StageModel(nn.Module):
     layer_weights: ClassVar[WeightMap]
 
     @classmethod
-    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype, device: torch.device | str,
-                   backend: AttentionBackend) -> nn.Module:
+    def make_layer(cls, arch: ModelArch, layer: int, tp: TPContext, dtype: torch.dtype,
+                   device: torch.device | str, backend: AttentionBackend) -> nn.Module:
         """Decoder layer number `layer` (global index)."""
-        return cls.layer_class(arch, tp, dtype, device, backend)  # type: ignore[call-arg]
+        return cls.layer_class(arch, tp, dtype, device, backend)
 
     def __init__(self, arch: ModelArch, layer_start: int, layer_end: int, tp: TPContext = TPContext(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -85,7 +98,8 @@ class StageModel(nn.Module):
                                     for i in range(layer_start, layer_end))
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, device)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device) if self.is_last else None
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device) if self.is_last else None
+        self.lm_head = (ParallelLMHead(arch.vocab_size, arch.hidden_size, tp, dtype, device) if self.is_last
+                        else None)
         if self.embed_tokens is not None and self.lm_head is not None and arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one stage holds both ends: share the matrix
 
@@ -118,6 +132,7 @@ class StageModel(nn.Module):
         (after the final norm on the last stage)."""
         if len(kv_caches) != self.num_local_layers:
             raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_local_layers} layers")
+        x: Tensor
         if self.embed_tokens is not None:
             if input_ids is None:
                 raise ValueError("the first stage needs input_ids")
@@ -139,7 +154,8 @@ class StageModel(nn.Module):
         """[N, H] normed hidden states -> [N, vocab] float32 logits (gathered over TP ranks)."""
         if self.lm_head is None:
             raise RuntimeError("compute_logits called on a stage without the LM head")
-        return self.lm_head(hidden)
+        logits: Tensor = self.lm_head(hidden)
+        return logits
 
     def logits_for_sampling(self, hidden: Tensor) -> Tensor | None:
         """`compute_logits` gathered to TP rank 0 only, which samples for the stage; None on other ranks."""
@@ -191,7 +207,7 @@ class StageModel(nn.Module):
         """Rebuild every linear layer's fast-path weight layout from its (just loaded) weight."""
         for module in self.modules():
             if module is not self and hasattr(module, "prepack"):
-                module.prepack()
+                cast(_Prepacks, module).prepack()  # nn.Module types the attribute Tensor | Module
 
     def _load_one(self, name: str, tensor: Tensor | CheckpointTensor) -> bool:
         """Load one tensor if this stage needs it; returns whether it was used."""
@@ -205,10 +221,10 @@ class StageModel(nn.Module):
                 used = True
             return used
         if name in (HEAD, NORM):
-            module = self.lm_head if name == HEAD else self.norm
-            if module is None:
+            end = self.lm_head if name == HEAD else self.norm
+            if end is None:
                 return False
-            module.weight_loader(module.weight, tensor)
+            end.weight_loader(end.weight, tensor)
             return True
         match = LAYER_NAME.match(name)
         if match is None:
@@ -222,7 +238,7 @@ class StageModel(nn.Module):
         if hf_module not in weights:
             return False
         module_path, shard = weights[hf_module]
-        module = layer.get_submodule(module_path)
+        module = cast(_LoadsWeights, layer.get_submodule(module_path))
         param = getattr(module, kind)
         if param is None:
             raise ValueError(f"{name}: this architecture has no {kind} for {hf_module}")

@@ -24,7 +24,8 @@ from torch import Tensor
 from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBackend, write_kv
 
 BLOCK_M = 16  # rows (query token x group head) per program
-PIPELINE_STAGES = 2  # the page loops' software-pipeline depth: one page's loads in flight under the other's dots
+# the page loops' software-pipeline depth: one page's loads in flight under the other's dots
+PIPELINE_STAGES = 2
 
 
 def triton_available() -> bool:
@@ -114,7 +115,8 @@ def _build_kernel() -> Any:
                 p = tl.exp(s - m_safe[:, None])
                 alpha = tl.exp(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY),
+                                                    input_precision=PRECISION).to(tl.float32)
                 m_i = m_new
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -123,8 +125,8 @@ def _build_kernel() -> Any:
     return paged_attention_kernel
 
 
-def paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cu_query_lens: Tensor, context_lens: Tensor,
-                    max_query_len: int, scale: float) -> Tensor:
+def paged_attention(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cu_query_lens: Tensor,
+                    context_lens: Tensor, max_query_len: int, scale: float) -> Tensor:
     """q [T, Hq, D] over the paged cache [2, blocks, page, Hkv, D]: causal attention of each sequence's
     queries (cu_query_lens [S + 1] int32 offsets into q) over its first context_lens[s] cached tokens
     (the step's own K/V already written) -> [T, Hq, D]."""
@@ -222,7 +224,8 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
             block = tl.load(block_tables_ptr + seq * stride_bt + page, mask=live, other=0)
             k_ptrs = (kv_ptr + block * stride_kv_block + slots[:, None] * stride_kv_slot
                       + kv_head * stride_kv_head + d[None, :])
-            live_slots = (slots * 0 + page) < last  # [PAGE]: `live` for every slot (see paged_attention_kernel)
+            # [PAGE]: `live` for every slot (see paged_attention_kernel)
+            live_slots = (slots * 0 + page) < last
             kv_ok = live_slots[:, None] & d_ok[None, :]
             k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
             v = tl.load(k_ptrs + stride_kv_kind, mask=kv_ok, other=0.0)
@@ -234,7 +237,8 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY),
+                                                input_precision=PRECISION).to(tl.float32)
             m_i = m_new
         part = (seq * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M] partial index per query head
         tl.store(acc_ptr + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
@@ -261,7 +265,8 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
         acc = tl.load(acc_ptr + (base + sp)[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
         denom = tl.sum(l * w, 0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
 
     return split_k_decode_kernel, split_k_combine_kernel
 
@@ -269,8 +274,8 @@ def _build_split_k_kernels() -> tuple[Any, Any]:
 _split_k_kernels: dict[bool, tuple[Any, Any]] = {}
 
 
-def paged_decode_split_k(q: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor, scale: float,
-                         pages_per_split: int) -> Tensor:
+def paged_decode_split_k(q: Tensor, kv_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+                         scale: float, pages_per_split: int) -> Tensor:
     """One decode token per sequence (q [N, Hq, D]) over the paged cache, each context split into pieces
     of `pages_per_split` pages walked in parallel, then combined -> [N, Hq, D]. Same result as
     paged_attention up to float32 summation order."""
@@ -293,15 +298,16 @@ def paged_decode_split_k(q: Tensor, kv_cache: Tensor, block_tables: Tensor, cont
     dot_ty = _dot_type(q.dtype)
     decode[(n, hkv, splits)](
         q, kv_cache, acc, m, lsum, block_tables, context_lens, scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0),
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables.stride(0),
         NUM_HEADS=hq, GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page,
-        BLOCK_M=max(16, triton.next_power_of_2(hq // hkv)), PAGES_PER_SPLIT=pages_per_split, NUM_SPLITS=splits,
+        BLOCK_M=max(16, triton.next_power_of_2(hq // hkv)), PAGES_PER_SPLIT=pages_per_split,
+        NUM_SPLITS=splits,
         DOT_TY=dot_ty, PRECISION="ieee" if dot_ty == _dot_type(torch.float32) else "tf32",
         NUM_STAGES=PIPELINE_STAGES,
     )
-    combine[(n, hq)](acc, m, lsum, out, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d, BLOCK_D=block_d,
-                     NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    combine[(n, hq)](acc, m, lsum, out, out.stride(0), out.stride(1), NUM_HEADS=hq, HEAD_DIM=d,
+                     BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)))
     return out
 
 

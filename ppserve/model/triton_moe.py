@@ -66,8 +66,8 @@ def _build() -> tuple[Any, Any]:
         for k0 in range(0, depth, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < depth
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(DOT_TY)
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_TY)
             w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
                         other=0.0)
             acc += tl.dot(a, w.to(DOT_TY), input_precision=PRECISION).to(tl.float32)
@@ -114,8 +114,8 @@ def _build() -> tuple[Any, Any]:
             row_ok = pair < num_pairs
             cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < hidden
-            acc = rows_times_expert(act_ptr, rows, stride_at, row_ok, w_ptr + expert * stride_we, cols, col_ok,
-                                    stride_wn, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_TY, PRECISION)
+            acc = rows_times_expert(act_ptr, rows, stride_at, row_ok, w_ptr + expert * stride_we, cols,
+                                    col_ok, stride_wn, inter, BLOCK_M, BLOCK_N, BLOCK_K, DOT_TY, PRECISION)
             pair = tl.where(row_ok, pair, 0)
             acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr + pair[:, None] * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -154,8 +154,8 @@ def fused_moe(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2
             TOP_K=k, NUM_EXPERTS=num_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             DOT_TY=dot_ty, PRECISION=precision)
         down_kernel[(num_blocks, triton.cdiv(hidden, BLOCK_N))](
-            act, w2, pair_out, weights, layout.pair_ids, layout.block_experts, layout.num_pairs, hidden, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
+            act, w2, pair_out, weights, layout.pair_ids, layout.block_experts, layout.num_pairs, hidden,
+            inter, act.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
             NUM_EXPERTS=num_experts, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             DOT_TY=dot_ty, PRECISION=precision)
     return pair_out.view(t, k, hidden).sum(dim=1).to(x.dtype)

@@ -32,7 +32,8 @@ def table_rows(cands: Sequence[Candidate]) -> list[dict[str, Any]]:
         d, at = c.deployment, c.at_capacity
         lo, hi = c.result.bracket
         rows.append({
-            "rank": rank, "deployment": d.label, "pp": d.pp, "tp": d.tp, "replicas": d.replicas, "gpus": d.gpus,
+            "rank": rank, "deployment": d.label, "pp": d.pp, "tp": d.tp, "replicas": d.replicas,
+            "gpus": d.gpus,
             "policy": d.policy, "token_budget": d.token_budget, "budget_from_slo": d.budget_from_slo,
             "max_num_seqs": d.max_num_seqs,
             "layer_counts": list(d.layer_counts), "kv_blocks_per_replica": d.num_blocks,
@@ -42,12 +43,14 @@ def table_rows(cands: Sequence[Candidate]) -> list[dict[str, Any]]:
             "ttft_p90_ms": _ms(at.extra.get("ttft_p90_s")) if at else None,
             "sched_delay_p50_ms": _ms(at.sched_delay_p50_s) if at else None,
             "probes": len(c.result.probes),
-            "why_not_higher": next((p.reason for p in c.result.probes if hi is not None and p.rate == hi), None),
+            "why_not_higher": next((p.reason for p in c.result.probes if hi is not None and p.rate == hi),
+                                   None),
         })
     return rows
 
 
-def format_table(rows: Sequence[dict[str, Any]], rejected: Sequence[Rejection], limit: int | None = None) -> str:
+def format_table(rows: Sequence[dict[str, Any]], rejected: Sequence[Rejection],
+                 limit: int | None = None) -> str:
     """The ranked table as text, then the rejected shapes with their reasons."""
     head = (f"{'#':>3}  {'deployment':<44} {'GPUs':>4} {'req/s':>9} {'req/s/GPU':>10} {'bracket':>17} "
             f"{'TBT p99':>9} {'TTFT p90':>9}")
@@ -78,7 +81,8 @@ def pareto_front(cands: Sequence[Candidate]) -> list[Candidate]:
     front = []
     for c in points:
         tbt, cap = _tbt(c), c.capacity_per_gpu
-        if not any(_tbt(o) <= tbt and o.capacity_per_gpu >= cap and (_tbt(o) < tbt or o.capacity_per_gpu > cap)
+        if not any(_tbt(o) <= tbt and o.capacity_per_gpu >= cap
+                   and (_tbt(o) < tbt or o.capacity_per_gpu > cap)
                    for o in points):
             front.append(c)
     return sorted(front, key=_tbt)
@@ -105,7 +109,8 @@ def save_pareto_plot(cands: Sequence[Candidate], path: Path, title: str, tbt_slo
         if pts:
             ax.scatter([_tbt(c) * 1e3 for c in pts], [c.capacity_per_gpu for c in pts], marker=marker,
                        alpha=0.45, label=policy)
-    ax.plot([_tbt(c) * 1e3 for c in front], [c.capacity_per_gpu for c in front], "k-", lw=1.2, label="Pareto front")
+    ax.plot([_tbt(c) * 1e3 for c in front], [c.capacity_per_gpu for c in front], "k-", lw=1.2,
+            label="Pareto front")
     for c in front:
         ax.annotate(c.deployment.label, (_tbt(c) * 1e3, c.capacity_per_gpu), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
@@ -135,7 +140,8 @@ def winner_config(c: Candidate, serve_model: str | None) -> dict[str, Any]:
     return data
 
 
-def write_report(out: Path, cands: Sequence[Candidate], rejected: Sequence[Rejection], settings: dict[str, Any],
+def write_report(out: Path, cands: Sequence[Candidate], rejected: Sequence[Rejection],
+                 settings: dict[str, Any],
                  serve_model: str | None) -> dict[str, Path]:
     """plan.json, plan.md, pareto.png (when matplotlib is there) and winner.yaml under `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -160,7 +166,8 @@ def write_report(out: Path, cands: Sequence[Candidate], rejected: Sequence[Rejec
                   f"({winner.capacity_per_gpu:.4g} per GPU) under the SLO, simulated.\n"
                   f"# One replica of {d.pp * d.tp} GPUs; run {d.replicas} of these behind a load balancer.\n")
         if serve_model is None and settings["model"] != "smollm2-135m":
-            header += f"# model.model is null (the built-in SmolLM2): set it to {settings['model']}'s HF directory.\n"
+            header += (f"# model.model is null (the built-in SmolLM2): set it to {settings['model']}'s "
+                       "HF directory.\n")
         paths["winner"] = out / "winner.yaml"
         paths["winner"].write_text(header + yaml.safe_dump(cfg, sort_keys=False))
     return paths
@@ -169,13 +176,15 @@ def write_report(out: Path, cands: Sequence[Candidate], rejected: Sequence[Rejec
 def _markdown(rows: Sequence[dict[str, Any]], rejected: Sequence[Rejection], settings: dict[str, Any]) -> str:
     lines = [f"# ppserve plan: {settings['model']} on {settings['cluster']}", "",
              f"Workload: {settings['workload']}. SLO: {settings['slo']}.", "",
-             "| # | deployment | GPUs | capacity (req/s) | per GPU | bracket | refined | TBT p99 (ms) | TTFT p90 (ms) | Pareto |",
+             "| # | deployment | GPUs | capacity (req/s) | per GPU | bracket | refined | TBT p99 (ms) | "
+             "TTFT p90 (ms) | Pareto |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["bracket_req_s"]
         lines.append(f"| {r['rank']} | {r['deployment']} | {r['gpus']} | {_num(r['capacity_req_s'])} | "
-                     f"{_num(r['capacity_per_gpu'])} | {_num(lo)}-{_num(hi)} | {'yes' if r['refined'] else 'coarse'} | "
-                     f"{_num(r['tbt_p99_ms'])} | {_num(r['ttft_p90_ms'])} | {'*' if r.get('pareto') else ''} |")
+                     f"{_num(r['capacity_per_gpu'])} | {_num(lo)}-{_num(hi)} | "
+                     f"{'yes' if r['refined'] else 'coarse'} | {_num(r['tbt_p99_ms'])} | "
+                     f"{_num(r['ttft_p90_ms'])} | {'*' if r.get('pareto') else ''} |")
     if rejected:
         lines += ["", "Rejected before simulation:", ""]
         lines += [f"- {r.label}: {r.reason}" for r in rejected]

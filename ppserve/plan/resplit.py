@@ -24,8 +24,8 @@ __all__ = ["ProfileResplit", "layer_costs_of"]
 def layer_costs_of(profile: Profile, layer_counts: Sequence[int]) -> LayerCosts:
     """One layer's and the head's cost from a profile measured with these layers per stage."""
     if len(layer_counts) != profile.cost.num_stages:
-        raise ValueError(f"the profile has {profile.cost.num_stages} stages, the layer split {list(layer_counts)} "
-                         f"has {len(layer_counts)}")
+        raise ValueError(f"the profile has {profile.cost.num_stages} stages, the layer split "
+                         f"{list(layer_counts)} has {len(layer_counts)}")
     return fit_layer_costs(profile.cost, ranges_from_counts(layer_counts))
 
 

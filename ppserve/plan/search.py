@@ -57,7 +57,8 @@ class PlanContext:
     slo: SLO
     duration_s: float = 60.0  # seconds of arrivals per probe
     min_requests: int = MIN_PROBE_REQUESTS  # a probe replays at least this many requests
-    max_requests: int = ProbeSize.max_requests  # and at most this many (a probe cut short says so: `truncated`)
+    # and at most this many (a probe cut short says so: `truncated`)
+    max_requests: int = ProbeSize.max_requests
     seed: int = 0
     overhead_s: float = 0.5e-3  # engine turnaround per returned microbatch
     dispatch_s: float = 0.5e-3  # control-plane latency to the stages
@@ -101,7 +102,8 @@ def probe_requests(ctx: PlanContext, per_replica: float) -> list[WorkloadRequest
     """What a probe of one replica at `per_replica` requests/s replays: the pool's lengths in order (cycled
     when the duration needs more requests than it holds), Poisson arrivals from the context's seed."""
     n = ctx.probe_size.requests_at(per_replica)
-    return with_poisson_arrivals([ctx.requests[i % len(ctx.requests)] for i in range(n)], per_replica, ctx.seed)
+    return with_poisson_arrivals([ctx.requests[i % len(ctx.requests)] for i in range(n)], per_replica,
+                                 ctx.seed)
 
 
 def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
@@ -116,7 +118,8 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
     # A probe over the capacity stops once its fail is certain (sim/slo_watch.py): the same verdict, and
     # the rates above the capacity, which the search must try, no longer cost the most.
     stop = SloStop(ctx.slo.tbt_p99_s, ctx.slo.sched_delay_p50_s) if ctx.stop_early else None
-    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s, ctx.dispatch_s,
+    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s,
+                    ctx.dispatch_s,
                     stop_on_slo_fail=stop)
     res = simulate(reqs, ctx.cost_model(ctx, d), cfg)
     lat = res.latency()
@@ -141,7 +144,8 @@ def estimate_rate(ctx: PlanContext, d: Deployment) -> float:
     prompt = sum(r.prompt_len for r in ctx.requests) / n
     output = sum(r.output_len for r in ctx.requests) / n
     chunk = max(1, min(d.token_budget, round(prompt)))
-    decodes = max(1, min(d.max_num_seqs, d.token_budget, d.num_blocks * d.block_size // max(1, round(prompt + output))))
+    decodes = max(1, min(d.max_num_seqs, d.token_budget,
+                         d.num_blocks * d.block_size // max(1, round(prompt + output))))
     context = round(prompt + output / 2)
 
     def slowest(shape: BatchShape) -> float:
@@ -202,7 +206,8 @@ def _run_all(ctx: PlanContext, tasks: Sequence[_Task], jobs: int,
     return out
 
 
-def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: float = 0.05, max_evals: int = 10,
+def capacities(ctx: PlanContext, deployments: Sequence[Deployment], *, rel_tol: float = 0.05,
+               max_evals: int = 10,
                jobs: int | None = None, progress: Callable[[], None] | None = None) -> list[Candidate]:
     """Every deployment's capacity bracketed to `rel_tol` over the context's duration, unpruned, in the
     order given (for side-by-side tables such as the Sarathi-Serve reproduction)."""
@@ -256,12 +261,14 @@ def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | N
     def coarse_round(stage: str, indices: Sequence[int]) -> dict[int, Candidate]:
         tasks = [_Task(i, deployments[i], 0.5 * estimate_rate(ctx, deployments[i]), coarse_tol, coarse_evals)
                  for i in indices]
-        return {i: Candidate(deployments[i], r) for i, r in _run_all(short, tasks, jobs, tick(stage, len(tasks))).items()}
+        return {i: Candidate(deployments[i], r)
+                for i, r in _run_all(short, tasks, jobs, tick(stage, len(tasks))).items()}
 
     reps = _representatives(deployments)
     cands = coarse_round("shapes", sorted(reps.values()))
     best = max(c.capacity_per_gpu for c in cands.values())
-    kept = {shape for shape, i in reps.items() if cands[i].capacity_per_gpu >= keep_shapes * best and best > 0}
+    kept = {shape for shape, i in reps.items() if cands[i].capacity_per_gpu >= keep_shapes * best
+            and best > 0}
     rest = [i for i, d in enumerate(deployments) if (d.pp, d.tp) in kept and i not in cands]
     cands.update(coarse_round("settings", rest))
     for _ in range(3):
@@ -271,7 +278,8 @@ def search(ctx: PlanContext, deployments: Sequence[Deployment], *, jobs: int | N
             break
         # Start at the coarse capacity and step by the coarse tolerance: one probe if the coarse figure
         # holds, more where the longer run lets a backlog show (a small KV cache can halve it).
-        tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + coarse_tol) for i in todo]
+        tasks = [_Task(i, deployments[i], cands[i].capacity, fine_tol, fine_evals, 1 + coarse_tol)
+                 for i in todo]
         for i, res in _run_all(ctx, tasks, jobs, tick("refine", len(tasks))).items():
             cands[i] = Candidate(deployments[i], res, refined=True)
     return [cands[i] for i in sorted(cands, key=lambda i: _rank_key(cands, i))]

@@ -1,4 +1,5 @@
-"""The token budget a TBT SLO allows on a deployment: Sarathi-Serve's rule, priced by the planner's cost model.
+"""The token budget a TBT SLO allows on a deployment: Sarathi-Serve's rule, priced by the planner's cost
+model.
 
 Sarathi-Serve chooses its token budget from the TBT SLO: the largest microbatch whose step still hands every
 decode its next token in time (the paper: 512 tokens for its strict SLOs, 2048 for the relaxed ones, on
@@ -42,7 +43,8 @@ def slo_token_budget(cost: CostModel, tbt_slo_s: float, context: int, cap: int, 
     if not (tbt_slo_s > 0 and 0 < margin <= 1):
         raise ValueError(f"need a TBT SLO > 0 and a margin in (0, 1], got {tbt_slo_s!r} and {margin!r}")
     if cap < 1 or block_size < 1 or context < 0:
-        raise ValueError(f"need cap >= 1, block_size >= 1 and context >= 0, got {cap}, {block_size}, {context}")
+        raise ValueError(f"need cap >= 1, block_size >= 1 and context >= 0, got {cap}, {block_size}, "
+                         f"{context}")
     limit = margin * tbt_slo_s
 
     def round_trip(tokens: int) -> float:
@@ -86,7 +88,8 @@ def with_slo_budgets(deployments: Sequence[Deployment], cost_model: Callable[[De
         grid = grids[key]
         first = key not in budgets
         if first:
-            budgets[key] = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, max(grid), d.block_size)
+            budgets[key] = slo_token_budget(cost_model(d), tbt_slo_s, int(mean_prompt) // 2, max(grid),
+                                            d.block_size)
         budget = budgets[key]
         out.append(replace(d, slo_budget=budget))
         if first and budget is not None and budget < min(grid):

@@ -29,7 +29,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
-            raise ValueError(f"need gpus_per_node >= 1 and nodes >= 1, got {self.gpus_per_node}, {self.nodes}")
+            raise ValueError(f"need gpus_per_node >= 1 and nodes >= 1, got {self.gpus_per_node}, "
+                             f"{self.nodes}")
         # The hardware table's node size is what the cost model packs stages by: keep them one fact.
         if self.hardware.gpus_per_node != self.gpus_per_node:
             object.__setattr__(self, "hardware", replace(self.hardware, gpus_per_node=self.gpus_per_node))
@@ -95,7 +96,8 @@ class Deployment:
     num_blocks: int = 0  # KV blocks of block_size tokens one replica's scheduler may hand out
     block_size: int = 16
     budget_from_slo: bool = False  # the token budget is the TBT SLO's (plan/slo_budget.py), not the grid's
-    slo_budget: int | None = None  # the largest budget this shape's TBT SLO allows, where the planner priced it
+    # the largest budget this shape's TBT SLO allows, where the planner priced it
+    slo_budget: int | None = None
 
     @property
     def gpus(self) -> int:
@@ -133,7 +135,8 @@ def _shape_rejection(model: ModelSpec, cluster: Cluster, pp: int, tp: int) -> st
     except ValueError as e:
         return str(e)
     if tp > cluster.gpus_per_node:
-        return f"tp={tp} exceeds the {cluster.gpus_per_node} GPUs of a node (a stage's all-reduces stay on NVLink)"
+        return (f"tp={tp} exceeds the {cluster.gpus_per_node} GPUs of a node (a stage's all-reduces stay on "
+                "NVLink)")
     if pp > model.num_layers:
         return f"pp={pp} exceeds {model.name}'s {model.num_layers} layers"
     size, node = pp * tp, cluster.gpus_per_node
@@ -152,8 +155,9 @@ def _memory_rejection(model: ModelSpec, cluster: Cluster, space: SearchSpace, wo
     tokens = blocks * space.block_size
     need = max(work.max_tokens, math.ceil(space.min_kv_requests * work.mean_tokens))
     if tokens < need:
-        return (f"KV cache of {tokens} tokens per replica is smaller than the longest request ({work.max_tokens}) "
-                f"or {space.min_kv_requests} requests of mean length ({work.mean_tokens:.0f})"), blocks
+        return (f"KV cache of {tokens} tokens per replica is smaller than the longest request "
+                f"({work.max_tokens}) or {space.min_kv_requests} requests of mean length "
+                f"({work.mean_tokens:.0f})"), blocks
     return None, blocks
 
 
@@ -179,7 +183,8 @@ def enumerate_deployments(model: ModelSpec, cluster: Cluster, space: SearchSpace
                 continue
             replicas = total // (pp * tp)
             for policy, budget, seqs in _knobs(space, model.max_model_len):
-                feasible.append(Deployment(pp, tp, replicas, policy, budget, seqs, counts, blocks, space.block_size))
+                feasible.append(Deployment(pp, tp, replicas, policy, budget, seqs, counts, blocks,
+                                           space.block_size))
     return feasible, rejected
 
 

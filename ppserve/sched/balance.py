@@ -1,7 +1,7 @@
 """Balanced microbatch formation: how big the next microbatch is, so that the pipeline stays full.
 
 A pipeline of p stages keeps p microbatches in flight (p + 1 with the token ring); it is balanced when
-consecutive microbatches cost the same on every stage (ARCHITECTURE.md "How a microbatch is formed").
+consecutive microbatches cost the same on every stage (ARCHITECTURE.md#how-a-microbatch-is-formed).
 `BalancedFormation` gives each microbatch two numbers:
 
 - a **decode quota**, min(ceil(D / p), ceil(R / F)) of the R ready decodes (D decoding in all, F free
@@ -33,7 +33,8 @@ from ppserve.sched.budget import TimeBudget, TokenBudget
 from ppserve.sched.cost import OnlinePipelineCost, PipelineCost, WorkFeatures
 from ppserve.sched.output import SchedulerOutput
 
-__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ROUNDS_MIN_CHUNKS", "ArrivalWatch", "BalancedFormation",
+__all__ = ["MIN_REST_OF_BUDGET", "MIN_SHARE_OF_BUDGET", "ROUNDS_MIN_CHUNKS", "ArrivalWatch",
+           "BalancedFormation",
            "decode_quota", "fair_share", "fill_microbatches", "min_chunk_tokens"]
 
 # A token share is never cut below this part of the budget: beside a microbatch's decodes a stage's
@@ -71,7 +72,8 @@ class ArrivalWatch:
     def arrived(self, now_s: float) -> None:
         if self.last_s is not None:
             gap = max(0.0, now_s - self.last_s)
-            self.mean_gap_s = gap if self.mean_gap_s is None else self.mean_gap_s + GAP_WEIGHT * (gap - self.mean_gap_s)
+            self.mean_gap_s = (gap if self.mean_gap_s is None
+                               else self.mean_gap_s + GAP_WEIGHT * (gap - self.mean_gap_s))
         self.last_s = now_s
 
     def streaming(self, now_s: float) -> bool:
@@ -200,7 +202,8 @@ class BalancedFormation:
         # keep level, thinner chunks over several rounds would only delay the prompts.
         filling = not in_flight and not num_ready and len(reach) > 1
         rounds = self.balance_rounds
-        shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock()) else 1)
+        shares = stages * (rounds if rounds > 1 and not filling and self.arrivals.streaming(self.clock())
+                           else 1)
         tokens = sum(mb.total_tokens for mb in self._peers_in_flight()) + num_ready
         calibrated = self.cost.calibrated
         if filling or num_ready or not reach or not in_flight or not calibrated:
@@ -226,7 +229,8 @@ class BalancedFormation:
         # In tokens, a share keeps the quarter-budget floor, except in an empty pipeline's fill: there the
         # floor only makes the first microbatch longer than the rest, with every stage behind it waiting.
         floor = 0.0 if filling else cap * MIN_SHARE_OF_BUDGET
-        if shares > stages:  # over k rounds (never while filling): ROUNDS_MIN_CHUNKS floors, at most one round's
+        # over k rounds (never while filling): ROUNDS_MIN_CHUNKS floors, at most one round's
+        if shares > stages:
             floor = max(floor, min(tokens / stages, ROUNDS_MIN_CHUNKS * floor))
         budget.limit(math.ceil(fair_share(tokens, shares, cap, floor=floor)))
         return budget, quota
@@ -253,7 +257,8 @@ class BalancedFormation:
             work.merge(self._work_of(mb))
         for req in split.decodes:
             work.add(1, req.num_computed_tokens, True)
-        for num_tokens, context in prefills:  # each prompt's rest as one piece: its keys add up the same in chunks
+        # each prompt's rest as one piece: its keys add up the same in chunks
+        for num_tokens, context in prefills:
             work.add(num_tokens, context, True)
         if filling:
             by_budget = math.ceil(sum(n for n, _ in prefills) / cap)
@@ -280,7 +285,8 @@ class BalancedFormation:
             # round's share is thinner still.
             thick = max(0, min(cap, round(ROUNDS_MIN_CHUNKS * min_chunk)) - len(decodes))
             if thick > chunk:
-                one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages for stage in cost.stages)
+                one_round_s = max(stage.floor_s + work.seconds(stage) / self.num_stages
+                                  for stage in cost.stages)
                 thicker = taken.plus(thick, 0, False)
                 rounds_floor_s = max(stage.floor_s + thicker.seconds(stage) for stage in cost.stages)
                 share_s = max(share_s, min(one_round_s, rounds_floor_s))
@@ -294,7 +300,8 @@ class BalancedFormation:
             budget.limit(cap, share_s)
             return budget
         min_rest = math.ceil(cap * MIN_REST_OF_BUDGET)
-        return TimeBudget(cap, budget.max_seqs, self.cost.current, share_s, min_rest=min_rest, even_chunks=True)
+        return TimeBudget(cap, budget.max_seqs, self.cost.current, share_s, min_rest=min_rest,
+                          even_chunks=True)
 
     def _min_chunk(self, cost: PipelineCost, token_budget: int) -> int:
         """`min_chunk_tokens`, solved again only when the fit or the budget changed (a refit makes a new

@@ -143,7 +143,8 @@ class BatchBuilder:
                     break
                 if req.status is not _RUNNING:  # preempted for an earlier decode's block
                     continue
-                if done < len(req.block_ids) * block_size:  # its last block has room: `add`, without the search
+                # its last block has room: `add`, without the search
+                if done < len(req.block_ids) * block_size:
                     budget.spend_decode(done)
                     # A prompt's last token may fill its last prompt block: keyed now, as `_take` does.
                     filled = min(done + 1, len(req.prompt_token_ids))
@@ -202,8 +203,10 @@ class BatchBuilder:
         self._take(req, num_tokens, over_budget)
         return True
 
-    def admit(self, req: Request, num_tokens: int, over_budget: bool = False, reserve_full: bool = False) -> bool:
-        """Move the head of the waiting queue to running if a seat and its blocks are free (FCFS: no skipping)."""
+    def admit(self, req: Request, num_tokens: int, over_budget: bool = False,
+              reserve_full: bool = False) -> bool:
+        """Move the head of the waiting queue to running if a seat and its blocks are free (FCFS: no
+        skipping)."""
         assert self._waiting and self._waiting[0] is req
         num_tokens = self._cap_to_budget(req, num_tokens, over_budget)
         if num_tokens <= 0 or len(self._running) >= self._max_num_seqs:
@@ -213,7 +216,8 @@ class BatchBuilder:
             reserve = self._max_total_tokens(req) - req.num_computed_tokens
         blocks = self._blocks
         hits = self._head_hits[1] if self._head_hits[0] is req else []
-        if not blocks.can_start(hits, blocks_for(req.num_computed_tokens + reserve, blocks.block_size) - len(hits)):
+        if not blocks.can_start(hits, blocks_for(req.num_computed_tokens + reserve,
+                                                 blocks.block_size) - len(hits)):
             return False
         self._waiting.popleft()
         blocks.acquire_prefix(req, hits)
@@ -237,7 +241,8 @@ class BatchBuilder:
         else:
             # The chunk that completes the request's known tokens gets logits (the last stage's LM head); a
             # decode on the ring token has none left to know (num_uncomputed_tokens 0).
-            self.budget.spend(num_tokens, req.num_computed_tokens, sampled=num_tokens >= req.num_uncomputed_tokens)
+            self.budget.spend(num_tokens, req.num_computed_tokens,
+                              sampled=num_tokens >= req.num_uncomputed_tokens)
         # Key the prompt blocks these tokens fill now, so a request admitted later in this step hits them
         # too. Blocks of generated tokens are keyed when the request lets its blocks go (BlockManager.free):
         # only a later request (the next turn, the request itself after preemption) can hit them, and a

@@ -1,12 +1,13 @@
 """Paged KV block ids: allocate, share by content, free. The only allocator state in the system.
 
 Workers own the physical KV tensors and receive block ids; nothing here is mirrored on them. For
-prefix caching a full block is content-addressed: its key is SHA-256 over its parent block's key, its token ids and the request's extra keys (its `cache_salt`), so a key names the
-whole prefix up to and including that block, and a crafted prompt cannot make its key equal another
-prompt's. A block has a reference count (the requests holding it). When the count drops to zero a keyed
-block keeps its key and waits, cached and evictable, in an LRU list; it is evicted (its key forgotten)
-only when a new block is needed and no never-keyed block is free. Every block is therefore exactly one
-of: free (no key), cached-and-evictable (a key, no holder), or referenced by the requests that hold it.
+prefix caching a full block is content-addressed: its key is SHA-256 over its parent block's key, its token
+ids and the request's extra keys (its `cache_salt`), so a key names the whole prefix up to and including that
+block, and a crafted prompt cannot make its key equal another prompt's. A block has a reference count (the
+requests holding it). When the count drops to zero a keyed block keeps its key and waits, cached and
+evictable, in an LRU list; it is evicted (its key forgotten) only when a new block is needed and no
+never-keyed block is free. Every block is therefore exactly one of: free (no key), cached-and-evictable (a
+key, no holder), or referenced by the requests that hold it.
 
 A prompt's block is keyed when the tokens that fill it are scheduled, so a request scheduled later in the
 same step, or in a later step, reads it: stages run microbatches in order and write a step's KV before
@@ -51,7 +52,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._pack_block = struct.Struct(f"<{block_size}q").pack  # block_key's encoding of a full block, compiled
+        # block_key's encoding of a full block, compiled
+        self._pack_block = struct.Struct(f"<{block_size}q").pack
         # FIFO reuse spreads writes over the cache; any order is correct. Never-keyed blocks go first,
         # so cached prefixes survive as long as there is other room.
         self._free: deque[int] = deque(range(num_blocks))
@@ -59,7 +61,8 @@ class BlockManager:
         self._refs: dict[int, int] = {}  # block -> how many requests hold it (absent: none)
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-        # block -> the request it was allocated to, the only one that writes it (read by the scheduler's check)
+        # block -> the request it was allocated to, the only one that writes it (read by the scheduler's
+        # check)
         self.writer_of: dict[int, str] = {}
         # Prefix-cache counters, in tokens (vLLM's definitions): every admission queries its known
         # tokens and hits the cached prefix it starts from.
@@ -117,7 +120,8 @@ class BlockManager:
                 lo, hi = i * bs, (i + 1) * bs
                 toks = prompt[lo:hi] if hi <= np else (prompt[lo:] + outputs[: hi - np] if lo < np
                                                        else outputs[lo - np: hi - np])
-                parent = hashlib.sha256(parent + self._pack_block(*toks)).digest()  # = block_key(parent, toks)
+                # = block_key(parent, toks)
+                parent = hashlib.sha256(parent + self._pack_block(*toks)).digest()
                 keys.append(parent)
         return keys
 
@@ -264,7 +268,8 @@ class BlockManager:
         for i in range(start // bs, (start + num_tokens - 1) // bs + 1):
             b = req.block_ids[i]
             if writer.get(b) != rid:
-                raise AssertionError(f"request {rid} would write into block {b}, which {writer.get(b)} filled")
+                raise AssertionError(f"request {rid} would write into block {b}, which {writer.get(b)} "
+                                     "filled")
 
     def check(self, holders: list[list[int]] | None = None) -> None:
         """Every block is exactly one of free, cached-and-evictable, or referenced; keys map both ways;
@@ -284,7 +289,8 @@ class BlockManager:
             raise AssertionError("a KV block has a reference count below 1")
         if free_set & self._key_of.keys() or not evictable.keys() <= self._key_of.keys():
             raise AssertionError("a free block carries a key, or an evictable one none")
-        if len(self._block_of) != len(self._key_of) or any(self._block_of.get(k) != b for b, k in self._key_of.items()):
+        if len(self._block_of) != len(self._key_of) or any(self._block_of.get(k) != b
+                                                           for b, k in self._key_of.items()):
             raise AssertionError("the prefix cache's key and block maps disagree")
         if holders is not None:
             counts: dict[int, int] = {}

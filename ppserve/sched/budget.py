@@ -1,9 +1,10 @@
 """Budget accounting for one microbatch, and the modes that decide how big that budget is.
 
 A policy consults one budget object per microbatch (`chunk`, `spend`, `can_fit`, `has_seat`,
-`tokens_left`). `TokenBudget` counts tokens (the default, ARCHITECTURE.md §3); `TimeBudget` also counts
-predicted seconds from an online step-cost model, so a chunk late in a long prompt, or a batch of
-long-context decodes, gets fewer tokens than one from an empty cache (ARCHITECTURE.md §3).
+`tokens_left`). `TokenBudget` counts tokens (the default, ARCHITECTURE.md#how-a-microbatch-is-formed);
+`TimeBudget` also counts predicted seconds from an online step-cost model, so a chunk late in a long prompt,
+or a batch of long-context decodes, gets fewer tokens than one from an empty cache
+(ARCHITECTURE.md#how-a-microbatch-is-formed).
 
 A `BudgetMode` is the small object the scheduler owns that makes these budgets and takes feedback
 after each microbatch (`Scheduler.observe_step`): `FixedTokenBudget` (default, ignores feedback),
@@ -71,7 +72,8 @@ class TokenBudget:
         """Take `num_tokens` of one request (`sampled`: they complete its known tokens, so it gets logits)."""
         left = self.tokens_left
         if num_tokens <= 0 or (left is not None and num_tokens > left) or not self.has_seat:
-            raise AssertionError(f"budget overdrawn: {num_tokens} tokens with {left} left, seats {self.num_seqs}")
+            raise AssertionError(f"budget overdrawn: {num_tokens} tokens with {left} left, seats "
+                                 f"{self.num_seqs}")
         self.tokens_used += num_tokens
         self.num_seqs += 1
 
@@ -304,7 +306,8 @@ class AdaptiveTokenBudget(_BudgetModeBase):
 
     needs_feedback = True
 
-    def __init__(self, tbt_slo_s: float, start: int, num_stages: int = 1, min_budget: int = 1, max_budget: int = 8192,
+    def __init__(self, tbt_slo_s: float, start: int, num_stages: int = 1, min_budget: int = 1,
+                 max_budget: int = 8192,
                  safety: float = 0.9, min_samples: int = 512, gain: float = 1.0,
                  cost: OnlinePipelineCost | None = None) -> None:
         if tbt_slo_s <= 0 or not 0 < safety <= 1 or min_samples < 1 or gain <= 0 or num_stages < 1:
@@ -328,7 +331,8 @@ class AdaptiveTokenBudget(_BudgetModeBase):
         self._context = 0.0  # running mean context of prefill chunks, weighted by their tokens
         self._last_token: dict[str, float] = {}
         self._gaps: list[float] = []
-        self._window_budget = self._token_budget  # the largest budget in force while the current gaps were measured
+        # the largest budget in force while the current gaps were measured
+        self._window_budget = self._token_budget
         self.history: list[tuple[int, float]] = []  # (budget in force, measured p99 TBT) per feedback round
 
     @property
@@ -393,7 +397,8 @@ def make_budget_mode(config: SchedulerConfig, num_stages: int = 1,
         # Never below one decode seat per request of a full microbatch: a smaller budget would
         # stall decodes and lengthen TBT, the opposite of what the controller wants.
         floor = min(config.max_token_budget, max(1, math.ceil(config.max_num_seqs / num_stages)))
-        mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, num_stages, min_budget=floor,
+        mode = AdaptiveTokenBudget(config.tbt_slo_ms * 1e-3, config.token_budget, num_stages,
+                                   min_budget=floor,
                                    max_budget=config.max_token_budget, cost=cost)
     elif config.budget_mode == "time":
         tb = None if config.time_budget_ms is None else config.time_budget_ms * 1e-3

@@ -78,7 +78,8 @@ class BatchShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> BatchShape:
-        return cls(tuple(out.chunks()), len(out.sample_request_ids), out.num_prefill_tokens, out.num_decode_tokens)
+        return cls(tuple(out.chunks()), len(out.sample_request_ids), out.num_prefill_tokens,
+                   out.num_decode_tokens)
 
     @classmethod
     def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:
@@ -248,7 +249,8 @@ class PipelineCost:
         if not self.stages:
             raise ValueError("a pipeline cost needs at least one stage")
         if self.decode_stages is not None and len(self.decode_stages) != len(self.stages):
-            raise ValueError(f"{len(self.decode_stages)} decode-only stage costs for {len(self.stages)} stages")
+            raise ValueError(f"{len(self.decode_stages)} decode-only stage costs for {len(self.stages)} "
+                             "stages")
 
     @property
     def num_stages(self) -> int:
@@ -278,7 +280,8 @@ class PipelineCost:
         return cls(tuple(StepCost.from_json(s) for s in data))
 
 
-def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float], rel_tol: float = 1e-12) -> list[float] | None:
+def solve_linear(a: Sequence[Sequence[float]], b: Sequence[float],
+                 rel_tol: float = 1e-12) -> list[float] | None:
     """x with a x = b for a small dense system, by Gaussian elimination with partial pivoting; None when
     singular (a pivot below `rel_tol` times the largest entry). The one solver of ppserve's fits."""
     n = len(b)
@@ -321,7 +324,8 @@ def solve_nonnegative(a: Sequence[Sequence[float]], b: Sequence[float],
             z = [0.0] * n
             for i, v in zip(idx, sub, strict=True):
                 z[i] = v
-            if all(b[i] - math.fsum(a[i][j] * z[j] for j in idx) <= tol for i in range(n) if not free_hint[i]):
+            if all(b[i] - math.fsum(a[i][j] * z[j] for j in idx) <= tol for i in range(n)
+                   if not free_hint[i]):
                 return z
     x = [0.0] * n
     free = [False] * n
@@ -502,7 +506,8 @@ class OnlinePipelineCost:
         if prior is not None and prior.num_stages != self._num_stages:
             raise ValueError(f"a prior of {prior.num_stages} stages for a pipeline of {self._num_stages}")
         priors: Sequence[StepCost | None] = prior.stages if prior is not None else (None,) * self._num_stages
-        self.fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every) for p in priors]
+        self.fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every)
+                     for p in priors]
         # The decode-only piece: fitted on decode-only microbatches alone, at full weight (none where they
         # weigh as much as the others: one fit is then true for both).
         self.decode_fits = [StepCostFit(p, self.forgetting, self.ridge, self.min_samples, self.refit_every)
@@ -562,7 +567,8 @@ class LayerCosts:
 
     def pipeline(self, ranges: Sequence[tuple[int, int]]) -> PipelineCost:
         last = len(ranges) - 1
-        return PipelineCost(tuple(self.stage(end - start, s == last) for s, (start, end) in enumerate(ranges)))
+        return PipelineCost(tuple(self.stage(end - start, s == last)
+                                  for s, (start, end) in enumerate(ranges)))
 
     def to_json(self) -> dict[str, dict[str, float]]:
         return {"layer": self.layer.to_json(), "head": self.head.to_json()}

@@ -41,7 +41,8 @@ class SchedulerOutput:
     step_id: int
     order: tuple[str, ...]
     num_scheduled_tokens: tuple[int, ...]  # aligned with `order`
-    num_computed_tokens: tuple[int, ...]  # aligned with `order`: tokens with KV before this step (the context)
+    # aligned with `order`: tokens with KV before this step (the context)
+    num_computed_tokens: tuple[int, ...]
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
     sample_request_ids: tuple[str, ...]  # requests whose next token is due at the end of this step
@@ -74,7 +75,8 @@ class StepResult:
     """What the pipeline returns for one microbatch: sampled tokens by request id, their log-probabilities
     for the requests that asked, and each stage's compute seconds for step `timed_step_id` (the slowest TP
     rank of the stage). That is this step or an earlier one: GPU stages read their times one step late,
-    without waiting for the device (ARCHITECTURE.md §5); None, with no seconds, when no time is ready."""
+    without waiting for the device (ARCHITECTURE.md#measuring-bubbles); None, with no seconds, when no time is
+    ready."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)

@@ -9,9 +9,10 @@ and wants an even split. One split serves both for a deployment's life, so the a
 pricing by weights per token (`weight_costs`), takes the split whose worst slowdown against each
 regime's own best split is least (`robust_partition`, over a decode and a full-budget prefill
 microbatch; docs/decisions.md#robust-layer-partition). `calibrated` measures instead: the stages' own
-compute times on a short run at the configured budget (or a saved `CostProfile`) give the per-layer and head costs (`fit_cost_profile`), and the same
-exact split minimizes the slowest stage at that run's mean decode microbatch (measured, so the per-layer
-costs the weights do not show, norms, attention, op launches, are in it).
+compute times on a short run at the configured budget (or a saved `CostProfile`) give the per-layer and head
+costs (`fit_cost_profile`), and the same exact split minimizes the slowest stage at that run's mean decode
+microbatch (measured, so the per-layer costs the weights do not show, norms, attention, op launches, are in
+it).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _validate(num_layers: int, num_stages: int) -> None:
     if num_stages < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {num_stages}")
     if num_layers < num_stages:
-        raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages: every stage needs a layer")
+        raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages: every stage needs a "
+                         "layer")
 
 
 def ranges_from_counts(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -58,7 +60,8 @@ def even_partition(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     return ranges_from_counts([base + (1 if s < extra else 0) for s in range(num_stages)])
 
 
-def stage_costs(ranges: Sequence[tuple[int, int]], costs: LayerCosts, reference: Sequence[float]) -> list[float]:
+def stage_costs(ranges: Sequence[tuple[int, int]], costs: LayerCosts,
+                reference: Sequence[float]) -> list[float]:
     """Each stage's predicted time for a microbatch with the features `reference` (sched.cost.features)."""
     return [c.of_features(reference) for c in costs.pipeline(ranges).stages]
 
@@ -79,7 +82,8 @@ def _bottleneck_split(num_layers: int, num_stages: int,
                     continue
                 val = max(best[s - 1][m], stage_cost(m, n))
                 # Ties go to the later cut, which gives earlier stages more layers (deterministic).
-                if val < best[s][n] - 1e-12 * abs(val) or (abs(val - best[s][n]) <= 1e-12 * abs(val) and m > cut[s][n]):
+                if val < best[s][n] - 1e-12 * abs(val) or (abs(val - best[s][n]) <= 1e-12 * abs(val)
+                                                           and m > cut[s][n]):
                     best[s][n], cut[s][n] = val, m
     bounds, n = [], num_layers
     for s in range(num_stages, 0, -1):
@@ -140,13 +144,15 @@ def partition_layers(
         counts = list(explicit)
         if len(counts) != num_stages or any(c < 1 for c in counts) or sum(counts) != num_layers:
             raise ValueError(
-                f"layer_partition {counts} must have {num_stages} positive entries summing to {num_layers} layers"
+                f"layer_partition {counts} must have {num_stages} positive entries summing to {num_layers} "
+                "layers"
             )
         return ranges_from_counts(counts)
     if mode == "even":
         return even_partition(num_layers, num_stages)
     if mode == "cost":
-        return cost_partition(num_layers, num_stages, costs or LayerCosts(StepCost(token_s=1.0), StepCost()), reference)
+        return cost_partition(num_layers, num_stages, costs or LayerCosts(StepCost(token_s=1.0), StepCost()),
+                              reference)
     raise ValueError(f"partition mode must be even or cost, got {mode!r}")
 
 
@@ -166,12 +172,15 @@ def weight_costs(model: ModelShape) -> LayerCosts:
     attention and MLP weights per token, the LM head's vocab x hidden per token that gets logits. The
     one place a model's per-layer cost is computed from its shape."""
     head_dim = getattr(model, "head_dim", 0) or model.hidden_size // model.num_heads
-    attn = model.hidden_size * (model.num_heads * head_dim) * 2 + model.hidden_size * (model.num_kv_heads * head_dim) * 2
+    attn = (model.hidden_size * (model.num_heads * head_dim) * 2
+            + model.hidden_size * (model.num_kv_heads * head_dim) * 2)
     mlp = mlp_weights_per_token(model)  # a sparse layer's k experts and router, not all its experts
-    return LayerCosts(StepCost(token_s=float(attn + mlp)), StepCost(sample_s=float(model.vocab_size * model.hidden_size)))
+    return LayerCosts(StepCost(token_s=float(attn + mlp)),
+                      StepCost(sample_s=float(model.vocab_size * model.hidden_size)))
 
 
-def initial_ranges(par: PartitionSettings, model: ModelShape, token_budget: int = 512) -> list[tuple[int, int]]:
+def initial_ranges(par: PartitionSettings, model: ModelShape,
+                   token_budget: int = 512) -> list[tuple[int, int]]:
     """The layer ranges a pipeline starts with: explicit counts, even, or cost-aware by weights per token
     (`weight_costs`), robust over a decode microbatch and a full `token_budget` prefill chunk
     (`robust_partition`); `calibrated` starts even and is refined from measured stage times."""
@@ -201,7 +210,8 @@ class CostProfile:
     source: str = ""
 
     def ranges(self, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-        return partition_layers(num_layers, num_stages, mode="cost", costs=self.costs, reference=self.reference)
+        return partition_layers(num_layers, num_stages, mode="cost", costs=self.costs,
+                                reference=self.reference)
 
     @property
     def head_in_layers(self) -> float:
@@ -210,23 +220,27 @@ class CostProfile:
         return self.costs.head.of_features(self.reference) / layer if layer > 0 else 0.0
 
     def to_json(self) -> dict[str, object]:
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **self.costs.to_json(), "reference": list(self.reference),
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **self.costs.to_json(),
+                "reference": list(self.reference),
                 "num_microbatches": self.num_microbatches, "source": self.source}
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> CostProfile:
         if data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"not a ppserve cost profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
+            raise ValueError(f"not a ppserve cost profile (format {data.get('format')!r}, expected "
+                             f"{PROFILE_FORMAT!r})")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"cost profile version {data.get('version')!r}, this ppserve reads {PROFILE_VERSION} "
-                             "(version 1 priced the split at the mean microbatch, not the mean decode)")
+            raise ValueError(f"cost profile version {data.get('version')!r}, this ppserve reads "
+                             f"{PROFILE_VERSION} (version 1 priced the split at the mean microbatch, not "
+                             "the mean decode)")
         try:
             reference = tuple(float(x) for x in data["reference"])  # type: ignore[attr-defined]
             num = int(data["num_microbatches"])  # type: ignore[call-overload]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"cost profile: bad or missing reference / num_microbatches: {e}") from None
         if len(reference) != len(DECODE_REFERENCE):
-            raise ValueError(f"cost profile: reference needs {len(DECODE_REFERENCE)} features, got {len(reference)}")
+            raise ValueError(f"cost profile: reference needs {len(DECODE_REFERENCE)} features, got "
+                             f"{len(reference)}")
         return cls(LayerCosts.from_json(data), reference, num, str(data.get("source", "")))
 
 

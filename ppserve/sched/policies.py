@@ -1,14 +1,13 @@
 """Admission policies: which requests join a microbatch and how many tokens each computes.
 
 Every policy shares the request model, the block manager and the pipeline; only admission differs
-(ARCHITECTURE.md §3). A policy sees a `BatchBuilder`, which owns block allocation and preemption, and calls
-`builder.add(req, num_tokens)`. Attributes tell the scheduler what else a policy takes part in:
-`token_budgeted` (it consults the token budget, so the budget mode's time budget and TBT target apply
-too; orca and static admit whole prompts under no token budget), `chunked_prefill` (it cuts prompts
-into chunks, so no microbatch ever holds more than the budget: an invariant the scheduler checks;
-vllm runs a prompt longer than the budget alone), and `balanced` (the scheduler hands
-it a decode quota and a fair share of the work, and lets a prompt's chunks follow each other down the
-pipeline: `ppserve.sched.balance`).
+(ARCHITECTURE.md#how-a-microbatch-is-formed). A policy sees a `BatchBuilder`, which owns block allocation and
+preemption, and calls `builder.add(req, num_tokens)`. Attributes tell the scheduler what else a policy takes
+part in: `token_budgeted` (it consults the token budget, so the budget mode's time budget and TBT target apply
+too; orca and static admit whole prompts under no token budget), `chunked_prefill` (it cuts prompts into
+chunks, so no microbatch ever holds more than the budget: an invariant the scheduler checks; vllm runs a
+prompt longer than the budget alone), and `balanced` (the scheduler hands it a decode quota and a fair share
+of the work, and lets a prompt's chunks follow each other down the pipeline: `ppserve.sched.balance`).
 """
 
 from __future__ import annotations
@@ -151,7 +150,8 @@ class StaticPolicy:
 # config validates before anything is built); the two must agree, which is checked here at import.
 POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy)}
 if set(POLICIES) != set(POLICY_NAMES):
-    raise ImportError(f"policy classes {sorted(POLICIES)} and config.POLICIES {sorted(POLICY_NAMES)} disagree")
+    raise ImportError(f"policy classes {sorted(POLICIES)} and config.POLICIES {sorted(POLICY_NAMES)} "
+                      "disagree")
 
 
 def make_policy(name: str, balanced: bool = True) -> Policy:

@@ -9,13 +9,13 @@ it and join the one after: a step more of TTFT where prompts arrive among decode
 
 `RingClock` predicts when stage 0 will have finished the work in flight ahead of the next microbatch, so
 the engine forms it ahead of then by the dispatch's latency (the caller's) plus `margin_s`, for the
-prediction's error, and whatever arrived meanwhile rides in it. Stage 0 runs the in-flight microbatches in order; one starts
-once the one before it is done, it was formed, and, if it takes ring decodes, their source came back (the
-ring message reaches stage 0 about when the result reaches the engine). Each runs its predicted stage-0
-time (the scheduler's online step cost). Where a time is unknown (no prediction yet, or a source still in
-flight) the answer is None: form now, as without the clock. Errors fall on the safe side as far as they
-can: a microbatch's dispatch latency is left out of its start, which makes the answer early, not late.
-Pure Python, like the rest of the scheduler.
+prediction's error, and whatever arrived meanwhile rides in it. Stage 0 runs the in-flight microbatches in
+order; one starts once the one before it is done, it was formed, and, if it takes ring decodes, their source
+came back (the ring message reaches stage 0 about when the result reaches the engine). Each runs its predicted
+stage-0 time (the scheduler's online step cost). Where a time is unknown (no prediction yet, or a source still
+in flight) the answer is None: form now, as without the clock. Errors fall on the safe side as far as they
+can: a microbatch's dispatch latency is left out of its start, which makes the answer early, not late. Pure
+Python, like the rest of the scheduler.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ The policy decides which requests join a microbatch and how many tokens each com
 every schedulable decode first, then the prefill chunks under way, then new requests in arrival order,
 chunked so the microbatch holds exactly its budget). With a pipeline the formation is balanced
 (`BalancedFormation`): each microbatch gets a decode quota and a budget that is an equal share of the
-work in reach, so consecutive microbatches cost the same on every stage (ARCHITECTURE.md "How a
-microbatch is formed"). Per-request work is incremental and linear in the number of requests.
+work in reach, so consecutive microbatches cost the same on every stage
+(ARCHITECTURE.md#how-a-microbatch-is-formed). Per-request work is incremental and linear in the number
+of requests.
 """
 
 from __future__ import annotations
@@ -90,12 +91,14 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
     def max_total_tokens(self, req: Request) -> int:
         """Prompt plus the most output tokens it may get (max_tokens None: the context's limit)."""
-        return min(req.num_prompt_tokens + (req.sampling.max_tokens or self.max_model_len), self.max_model_len)
+        return min(req.num_prompt_tokens + (req.sampling.max_tokens or self.max_model_len),
+                   self.max_model_len)
 
     def add_request(self, req: Request) -> None:
         """Queue a request; ValueError if it can never run (too long for the context or the KV cache)."""
         if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in use by a request that has not finished")
+            raise ValueError(f"request_id {req.request_id!r} is already in use by a request that has not "
+                             "finished")
         if not req.prompt_token_ids:
             raise ValueError("prompt is empty: at least one token is needed")
         if req.num_prompt_tokens >= self.max_model_len:
@@ -244,7 +247,8 @@ class Scheduler:
             budget, quota = self.formation.plan(split, budget)
         b = BatchBuilder(
             budget=budget, split=split, blocks=self.blocks, running=self.running, waiting=self.waiting,
-            preempt=self._preempt, max_num_seqs=self.config.max_num_seqs, max_total_tokens=self.max_total_tokens,
+            preempt=self._preempt, max_num_seqs=self.config.max_num_seqs,
+            max_total_tokens=self.max_total_tokens,
             clock=self.clock, decode_quota=quota,
         )
         self.policy.fill(b)
@@ -282,17 +286,20 @@ class Scheduler:
             if req.sent_to_workers:
                 # The usual diff is one new token and no block: spare the slicing.
                 k = req.num_output_tokens_sent
-                toks = () if k == num_outputs else (outputs[-1],) if k == num_outputs - 1 else tuple(outputs[k:])
+                toks = (() if k == num_outputs else (outputs[-1],) if k == num_outputs - 1
+                        else tuple(outputs[k:]))
                 k = req.num_blocks_sent
                 blocks = () if k == num_blocks else tuple(req.block_ids[k:])
                 cached.append(CachedRequestData(rid, toks, blocks, done))
             else:
                 new.append(NewRequestData(
-                    request_id=rid, token_ids=tuple(req.all_token_ids), num_prompt_tokens=len(req.prompt_token_ids),
+                    request_id=rid, token_ids=tuple(req.all_token_ids),
+                    num_prompt_tokens=len(req.prompt_token_ids),
                     block_ids=tuple(req.block_ids), num_computed_tokens=done, sampling=req.sampling,
                 ))
                 req.sent_to_workers = True
-            req.num_output_tokens_sent = num_outputs + pending  # the workers get the ring's token without a diff
+            # the workers get the ring's token without a diff
+            req.num_output_tokens_sent = num_outputs + pending
             req.num_blocks_sent = num_blocks
             if num_tokens - done > 1:
                 prefill_tokens += n
@@ -386,12 +393,14 @@ class Scheduler:
             reason = None
             if (token in req.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
                 reason = FinishReason.STOP
-            elif len(outputs) >= (sp.max_tokens or max_len) or len(req.prompt_token_ids) + len(outputs) >= max_len:
+            elif (len(outputs) >= (sp.max_tokens or max_len)
+                  or len(req.prompt_token_ids) + len(outputs) >= max_len):
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
             lp = result.logprobs.get(rid)
-            updates.append(RequestUpdate(rid, (token,), reason is not None, reason, () if lp is None else (lp,)))
+            updates.append(RequestUpdate(rid, (token,), reason is not None, reason,
+                                         () if lp is None else (lp,)))
         return updates
 
     @property
@@ -434,7 +443,8 @@ class Scheduler:
                 req = self.requests.get(rid)
                 if req is not None and not req.is_finished:
                     if rid in sampling and rid not in ringed:
-                        raise AssertionError(f"request {rid} is in an in-flight microbatch after the one that samples it")
+                        raise AssertionError(f"request {rid} is in an in-flight microbatch after the one "
+                                             "that samples it")
                     if counts.get(rid) and not self.balanced and rid not in ringed:
                         raise AssertionError(f"request {rid} is in two in-flight microbatches")
                 counts[rid] = counts.get(rid, 0) + 1
@@ -444,7 +454,8 @@ class Scheduler:
         for rid, n in counts.items():
             req = self.requests.get(rid)
             if req is not None and req.num_in_flight != n:
-                raise AssertionError(f"request {rid} counts {req.num_in_flight} in-flight microbatches, not {n}")
+                raise AssertionError(f"request {rid} counts {req.num_in_flight} in-flight microbatches, not "
+                                     f"{n}")
         # Shared blocks: every held block's reference count is the number of running requests holding it;
         # a waiting request holds nothing and has nothing computed.
         self.blocks.check([r.block_ids for r in self.running.values()])

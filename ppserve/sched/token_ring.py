@@ -4,8 +4,8 @@ With pp > 1 and `scheduler.token_ring` on, a decode may be scheduled before its 
 the last stage hands each microbatch's sampled tokens straight to stage 0, which embeds them, so the
 engine's result handling and the dispatch leave the decode groups' critical path. `TokenRing` decides
 which decodes ride on it (the oldest in-flight microbatch's samples), whether its extra slot is open,
-and, through `RingClock`, when the extra microbatch is due (ARCHITECTURE.md "How a microbatch is formed").
-Pure Python, like the rest of the scheduler.
+and, through `RingClock`, when the extra microbatch is due
+(ARCHITECTURE.md#how-a-microbatch-is-formed). Pure Python, like the rest of the scheduler.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ class TokenRing:
         # When the extra microbatch is due: just before stage 0 needs it. None: as soon as its slot frees.
         self.clock = RingClock(margin_ms * 1e-3, 2 * self.max_in_flight) if margin_ms is not None else None
 
-    def candidates(self, in_flight: deque[SchedulerOutput], requests: Mapping[str, Request]) -> dict[str, Request]:
+    def candidates(self, in_flight: deque[SchedulerOutput],
+                   requests: Mapping[str, Request]) -> dict[str, Request]:
         """The requests the oldest in-flight microbatch samples that may decode again before it comes
         back: their only microbatch in flight, that token not their last by length. Only the oldest's:
         stage 0 waits for its ring message, and it is the next microbatch to leave the last stage. A stop
@@ -47,7 +48,8 @@ class TokenRing:
             if req is None or req.status is not _RUNNING or req.num_in_flight != 1:
                 continue
             outputs = len(req.output_token_ids) + 1  # with the token in flight
-            if outputs >= (req.sampling.max_tokens or max_len) or len(req.prompt_token_ids) + outputs >= max_len:
+            if (outputs >= (req.sampling.max_tokens or max_len)
+                    or len(req.prompt_token_ids) + outputs >= max_len):
                 continue
             ring[rid] = req
         return ring

@@ -17,13 +17,14 @@ if TYPE_CHECKING:  # the stats type only: `ppserve --help` stays instant
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) and the OpenAI-compatible HTTP API on a pipeline")
+    p = sub.add_parser("serve", help="serve the gRPC API (ppserve.v1) and the OpenAI-compatible HTTP API "
+                                     "on a pipeline")
     add_config_arguments(p)
     p.add_argument("--host", help="address to bind (default: server.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default: server.port, 50051; 0 picks a free one)")
     p.add_argument("--http-port", type=int,
-                   help="port of the OpenAI-compatible HTTP API and /metrics (default: server.http_port, 8000; "
-                        "0 picks a free one, -1 turns it off)")
+                   help="port of the OpenAI-compatible HTTP API and /metrics "
+                        "(default: server.http_port, 8000; 0 picks a free one, -1 turns it off)")
     p.add_argument(
         "--ray-address", help="attach to this Ray cluster (e.g. auto or HEAD:6379) instead of starting one"
     )
@@ -64,7 +65,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _add_security_args(p: Any) -> None:
-    p.add_argument("--tls-ca", help="PEM file of the CA (or self-signed certificate) to trust: connect with TLS")
+    p.add_argument("--tls-ca",
+                   help="PEM file of the CA (or self-signed certificate) to trust: connect with TLS")
     p.add_argument("--token-file", help="file holding the server's bearer token")
 
 
@@ -130,7 +132,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if last is not None and last.metrics is not None:
         m = last.metrics
         print(
-            f"[{last.num_output_tokens} tokens, {last.finish_reason}; queue {m['queue_time_s'] * 1e3:.1f} ms, "
+            f"[{last.num_output_tokens} tokens, {last.finish_reason}; "
+            f"queue {m['queue_time_s'] * 1e3:.1f} ms, "
             f"TTFT {m['ttft_s'] * 1e3:.1f} ms, mean TBT {m['mean_tbt_s'] * 1e3:.1f} ms]",
             file=sys.stderr,
         )

@@ -74,7 +74,8 @@ class Completion:
 
 def _single(choices: list[Completion]) -> Completion:
     if len(choices) != 1:
-        raise ValueError(f"the request produced {len(choices)} choices (sampling n > 1): use generate_choices")
+        raise ValueError(f"the request produced {len(choices)} choices (sampling n > 1): "
+                         "use generate_choices")
     return choices[0]
 
 
@@ -114,7 +115,8 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class ChunkStream:
-    """A live Generate stream (sync): iterate for chunks; cancel() ends it and the server frees the request."""
+    """A live Generate stream (sync): iterate for chunks; cancel() ends it and the server frees the
+    request."""
 
     def __init__(self, call: Any) -> None:
         self._call = call
@@ -143,11 +145,13 @@ class _Client:
         root_certificates: bytes | str | None = None,
         token: str | None = None,
     ) -> None:
-        """tls / root_certificates (PEM bytes or path; implies tls): TLS; token: bearer token sent on every call."""
+        """tls / root_certificates (PEM bytes or path; implies tls): TLS; token: bearer token sent on every
+        call."""
         self.target = target
         opts = _channel_options(max_message_bytes)
         creds = _credentials(tls, root_certificates)
-        self.channel = self._secure_channel(target, creds, opts) if creds else self._insecure_channel(target, opts)
+        self.channel = (self._secure_channel(target, creds, opts) if creds
+                        else self._insecure_channel(target, opts))
         self.metadata = _metadata(token)
         self.stub = pb_grpc.PPServeStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -202,7 +206,8 @@ class PPServeClient(_Client):
         return _assemble(self.stream(prompt, **kwargs))
 
     def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        return bool(self.stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call(timeout)).cancelled)
+        return bool(self.stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                     **self._call(timeout)).cancelled)
 
     def stats(self, timeout: float | None = 30.0) -> EngineStats:
         return convert.stats_from_proto(self.stub.GetStats(pb.StatsRequest(), **self._call(timeout)))
@@ -257,12 +262,14 @@ class AsyncPPServeClient(_Client):
         """One whole completion (n = 1; see generate_choices)."""
         return _single(await self.generate_choices(prompt, **kwargs))
 
-    async def generate_choices(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> list[Completion]:
+    async def generate_choices(self, prompt: str | Sequence[int] | None = None,
+                               **kwargs: Any) -> list[Completion]:
         """Every choice of a request (sampling n), assembled, in index order."""
         return _assemble([c async for c in self.stream(prompt, **kwargs)])
 
     async def cancel(self, request_id: str, timeout: float | None = 10.0) -> bool:
-        return bool((await self.stub.Cancel(pb.CancelRequest(request_id=request_id), **self._call(timeout))).cancelled)
+        return bool((await self.stub.Cancel(pb.CancelRequest(request_id=request_id),
+                                            **self._call(timeout))).cancelled)
 
     async def stats(self, timeout: float | None = 30.0) -> EngineStats:
         return convert.stats_from_proto(await self.stub.GetStats(pb.StatsRequest(), **self._call(timeout)))

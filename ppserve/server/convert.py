@@ -23,14 +23,14 @@ from ppserve.worker.info import WorkerInfo
 
 __all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
 
-_FINISH_TO_PROTO = {
+_FINISH_TO_PROTO: dict[str | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "error": pb.FINISH_REASON_ERROR,
 }
-_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_FINISH_FROM_PROTO: dict[int, str | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 # Largest id a proto int64 may carry that still makes sense as a Python int for the engine.
 _INT64_MAX = (1 << 63) - 1
@@ -38,8 +38,8 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "min_tokens", "logprobs", "n", "min_p")
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "n", "min_p")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -58,7 +58,8 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None 
 
 
 def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+    msg = pb.SamplingParams(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids),
+                            ignore_eos=sp.ignore_eos)
     for name in _OPTIONAL_SAMPLING:
         value = getattr(sp, name)
         if value is not None:
@@ -95,7 +96,8 @@ def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) ->
     if req.messages:
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role {m.role!r} is unknown; expected one of {', '.join(CHAT_ROLES)}")
+                raise ValueError(f"messages[{i}].role {m.role!r} is unknown; "
+                                 f"expected one of {', '.join(CHAT_ROLES)}")
         return PromptInput(messages=tuple((m.role, m.content) for m in req.messages), cache_salt=salt)
     ids = tuple(int(t) for t in req.prompt_token_ids)
     upper = vocab_size if vocab_size is not None else _INT64_MAX
@@ -118,7 +120,8 @@ def request_id_from_proto(req: pb.GenerateRequest) -> str:
 # ---- malformed wire messages ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MalformedRequest:
-    """Stands in for a request that could not be parsed; the servicer answers INVALID_ARGUMENT with `reason`."""
+    """Stands in for a request that could not be parsed; the servicer answers INVALID_ARGUMENT with
+    `reason`."""
 
     reason: str
 
@@ -133,7 +136,8 @@ _STRING_FIELDS: dict[int, Any] = {
 
 
 def generate_request_deserializer(max_bytes: int) -> Callable[[bytes], pb.GenerateRequest | MalformedRequest]:
-    """Parse a GenerateRequest without ever raising: gRPC would answer a raising deserializer with INTERNAL."""
+    """Parse a GenerateRequest without ever raising: gRPC would answer a raising deserializer with
+    INTERNAL."""
 
     def parse(data: bytes) -> pb.GenerateRequest | MalformedRequest:
         if len(data) > max_bytes:
@@ -141,7 +145,8 @@ def generate_request_deserializer(max_bytes: int) -> Callable[[bytes], pb.Genera
                 f"request message is {len(data)} bytes; the limit is {max_bytes} (server.max_message_bytes)"
             )
         try:
-            return pb.GenerateRequest.FromString(data)
+            request: pb.GenerateRequest = pb.GenerateRequest.FromString(data)  # protobuf is untyped here
+            return request
         except DecodeError as e:
             try:
                 where = _find_bad_utf8(data, _STRING_FIELDS, "")
@@ -217,12 +222,12 @@ def generate_request_to_proto(
 
 
 # ---- responses -----------------------------------------------------------------------------------
-def finish_reason_to_proto(reason: str | None) -> int:
-    return int(_FINISH_TO_PROTO[reason])
+def finish_reason_to_proto(reason: str | None) -> pb.FinishReason:
+    return _FINISH_TO_PROTO[reason]
 
 
 def finish_reason_from_proto(value: int) -> str | None:
-    return _FINISH_FROM_PROTO.get(value)  # type: ignore[call-overload, no-any-return]
+    return _FINISH_FROM_PROTO.get(value)
 
 
 def request_metrics_to_proto(t: RequestTimes) -> pb.RequestMetrics:
@@ -244,7 +249,7 @@ def to_unix_times(engine_times: Sequence[float], engine_to_unix: float) -> list[
 
 # ---- errors --------------------------------------------------------------------------------------
 def error_to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """Map ppserve's exceptions to the API's status codes (ARCHITECTURE.md §9)."""
+    """Map ppserve's exceptions to the API's status codes (ARCHITECTURE.md#the-front-doors)."""
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverflowError):

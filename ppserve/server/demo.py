@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*defaults, *args.overrides])
     print(
         f"building the pipeline: pp={config.parallel.pipeline_parallel_size} "
-        f"tp={config.parallel.tensor_parallel_size}, model {config.model.model or 'SmolLM2-135M-Instruct'} ...",
+        f"tp={config.parallel.tensor_parallel_size}, "
+        f"model {config.model.model or 'SmolLM2-135M-Instruct'} ...",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -80,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_and_stream(engine: Any, args: argparse.Namespace) -> tuple[list[Any], EngineStats, float, CpuUsage | None]:
+async def _serve_and_stream(
+    engine: Any, args: argparse.Namespace
+) -> tuple[list[Any], EngineStats, float, CpuUsage | None]:
     from ppserve.metrics.host_cpu import cpu_usage, snapshot
     from ppserve.server.client import AsyncPPServeClient, Completion
     from ppserve.server.server import start_server
@@ -157,7 +160,8 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, us
     print(f"TTFT  p50 {ms(lat['ttft_s']['p50'])}  p99 {ms(lat['ttft_s']['p99'])}")
     print(f"TBT   p50 {ms(lat['tbt_s']['p50'])}  p99 {ms(lat['tbt_s']['p99'])}")
     print(
-        f"TPOT  mean {ms(lat['tpot_s']['mean'])}   scheduling delay p50 {ms(lat['scheduling_delay_s']['p50'])}"
+        f"TPOT  mean {ms(lat['tpot_s']['mean'])}   "
+        f"scheduling delay p50 {ms(lat['scheduling_delay_s']['p50'])}"
     )
 
     spans = engine.all_spans()
@@ -168,8 +172,8 @@ def _report(engine: Any, results: list[Any], stats: EngineStats, wall: float, us
     p = engine.engine.config.parallel.pipeline_parallel_size
     lifetimes = lifetimes_ns(timings, offset_s=time.time() - time.perf_counter())
     short, _ = short_handed_fractions(spans, work, "active", lifetimes, p)
-    print(f"of the mean bubble, {100 * short:.1f} points fell while fewer than {p} requests were in the system "
-          "(their decodes cannot fill every stage, whatever the formation)")
+    print(f"of the mean bubble, {100 * short:.1f} points fell while fewer than {p} requests were in the "
+          "system (their decodes cannot fill every stage, whatever the formation)")
     control = control_plane_latency(spans)
     print("control plane per microbatch (medians): " + ", ".join(
         f"{name} {ms(control[name]['p50_s'])}" for name in FIGURES

@@ -9,9 +9,9 @@ published (AsyncEngine.stats(), which does not ask that thread: a scrape never d
 The series: vLLM's (requests running and waiting, KV cache usage, preemptions, prefix-cache queries and
 hits, prompt and generation tokens, finished requests by reason, TTFT, inter-token and end-to-end latency
 histograms), with vLLM's meaning where vLLM has one; and the pipeline's: each stage's busy, bubble and
-starvation fractions over the stats window (ARCHITECTURE.md §5's definitions) and their mean, tokens and
-each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time. Each
-series' help text, in `ServerMetrics.__init__`, says what it counts.
+starvation fractions over the stats window (ARCHITECTURE.md#measuring-bubbles definitions) and their mean,
+tokens and each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time.
+Each series' help text, in `ServerMetrics.__init__`, says what it counts.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from ppserve.engine.stats import EngineStats
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 PREFIX = "ppserve:"
-_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 
@@ -57,7 +58,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first output token.", _LATENCY)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", _LATENCY)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             _LATENCY)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last output token.", _LATENCY)
         self.busy = gauge("stage_busy_fraction", "Fraction of the stats window the stage computed or sent.",
                           ["stage"])
@@ -70,13 +72,14 @@ class ServerMetrics:
         self.mb_seconds = histogram("microbatch_compute_seconds", "A stage's compute time per microbatch "
                                     "(TP rank 0's, which ends with its slowest rank's).", _STEP, ["stage"])
         self.restarts = counter("pipeline_restarts", "Pipeline rebuilds after a stage died or hung.")
-        self.recovery_total = counter("pipeline_recovery_seconds", "Time from a stage failure to serving again.")
+        self.recovery_total = counter("pipeline_recovery_seconds",
+                                      "Time from a stage failure to serving again.")
         self.last_recovery = gauge("pipeline_last_recovery_seconds", "The latest rebuild's recovery time.")
         # Every series exists from the start (at 0), so dashboards and rate() see it before its first event.
         for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prefix_queries,
                        self.prefix_hits, self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble, self.mb_tokens,
-                       self.restarts, self.recovery_total, self.last_recovery):
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble,
+                       self.mb_tokens, self.restarts, self.recovery_total, self.last_recovery):
             metric.labels(**label)
         for reason in ("stop", "length", "cancelled", "error"):
             self.success.labels(**label, finished_reason=reason)

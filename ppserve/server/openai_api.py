@@ -252,15 +252,16 @@ class OpenAIFrontDoor:
     def _check_failed(self, chunk: StreamChunk) -> None:
         if chunk.finished and chunk.finish_reason == "error":
             failure = self.engine.failure
-            raise APIError(503, f"the pipeline failed: {failure}" if failure else "the request failed in the engine",
-                           "service_unavailable_error")
+            raise APIError(503, (f"the pipeline failed: {failure}" if failure
+                                 else "the request failed in the engine"), "service_unavailable_error")
 
     # ---- token text for logprobs -------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
         if text is None:
             tok = self.engine.engine.tokenizer
-            text = str(token_id) if tok is None else tok.decode([token_id], clean_up_tokenization_spaces=False)
+            text = (str(token_id) if tok is None
+                    else tok.decode([token_id], clean_up_tokenization_spaces=False))
             self._token_text[token_id] = text
         return text
 
@@ -268,7 +269,8 @@ class OpenAIFrontDoor:
 class _Format:
     """The JSON shapes of one endpoint (completions or chat), whole and streamed."""
 
-    def __init__(self, door: OpenAIFrontDoor, rid: str, obj: str, *, chat: bool, logprobs: int | None) -> None:
+    def __init__(self, door: OpenAIFrontDoor, rid: str, obj: str, *, chat: bool,
+                 logprobs: int | None) -> None:
         self.door, self.rid, self.object, self.chat, self.logprobs = door, rid, obj, chat, logprobs
         self.created = int(time.time())
         self._text_offset: dict[int, int] = {}  # streamed completions: where each choice's next token starts
@@ -304,13 +306,15 @@ class _Format:
                     "finish_reason": reason}
         return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": reason}
 
-    def logprob_block(self, token_ids: list[int], logprobs: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    def logprob_block(self, token_ids: list[int], logprobs: list[TokenLogprob],
+                      offset: int) -> dict[str, Any]:
         """OpenAI's logprobs object: chat's `content` list, or the completions' four parallel lists."""
         text = self.door.token_text
         if self.chat:
             return {"content": [
                 {"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
-                 "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())} for i, v in top]}
+                 "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
+                                  for i, v in top]}
                 for t, (lp, top) in zip(token_ids, logprobs, strict=True)
             ]}
         tokens = [text(t) for t in token_ids]

@@ -9,11 +9,14 @@ so a bad value gets the same message here as over gRPC.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from ppserve.request import SamplingParams
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 
 class StreamOptions(BaseModel):
@@ -59,7 +62,8 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
 
-    def sampling(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(self, defaults: dict[str, Any], max_tokens: int | None,
+                 logprobs: int | None) -> SamplingParams:
         """SamplingParams: the fields the client set, else the model's defaults (generation_config.json),
         else OpenAI's (temperature 1, top_p 1). `max_tokens` is the request's own limit (None: the
         model's default, else what the context leaves). Raises ValueError naming a bad field."""
@@ -99,9 +103,14 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if not p:
             raise ValueError("prompt is empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[misc]
+        if _is_token_ids(p):
+            return [list(p)]
+        return [x if isinstance(x, str) else list(x) for x in p]
+
+
+def _is_token_ids(p: list[str] | list[int] | list[list[int]]) -> TypeIs[list[int]]:
+    """Whether a prompt list is one prompt's token ids rather than a batch of prompts."""
+    return all(isinstance(x, int) for x in p)
 
 
 class ChatMessage(BaseModel):

@@ -51,7 +51,8 @@ class RunningServer:
         return f"{self.host}:{self.port}"
 
     async def set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -103,7 +104,8 @@ async def start_http(engine: AsyncEngine, cfg: ServerConfig, host: str, token: s
     app = build_app(engine, model_name=model_name, token=token, metrics=metrics)
     tls = bool(cfg.tls_cert and cfg.tls_key)
     config = uvicorn.Config(app, host=host, port=cfg.http_port, log_level="warning", access_log=False,
-                            ssl_certfile=cfg.tls_cert if tls else None, ssl_keyfile=cfg.tls_key if tls else None,
+                            ssl_certfile=cfg.tls_cert if tls else None,
+                            ssl_keyfile=cfg.tls_key if tls else None,
                             timeout_graceful_shutdown=max(1, int(grace_s)), lifespan="off")
     sock = config.bind_socket()
     server = _EmbeddedUvicorn(config)
@@ -125,7 +127,8 @@ def served_model_name(config: EngineConfig) -> str:
     return DEFAULT_MODEL_NAME
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+# grpc is untyped, so its base class is Any to mypy.
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Every call (health and reflection included) must carry `authorization: Bearer <token>`."""
 
     def __init__(self, token: str) -> None:
@@ -149,7 +152,8 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED and nothing else."""
 
     async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization metadata)")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token (authorization metadata)")
 
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -229,7 +233,8 @@ async def start_server(
         server,
     )
     if cfg.tls_cert and cfg.tls_key:
-        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
+                                              Path(cfg.tls_cert).read_bytes())])
         bound = server.add_secure_port(f"{host}:{port}", creds)
     else:
         bound = server.add_insecure_port(f"{host}:{port}")
@@ -283,7 +288,8 @@ async def _watch_engine(running: RunningServer) -> None:
         rebuilding = bool(getattr(engine.engine, "recovering", False))
         if rebuilding == serving:
             serving = not rebuilding
-            logger.warning("pipeline %s", "rebuilt: serving again" if serving else "being rebuilt: not serving")
+            logger.warning("pipeline %s",
+                           "rebuilt: serving again" if serving else "being rebuilt: not serving")
             await running.set_health(serving)
         await asyncio.sleep(HEALTH_POLL_S)
     if engine.failure is not None:

@@ -49,7 +49,8 @@ class PPServeServicer(pb_grpc.PPServeServicer):
                     if chunk.token_ids:
                         chunk.finished, chunk.finish_reason, chunk.times = False, None, None
                         yield _response(rid, index, chunk, num_prompt_tokens, offset)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the pipeline failed: {self.engine.failure}")
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"the pipeline failed: {self.engine.failure}")
                 yield _response(rid, index, chunk, num_prompt_tokens, offset)
         finally:
             # Runs on every exit: normal end, client cancel / deadline (grpc.aio raises CancelledError

@@ -1,4 +1,5 @@
-"""Discrete-event simulator: ppserve's own scheduler over a step-time cost model (ARCHITECTURE.md §11, §5).
+"""Discrete-event simulator: ppserve's own scheduler over a step-time cost model
+(ARCHITECTURE.md#the-simulator, #measuring-bubbles).
 
 Pure Python: never imports torch, ray or grpc, so it runs anywhere the unit tests run.
 """

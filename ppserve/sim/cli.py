@@ -25,14 +25,18 @@ if TYPE_CHECKING:  # the run path imports these lazily, so `ppserve --help` stay
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("simulate", help="discrete-event simulation of the pipeline with ppserve's scheduler")
     add_config_arguments(p, config_help="engine YAML config (scheduler / cache / parallel sections are used)")
-    p.add_argument("--hardware", default="a100", help="a100 | h100 | a hardware YAML | a fitted profile .json")
-    p.add_argument("--model", default="gpt3-175b", help="gpt3-175b | llama2-70b | llama3-8b | smollm2-135m | YAML")
+    p.add_argument("--hardware", default="a100",
+                   help="a100 | h100 | a hardware YAML | a fitted profile .json")
+    p.add_argument("--model", default="gpt3-175b",
+                   help="gpt3-175b | llama2-70b | llama3-8b | smollm2-135m | YAML")
     p.add_argument("--pp", type=int, help="pipeline stages (default: config, or the profile's stage count)")
     p.add_argument("--tp", type=int, help="tensor-parallel ranks per stage (default: config)")
     p.add_argument("--workload", default="splitwise_conv.csv",
-                   help="trace CSV path or a name in ../shared/traces (arrived_at, num_prefill_tokens, num_decode_tokens)")
+                   help="trace CSV path or a name in ../shared/traces (arrived_at, num_prefill_tokens, "
+                        "num_decode_tokens)")
     p.add_argument("--num-requests", type=int, default=256)
-    p.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s (default: the trace's own)")
+    p.add_argument("--rate", type=float,
+                   help="Poisson arrivals at this many requests/s (default: the trace's own)")
     p.add_argument("--at-once", action="store_true", help="all requests arrive at 0 (offline throughput)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-scale", type=float, default=1.0)
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     # Every setting that shaped the run, printed and saved beside the figures so a run can be repeated.
     settings = {"model": model.name, "hardware": args.hardware, "pp": cost.num_stages, "tp": tp,
                 "layers_per_stage": list(getattr(cost, "layer_counts", ())) or None,
-                "policy": sched.policy, "token_budget": sched.token_budget, "max_num_seqs": sched.max_num_seqs,
+                "policy": sched.policy, "token_budget": sched.token_budget,
+                "max_num_seqs": sched.max_num_seqs,
                 "per_microbatch_seq_cap": sched.per_microbatch_seq_cap, "num_blocks": num_blocks,
                 "workload": str(path), "num_requests": len(wl), "rate": args.rate, "at_once": args.at_once,
                 "prefill_scale": args.prefill_scale, "decode_scale": args.decode_scale,
@@ -106,9 +111,10 @@ def _fit_profile(spans_path: str, profile_out: str) -> int:
 
     prof = fit_profile(_load_spans(spans_path), note=f"fitted from {spans_path}")
     prof.save(profile_out)
-    for i, (s, n, rms) in enumerate(zip(prof.cost.stages, prof.num_samples, prof.rms_residual_s, strict=True)):
-        print(f"stage {i}: {s.floor_s * 1e3:.4f} ms + {s.token_s * 1e6:.4f} us/token + {s.sample_s * 1e6:.4f} us/decode "
-              f"({n} microbatches, rms residual {rms * 1e3:.4f} ms)")
+    for i, (s, n, rms) in enumerate(zip(prof.cost.stages, prof.num_samples, prof.rms_residual_s,
+                                        strict=True)):
+        print(f"stage {i}: {s.floor_s * 1e3:.4f} ms + {s.token_s * 1e6:.4f} us/token + "
+              f"{s.sample_s * 1e6:.4f} us/decode ({n} microbatches, rms residual {rms * 1e3:.4f} ms)")
     print(f"transfer {prof.transfer_s * 1e3:.4f} ms -> {profile_out}")
     return 0
 
@@ -127,7 +133,8 @@ def _scheduler_config(sc: SchedulerConfig, args: argparse.Namespace) -> Schedule
 
 
 def _cost_model(
-    args: argparse.Namespace, cfg: EngineConfig, sched: SchedulerConfig, model: ModelSpec, tp: int, block_size: int,
+    args: argparse.Namespace, cfg: EngineConfig, sched: SchedulerConfig, model: ModelSpec, tp: int,
+    block_size: int,
     max_len: int,
 ) -> tuple[CostModel, int]:
     """The cost model (a fitted profile, or the roofline of model on hardware, its layers split as the
@@ -144,7 +151,8 @@ def _cost_model(
     if args.hardware.endswith(".json"):
         profiled = ProfileCostModel(Profile.load(args.hardware))
         if args.pp and args.pp != profiled.num_stages:
-            raise ValueError(f"--pp {args.pp} but the profile {args.hardware} has {profiled.num_stages} stages")
+            raise ValueError(f"--pp {args.pp} but the profile {args.hardware} has {profiled.num_stages} "
+                             "stages")
         # A profile says nothing about memory: unless the config caps it, the KV cache never runs out.
         return profiled, cfg.cache.num_blocks or 1_000_000
     pp = args.pp or cfg.parallel.pipeline_parallel_size
@@ -156,7 +164,8 @@ def _cost_model(
 
 
 def _workload(args: argparse.Namespace, max_len: int) -> tuple[Path, list[WorkloadRequest]]:
-    """The trace's requests (a path, or a name in the shared traces), re-timed as asked, clipped to the context."""
+    """The trace's requests (a path, or a name in the shared traces), re-timed as asked, clipped to the
+    context."""
     from ppserve.sim.workload import (
         at_once,
         clip_to_context,
@@ -182,8 +191,8 @@ def _print_report(res: SimResult, summary: dict[str, Any], settings: dict[str, A
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     print(res.bubble_report(window).format_text())
     thr, lat = summary["throughput"], summary["latency"]
-    print(f"finished {res.num_finished} requests ({len(res.rejected)} rejected), {res.num_microbatches} microbatches, "
-          f"{res.num_preemptions} preemptions in {thr['duration_s']:.3f} s simulated: "
+    print(f"finished {res.num_finished} requests ({len(res.rejected)} rejected), {res.num_microbatches} "
+          f"microbatches, {res.num_preemptions} preemptions in {thr['duration_s']:.3f} s simulated: "
           f"{thr['requests_per_s']:.3f} req/s, {thr['output_tokens_per_s']:.1f} output tok/s")
     for name in ("ttft_s", "tbt_s", "scheduling_delay_s"):
         st = lat[name]

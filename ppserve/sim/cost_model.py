@@ -3,10 +3,10 @@
 Three interchangeable models share one small interface (`stage_time`, `transfer_time`, `num_stages`):
 - `RooflineCostModel`: analytic, from a model table and a hardware table (configs/models, configs/hardware).
   Per decoder layer: the hardware profile's fixed cost of running a layer (`layer_overhead_s`: launches
-  and host-side work, a floor under small steps), linear layers at max(FLOPs / achievable FLOP/s, weight bytes / achievable
-  bandwidth) with tensor parallelism dividing both; attention from each request's chunk and context
-  (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache, at the decode kernel's own achieved
-  bandwidth `decode_attn_bw_eff`); two ring all-reduces per layer
+  and host-side work, a floor under small steps), linear layers at max(FLOPs / achievable FLOP/s, weight
+  bytes / achievable bandwidth) with tensor parallelism dividing both; attention from each request's chunk
+  and context (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache, at the decode kernel's own
+  achieved bandwidth `decode_attn_bw_eff`); two ring all-reduces per layer
   over NVLink when tp > 1. The last stage adds the LM head for sampled tokens; the embedding is
   ignored (a gather). Stage-to-stage transfer is the hidden state over the inter-node link.
   `pipeline_cost()` gives the same physics in the scheduler's vocabulary (a `StepCost` per stage,
@@ -193,8 +193,8 @@ class HardwareSpec:
         for name in self.EFFICIENCIES:
             v = getattr(self, name)
             if v is not None and not 0 < v <= 1:
-                raise ValueError(f"hardware {self.name}: {name} is a fraction of the peak and must be in (0, 1], "
-                                 f"got {v!r}")
+                raise ValueError(f"hardware {self.name}: {name} is a fraction of the peak and must be in "
+                                 f"(0, 1], got {v!r}")
 
     @property
     def decode_attn_bw(self) -> float:
@@ -235,9 +235,11 @@ class ModelSpec:
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name}: num_kv_heads {self.num_kv_heads} must divide num_heads {self.num_heads}")
+            raise ValueError(f"model {self.name}: num_kv_heads {self.num_kv_heads} must divide num_heads "
+                             f"{self.num_heads}")
         if self.head_dim < 0:
-            raise ValueError(f"model {self.name}: head_dim must be >= 0 (0 = hidden_size / num_heads), got {self.head_dim}")
+            raise ValueError(f"model {self.name}: head_dim must be >= 0 (0 = hidden_size / num_heads), got "
+                             f"{self.head_dim}")
         if not self.head_dim:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"model {self.name}: num_heads {self.num_heads} does not divide hidden_size "
@@ -258,7 +260,8 @@ class ModelSpec:
         if tp < 1 or self.num_heads % tp:
             raise ValueError(f"tp={tp} does not divide {self.name}'s {self.num_heads} heads")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            raise ValueError(f"tp={tp} neither divides nor is a multiple of {self.name}'s {self.num_kv_heads} KV heads")
+            raise ValueError(f"tp={tp} neither divides nor is a multiple of {self.name}'s "
+                             f"{self.num_kv_heads} KV heads")
 
     def kv_heads_per_rank(self, tp: int) -> int:
         """KV heads one tp rank holds: a share of them, or one replicated head when tp exceeds them
@@ -352,7 +355,8 @@ def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int
         free = (hw.mem_bytes - weights) * hw.kv_mem_fraction
         if free <= 0:
             raise ValueError(f"{model.name} does not fit on {num_stages * tp} x {hw.name}: stage {s} holds "
-                             f"{weights / 1e9:.1f} GB of weights per GPU, the GPU {hw.mem_bytes / 1e9:.1f} GB")
+                             f"{weights / 1e9:.1f} GB of weights per GPU, the GPU {hw.mem_bytes / 1e9:.1f} "
+                             "GB")
         blocks.append(free // (kv_token_layer * layers * block_size) if layers else math.inf)
     return max(1, int(min(blocks)))
 
@@ -384,7 +388,8 @@ def _roofline(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: floa
 
 @dataclass(frozen=True)
 class RooflineCostModel:
-    """Analytic per-stage step time for `model` split over `num_stages` stages (even layers by default) and tp ranks."""
+    """Analytic per-stage step time for `model` split over `num_stages` stages (even layers by default) and tp
+    ranks."""
 
     model: ModelSpec
     hw: HardwareSpec
@@ -396,7 +401,8 @@ class RooflineCostModel:
     # (one stage per node, the layout of Sarathi-Serve's and Megatron's multi-node pipelines).
     gpus_per_node: int = 0
 
-    _last_layer_time: tuple[BatchShape | None, float] = field(default=(None, 0.0), init=False, repr=False, compare=False)
+    _last_layer_time: tuple[BatchShape | None, float] = field(default=(None, 0.0), init=False, repr=False,
+                                                              compare=False)
 
     def __post_init__(self) -> None:
         self.model.check_tp(self.tp)
@@ -404,7 +410,8 @@ class RooflineCostModel:
             counts = tuple(b - a for a, b in even_partition(self.model.num_layers, self.num_stages))
             object.__setattr__(self, "layer_counts", counts)
         if len(self.layer_counts) != self.num_stages or sum(self.layer_counts) != self.model.num_layers:
-            raise ValueError(f"layer_counts {list(self.layer_counts)} must split {self.model.num_layers} over {self.num_stages}")
+            raise ValueError(f"layer_counts {list(self.layer_counts)} must split {self.model.num_layers} "
+                             f"over {self.num_stages}")
 
     # The pieces, per layer and per tp rank; public so tests and tools can look at them.
     def linear_time(self, num_tokens: int) -> float:
@@ -536,11 +543,13 @@ class Profile:
         if data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path} is not a ppserve simulator profile (format {data.get('format')!r})")
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{path} is a version {data.get('version')!r} profile; this ppserve reads version "
-                             f"{PROFILE_VERSION} (per-stage step costs): fit it again with `ppserve simulate --fit-from`")
+            raise ValueError(f"{path} is a version {data.get('version')!r} profile; this ppserve reads "
+                             f"version {PROFILE_VERSION} (per-stage step costs): fit it again with `ppserve "
+                             "simulate --fit-from`")
         if not data.get("stages"):
             raise ValueError(f"profile {path} has no stages")
-        return cls(PipelineCost.from_json(data["stages"]), float(data.get("transfer_s", 0.0)), str(data.get("note", "")),
+        return cls(PipelineCost.from_json(data["stages"]), float(data.get("transfer_s", 0.0)),
+                   str(data.get("note", "")),
                    tuple(int(n) for n in data.get("num_samples", ())),
                    tuple(float(r) for r in data.get("rms_residual_s", ())))
 
@@ -565,7 +574,8 @@ class ProfileCostModel:
         return self.profile.cost
 
 
-def _least_squares(rows: Sequence[tuple[float, float, float]], ys: Sequence[float]) -> tuple[float, float, float]:
+def _least_squares(rows: Sequence[tuple[float, float, float]],
+                   ys: Sequence[float]) -> tuple[float, float, float]:
     """Fit y = a + b*p + c*d; columns that never vary (all zero) are left out (coefficient 0)."""
     cols = [0] + [k for k in (1, 2) if any(r[k] for r in rows)]
     while True:

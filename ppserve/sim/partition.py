@@ -1,4 +1,4 @@
-"""The simulator's layer split, made the way the engine makes it (ARCHITECTURE.md §11).
+"""The simulator's layer split, made the way the engine makes it (ARCHITECTURE.md#the-simulator).
 
 `parallel.partition_mode` and `parallel.layer_partition` mean what they mean to `LLM(...)`: explicit
 counts, `even`, `cost` (weights per token, robust over a decode and a full-budget prefill microbatch:

@@ -1,4 +1,4 @@
-"""Reproduce Sarathi's pipeline-parallel result in simulation: GPT-3 175B, TP8 x PP8 on A100s, sarathi vs orca.
+"""Reproduce Sarathi's pipeline-parallel result in simulation: GPT-3 175B, TP8 x PP8 A100s, sarathi vs orca.
 
 The Sarathi paper (arXiv 2308.16369) reports, for GPT-3 on 64 A100s with pipeline parallelism, 6.29x
 lower median per-request pipeline bubble time and 1.91x higher end-to-end throughput than Orca-style
@@ -89,9 +89,11 @@ def reproduce(
         runs[policy] = res.summary("active")
     s, o = runs["sarathi"], runs["orca"]
     ratios = {
-        "median_bubble_orca_over_sarathi": o["bubbles"]["per_request_bubble_s"]["p50"] / s["bubbles"]["per_request_bubble_s"]["p50"],
+        "median_bubble_orca_over_sarathi": (o["bubbles"]["per_request_bubble_s"]["p50"]
+                                            / s["bubbles"]["per_request_bubble_s"]["p50"]),
         "throughput_sarathi_over_orca": s["throughput"]["requests_per_s"] / o["throughput"]["requests_per_s"],
-        "bubble_fraction_orca_over_sarathi": o["bubbles"]["mean_bubble_fraction"] / s["bubbles"]["mean_bubble_fraction"],
+        "bubble_fraction_orca_over_sarathi": (o["bubbles"]["mean_bubble_fraction"]
+                                              / s["bubbles"]["mean_bubble_fraction"]),
         "paper": {"median_bubble": 6.29, "throughput": 1.91},
     }
     return {"settings": settings, "runs": runs, "ratios": ratios}
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="sarathi_repro.json")
     p.add_argument("--workload", choices=("paper", "trace"), default="paper",
-                   help="paper: fixed-length requests at a P:D ratio (Sarathi's setup); trace: Splitwise conv")
+                   help="paper: fixed-length requests at a P:D ratio (Sarathi's setup); trace: Splitwise "
+                        "conv")
     p.add_argument("--num-requests", type=int, help="default: 4 * batch size * pp (paper), 512 (trace)")
     p.add_argument("--token-budget", type=int, default=256, help="sarathi's chunk size / token budget")
     p.add_argument("--max-num-seqs", type=int, help="default: batch size * pp (paper), 128 (trace)")
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-ms", type=float, default=0.2)
     p.add_argument("--trace", help="request trace CSV (default: ../shared/traces/splitwise_conv.csv)")
     p.add_argument("--trace-dir", help="also write each run's Chrome trace here")
-    p.add_argument("--no-seq-cap", action="store_true", help="do not cap requests per microbatch at max_num_seqs / pp")
+    p.add_argument("--no-seq-cap", action="store_true",
+                   help="do not cap requests per microbatch at max_num_seqs / pp")
     args = p.parse_args(argv)
     out = reproduce(args.num_requests, args.token_budget, args.max_num_seqs, args.overhead_ms, args.trace,
                     args.trace_dir, not args.no_seq_cap, args.workload, args.total_tokens, args.pd_ratio,

@@ -1,14 +1,15 @@
 """Discrete-event simulation of the pipeline engine: ppserve's own scheduler over a step-time cost model.
 
 The step loop is the engine's own (`ppserve.engine.core.EngineCore`), driven with a simulated
-executor and clock, with time taken from a cost model instead of a GPU: at each decision time the engine adds the requests that have arrived, schedules microbatches
-until `num_stages` are in flight (or nothing can run), then waits for the *oldest* one to leave the last
-stage, hands its result to the scheduler after a fixed overhead (`schedule_overhead_s`: the result's
-way back and the engine's turnaround), and decides again. The control plane takes
-`dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
-max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives and, with the
-token ring (`scheduler.token_ring`), once the tokens its decodes take have come back from the last
-stage (the step that samples them done there, plus the slowest link's latency). The scheduler classes are used unchanged; only its clock is the simulated one.
+executor and clock, with time taken from a cost model instead of a GPU: at each decision time the engine adds
+the requests that have arrived, schedules microbatches until `num_stages` are in flight (or nothing can run),
+then waits for the *oldest* one to leave the last stage, hands its result to the scheduler after a fixed
+overhead (`schedule_overhead_s`: the result's way back and the engine's turnaround), and decides again. The
+control plane takes `dispatch_latency_s` to hand a microbatch to the stages; stage s starts microbatch j at
+max(stage s free, j done on stage s-1 + transfer time), stage 0 when the dispatch arrives and, with the token
+ring (`scheduler.token_ring`), once the tokens its decodes take have come back from the last stage (the step
+that samples them done there, plus the slowest link's latency). The scheduler classes are used unchanged; only
+its clock is the simulated one.
 
 Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
 schedule on the engine track), work intervals, per-request token times — so `bubble_report`, the
@@ -73,11 +74,13 @@ class SimConfig:
     block_size: int = 16
     max_model_len: int = 4096
     schedule_overhead_s: float = 0.0  # from the last stage's result to the next schedule() (engine + RPC)
-    dispatch_latency_s: float = 0.0  # from schedule() to the stages holding the SchedulerOutput (control plane)
+    # from schedule() to the stages holding the SchedulerOutput (control plane)
+    dispatch_latency_s: float = 0.0
     record_send: bool = True  # zero-length send spans after each non-last stage, like the real workers
     check_invariants: bool = False  # debug: scheduler.check_invariants() after every schedule and update
     max_microbatches: int = 10_000_000  # guard against a run that never ends
-    enable_prefix_caching: bool = True  # the engine's default: shared prefixes (WorkloadRequest.prefix_id) hit
+    # the engine's default: shared prefixes (WorkloadRequest.prefix_id) hit
+    enable_prefix_caching: bool = True
     # Stop as soon as the run is certain to fail this SLO (capacity searches: sim/slo_watch.py); the
     # result then holds the requests admitted so far and says why in `stopped_early`.
     stop_on_slo_fail: SloStop | None = None
@@ -102,7 +105,8 @@ class SimResult:
     end_s: float
     rejected: dict[str, str] = field(default_factory=dict)  # request id -> why add_request refused it
     budget_mode: BudgetMode | None = None  # the scheduler's budget mode after the run (what it learned)
-    stopped_early: str | None = None  # why the run stopped before every request finished (SimConfig.stop_on_slo_fail)
+    # why the run stopped before every request finished (SimConfig.stop_on_slo_fail)
+    stopped_early: str | None = None
 
     def bubble_report(self, window: Window = "active") -> BubbleReport:
         return bubble_report(self.spans, self.work_intervals, window)
@@ -125,7 +129,8 @@ class SimResult:
         t0 = min(t.arrival_s for t in self.timings.values())
         t1 = max(t.token_times_s[-1] for t in self.timings.values() if t.token_times_s)
         dur = max(t1 - t0, 1e-12)
-        return {"requests_per_s": self.num_finished / dur, "output_tokens_per_s": self.num_output_tokens / dur,
+        return {"requests_per_s": self.num_finished / dur,
+                "output_tokens_per_s": self.num_output_tokens / dur,
                 "duration_s": dur}
 
     def save_trace(self, path: str | os.PathLike[str]) -> str:
@@ -184,7 +189,8 @@ class _Pipeline:
             if ready > max(self.free_ns[s], submit_ns):
                 # The worker got the scheduler output at submit time, then blocks on the hidden states
                 # (stage 0: on the ring's tokens).
-                self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0, out.step_id))
+                self.spans.append(Span("recv_wait", max(self.free_ns[s], submit_ns), ready, s, 0,
+                                       out.step_id))
             start = max(self.free_ns[s], ready)
             dur = _ns(self.cost.stage_time(s, shape))
             stage_s.append(dur * 1e-9)
@@ -197,7 +203,8 @@ class _Pipeline:
             ready = end + (transfers[s] if s < last else 0)
         if out.sample_request_ids:
             self.left_ns[out.step_id] = end
-            self.left_ns.pop(out.step_id - 4 * self.cost.num_stages, None)  # a ring source is at most p + 1 back
+            # a ring source is at most p + 1 back
+            self.left_ns.pop(out.step_id - 4 * self.cost.num_stages, None)
         return end, stage_s
 
     def _transfers(self, shape: BatchShape) -> list[int]:
@@ -252,7 +259,8 @@ class SimExecutor:
                           timed_step_id=out.step_id if stage_s else None)  # a simulated step times itself
 
 
-def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimConfig | None = None) -> SimResult:
+def simulate(workload: Sequence[WorkloadRequest], cost: CostModel,
+             config: SimConfig | None = None) -> SimResult:
     """Run the workload through the simulated engine until every admitted request finishes.
 
     The step loop is the engine's own (`ppserve.engine.core.EngineCore`) over a `SimExecutor`
@@ -265,7 +273,8 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
     # what the cost model says it charges where it can say so (the roofline's linearization).
     prior = cost.pipeline_cost() if isinstance(cost, PricedCostModel) else None
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      num_stages=num_stages, clock=clock.seconds, cost_prior=prior, enable_prefix_caching=cfg.enable_prefix_caching)
+                      num_stages=num_stages, clock=clock.seconds, cost_prior=prior,
+                      enable_prefix_caching=cfg.enable_prefix_caching)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     check = sched.check_invariants if cfg.check_invariants else None
     executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)
@@ -306,7 +315,8 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel, config: SimCo
 
     def wait_until(due_s: float) -> None:
         """The engine waits to form the token ring's extra microbatch (EngineCore.fill_due): its turnaround
-        after the last result first, then until `due_s` or the oldest microbatch's return, whichever comes first."""
+        after the last result first, then until `due_s` or the oldest microbatch's return, whichever comes
+        first."""
         turn_around()
         due_ns = _ns(due_s)
         if executor.in_flight:

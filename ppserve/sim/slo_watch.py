@@ -36,7 +36,8 @@ def over_count_for_certain_fail(n: int, q: float) -> int:
 
 @dataclass(frozen=True)
 class SloStop:
-    """The SLO a simulated run may stop on: TBT p99 and median scheduling delay (seconds; None: not watched)."""
+    """The SLO a simulated run may stop on: TBT p99 and median scheduling delay (seconds; None: not
+    watched)."""
 
     tbt_p99_s: float | None = None
     sched_delay_p50_s: float | None = None
@@ -100,6 +101,7 @@ class SloWatch:
             elif now_s - req.arrival_time > limit:
                 waiting_over += 1
         if self.delays_over + waiting_over >= self.delays_needed:
-            return (f"median scheduling delay over {limit:.4g} s for certain: {self.delays_over + waiting_over} "
-                    f"requests waited longer, {self.delays_needed} settle it (stopped at {now_s:.4g} s simulated)")
+            return (f"median scheduling delay over {limit:.4g} s for certain: "
+                    f"{self.delays_over + waiting_over} requests waited longer, {self.delays_needed} settle "
+                    f"it (stopped at {now_s:.4g} s simulated)")
         return None

@@ -87,7 +87,8 @@ def read_trace(
         reader = csv.DictReader(f)
         need = {"num_prefill_tokens", "num_decode_tokens"}
         if not reader.fieldnames or not need <= set(reader.fieldnames):
-            raise ValueError(f"{path}: expected columns {sorted(need)} (and arrived_at), got {reader.fieldnames}")
+            raise ValueError(f"{path}: expected columns {sorted(need)} (and arrived_at), got "
+                             f"{reader.fieldnames}")
         timed = "arrived_at" in reader.fieldnames
         if need_arrivals and not timed:
             raise ValueError(f"{path} has no arrived_at column: give the requests synthetic arrivals "
@@ -123,9 +124,11 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
-def with_poisson_arrivals(reqs: Sequence[WorkloadRequest], rate: float, seed: int = 0) -> list[WorkloadRequest]:
+def with_poisson_arrivals(reqs: Sequence[WorkloadRequest], rate: float,
+                          seed: int = 0) -> list[WorkloadRequest]:
     """Keep the lengths, replace the arrivals with a seeded Poisson process."""
-    return [replace(r, arrival_s=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, seed), strict=True)]
+    return [replace(r, arrival_s=t) for r, t in zip(reqs, poisson_arrivals(len(reqs), rate, seed),
+                                                    strict=True)]
 
 
 def at_once(reqs: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
@@ -156,7 +159,8 @@ def zipf_lengths(
 
 
 def fixed_ratio(n: int, total_tokens: int, pd_ratio: float) -> list[WorkloadRequest]:
-    """n identical requests of `total_tokens` tokens with prompt:decode = pd_ratio (as in Sarathi's sweeps)."""
+    """n identical requests of `total_tokens` tokens with prompt:decode = pd_ratio (as in Sarathi's
+    sweeps)."""
     if pd_ratio <= 0 or total_tokens < 2:
         raise ValueError(f"need pd_ratio > 0 and total_tokens >= 2, got {pd_ratio}, {total_tokens}")
     decode = max(1, round(total_tokens / (pd_ratio + 1)))
@@ -197,7 +201,8 @@ def evenly_spaced(reqs: Sequence[WorkloadRequest], gap_s: float) -> list[Workloa
     return [replace(r, arrival_s=i * gap_s) for i, r in enumerate(reqs)]
 
 
-def bursty_arrivals(reqs: Sequence[WorkloadRequest], burst_size: int, period_s: float) -> list[WorkloadRequest]:
+def bursty_arrivals(reqs: Sequence[WorkloadRequest], burst_size: int,
+                    period_s: float) -> list[WorkloadRequest]:
     """On/off arrivals: keep the lengths; requests come in bursts of `burst_size`, all of a burst at
     once, one burst every `period_s` seconds (request i at (i // burst_size) * period_s)."""
     if burst_size < 1:
@@ -215,7 +220,8 @@ def shared_prefix(num_groups: int, per_group: int, prefix_len: int, question_len
     if num_groups < 1 or per_group < 1 or prefix_len < 1 or question_len < 1:
         raise ValueError(f"need groups, per_group, prefix_len and question_len >= 1, got "
                          f"{num_groups}, {per_group}, {prefix_len}, {question_len}")
-    return [WorkloadRequest(0.0, prefix_len + question_len, output_len, prefix_id=i % num_groups, prefix_len=prefix_len)
+    return [WorkloadRequest(0.0, prefix_len + question_len, output_len, prefix_id=i % num_groups,
+                            prefix_len=prefix_len)
             for i in range(num_groups * per_group)]
 
 
@@ -224,7 +230,8 @@ def multi_turn(num_conversations: int, turns: int, system_len: int, user_len: in
     """Chat replays: turn t of a conversation re-sends its whole history (the system prompt, every
     earlier user message and answer) and a new `user_len`-token message. The whole prompt is the
     conversation's (prefix_len = prompt_len): turn t shares turn t-1's prompt and answer. Turn t of
-    every conversation arrives at t * gap_s (with gap_s 0, all at once: the harness replays turns in order)."""
+    every conversation arrives at t * gap_s (with gap_s 0, all at once: the harness replays turns in
+    order)."""
     if num_conversations < 1 or turns < 1 or system_len < 0 or user_len < 1:
         raise ValueError(f"need conversations, turns, user_len >= 1 and system_len >= 0, got "
                          f"{num_conversations}, {turns}, {system_len}, {user_len}")

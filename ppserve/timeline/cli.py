@@ -13,7 +13,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--html", help="also write a self-contained interactive HTML page here")
     p.add_argument("--window", default="all",
                    help="all | active | steady | T0:T1 (ms from the first span); the summary uses it too")
-    p.add_argument("--compare", metavar="B.json", help="draw this second run under the first, same time scale")
+    p.add_argument("--compare", metavar="B.json",
+                   help="draw this second run under the first, same time scale")
     p.add_argument("--no-png", action="store_true", help="print the summary only")
     p.set_defaults(func=run)
 

@@ -48,7 +48,8 @@ document.querySelectorAll('[data-tip]').forEach(el => {
 """
 
 
-def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike[str], window: str | Window = "all") -> Path:
+def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike[str],
+                window: str | Window = "all") -> Path:
     run = load_run(trace_path)
     win = parse_window(window, run) if isinstance(window, str) else window
     label, intervals = resolve_window(run.spans, run.work, win)
@@ -61,13 +62,15 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
 
     tracks = sorted({(s.stage, s.tp_rank) for s in run.spans if s.stage >= 0})
     lane = {t: i for i, t in enumerate(tracks)}
-    compute = [s for s in run.spans if s.kind == "compute" and s.stage >= 0 and s.end_ns > w0 and s.start_ns < w1]
+    compute = [s for s in run.spans
+               if s.kind == "compute" and s.stage >= 0 and s.end_ns > w0 and s.start_ns < w1]
     max_tokens = max((s.num_tokens for s in compute), default=1)
     height = TOP + len(tracks) * LANE_H + 40
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{LEFT + WIDTH + 20}" height="{height}" '
         'font-family="sans-serif" font-size="11">',
-        '<defs><pattern id="bub" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        '<defs><pattern id="bub" width="6" height="6" patternUnits="userSpaceOnUse" '
+        'patternTransform="rotate(45)">'
         f'<rect width="6" height="6" fill="{_rgb(BUBBLE_COLOR)}" fill-opacity="0.15"/>'
         f'<line x1="0" y1="0" x2="0" y2="6" stroke="{_rgb(BUBBLE_COLOR)}" stroke-width="2"/></pattern>'
         '<pattern id="starve" width="5" height="5" patternUnits="userSpaceOnUse">'
@@ -80,9 +83,10 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
         y = TOP + lane[key] * LANE_H + 2
         for kind, fill, ivs in (("bubble", "url(#bub)", bubbles), ("starvation", "url(#starve)", starved)):
             for a, b in ivs:
-                tip = f"{kind}: stage {key[0]} tp {key[1]}, {(a - origin) * 1e-6:.3f} ms for {(b - a) * 1e-6:.3f} ms"
-                parts.append(f'<rect x="{x(a):.2f}" y="{y}" width="{max(x(b) - x(a), 0.5):.2f}" height="{LANE_H - 4}" '
-                             f'fill="{fill}" data-tip="{html.escape(tip)}"/>')
+                tip = (f"{kind}: stage {key[0]} tp {key[1]}, {(a - origin) * 1e-6:.3f} ms "
+                       f"for {(b - a) * 1e-6:.3f} ms")
+                parts.append(f'<rect x="{x(a):.2f}" y="{y}" width="{max(x(b) - x(a), 0.5):.2f}" '
+                             f'height="{LANE_H - 4}" fill="{fill}" data-tip="{html.escape(tip)}"/>')
     for s in compute:
         y = TOP + lane[(s.stage, s.tp_rank)] * LANE_H + 2
         rids = list(s.request_ids[:MAX_REQUEST_IDS])
@@ -94,12 +98,13 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
         w = max(x(s.end_ns) - x(s.start_ns), 0.5)
         parts.append(
             f'<rect x="{x(s.start_ns):.2f}" y="{y}" width="{w:.2f}" height="{LANE_H - 4}" '
-            f'fill="{_rgb(shade(composition(s), s.num_tokens, max_tokens))}" stroke="white" stroke-width="0.3" '
+            f'fill="{_rgb(shade(composition(s), s.num_tokens, max_tokens))}" '
+            'stroke="white" stroke-width="0.3" '
             f'data-step="{s.step_id}" data-tip="{html.escape(tip)}"/>'
         )
         if w > 7 * (len(str(s.step_id)) + 1):
-            parts.append(f'<text x="{x(s.start_ns) + w / 2:.2f}" y="{y + LANE_H * 0.55:.1f}" text-anchor="middle" '
-                         f'pointer-events="none">{s.step_id}</text>')
+            parts.append(f'<text x="{x(s.start_ns) + w / 2:.2f}" y="{y + LANE_H * 0.55:.1f}" '
+                         f'text-anchor="middle" pointer-events="none">{s.step_id}</text>')
     axis_y = TOP + len(tracks) * LANE_H + 14
     for k in range(11):
         t = w0 + (w1 - w0) * k / 10

@@ -73,9 +73,11 @@ def load_run(path: str | os.PathLike[str]) -> Run:
         try:
             spans, work = load_chrome_trace(p)
         except ValueError as e:  # json.JSONDecodeError is a ValueError
-            raise ValueError(f"{p} is not a Chrome trace JSON file ({e}); spans JSONL files must end in .jsonl") from e
+            raise ValueError(f"{p} is not a Chrome trace JSON file ({e}); spans JSONL files must end in "
+                             ".jsonl") from e
     if not any(s.stage >= 0 for s in spans):
-        raise ValueError(f"{p} holds no stage spans (was it written by ppserve.metrics.trace.save_chrome_trace?)")
+        raise ValueError(f"{p} holds no stage spans (was it written by "
+                         "ppserve.metrics.trace.save_chrome_trace?)")
     return Run(p, spans, work)
 
 
@@ -85,7 +87,8 @@ def parse_window(text: str, run: Run | None = None) -> Window:
     if text in NAMED_WINDOWS:
         return text
     if ":" not in text:
-        raise ValueError(f"window {text!r} is not one of {', '.join(NAMED_WINDOWS)} or T0:T1 in ms (e.g. 10:250)")
+        raise ValueError(f"window {text!r} is not one of {', '.join(NAMED_WINDOWS)} or T0:T1 in ms "
+                         "(e.g. 10:250)")
     a, b = text.split(":", 1)
     try:
         t0, t1 = float(a) if a.strip() else 0.0, float(b)
@@ -112,7 +115,8 @@ def _shade(kind: str, tokens: int, max_tokens: int) -> tuple[float, float, float
     # Log scale: token counts span decode-only (tens) to whole prompts (thousands).
     f = math.log1p(tokens) / math.log1p(max_tokens) if max_tokens > 0 else 0.0
     f = 0.25 + 0.75 * min(1.0, f)
-    return (light[0] + f * (dark[0] - light[0]), light[1] + f * (dark[1] - light[1]), light[2] + f * (dark[2] - light[2]))
+    return (light[0] + f * (dark[0] - light[0]), light[1] + f * (dark[1] - light[1]),
+            light[2] + f * (dark[2] - light[2]))
 
 
 def _microbatches(spans: Sequence[Span]) -> dict[int, Span]:
@@ -140,13 +144,13 @@ def summary_of(run: Run, window: Window = "active") -> str:
     rep: BubbleReport = bubble_report(run.spans, run.work, window)
     lines = [f"trace: {run.path}", rep.format_text()]
     origin = run.origin_ns
-    lines.append(f"window [{(rep.t0_ns - origin) * 1e-6:.3f} .. {(rep.t1_ns - origin) * 1e-6:.3f}] ms from the "
-                 f"first span; run length {(run.end_ns - origin) * 1e-6:.3f} ms")
+    lines.append(f"window [{(rep.t0_ns - origin) * 1e-6:.3f} .. {(rep.t1_ns - origin) * 1e-6:.3f}] ms "
+                 f"from the first span; run length {(run.end_ns - origin) * 1e-6:.3f} ms")
     waits = list(rep.per_request_bubble_ns.values())
     if waits:
         lines.append(
-            f"per-request bubble: mean {statistics.fmean(waits) * 1e-6:.3f} ms, max {max(waits) * 1e-6:.3f} ms, "
-            f"p50 {_pct(waits, 50) * 1e-6:.3f} ms"
+            f"per-request bubble: mean {statistics.fmean(waits) * 1e-6:.3f} ms, "
+            f"max {max(waits) * 1e-6:.3f} ms, p50 {_pct(waits, 50) * 1e-6:.3f} ms"
         )
     mbs = _microbatches(run.spans)
     if mbs:
@@ -164,7 +168,8 @@ def summary_of(run: Run, window: Window = "active") -> str:
             if s.kind == "compute" and s.stage >= 0:
                 durs.setdefault(s.stage, []).append(s.duration_ns)
         lines.append("compute ms per microbatch by stage (mean / max): " + ", ".join(
-            f"{st}: {statistics.fmean(d) * 1e-6:.3f} / {max(d) * 1e-6:.3f}" for st, d in sorted(durs.items())))
+            f"{st}: {statistics.fmean(d) * 1e-6:.3f} / {max(d) * 1e-6:.3f}"
+            for st, d in sorted(durs.items())))
     if rep.worst_stalls:
         lines.append("worst stalls (relative to the first span): " + "; ".join(
             f"stage {st.stage} tp {st.tp_rank} at {(st.start_ns - origin) * 1e-6:.3f} ms for "
@@ -208,7 +213,8 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
     tracks = sorted({(s.stage, s.tp_rank) for s in run.spans if s.stage >= 0})
     lane = {t: i for i, t in enumerate(tracks)}
     height = 0.8
-    compute = [s for s in run.spans if s.kind == "compute" and s.stage >= 0 and s.end_ns > w0 and s.start_ns < w1]
+    compute = [s for s in run.spans
+               if s.kind == "compute" and s.stage >= 0 and s.end_ns > w0 and s.start_ns < w1]
     max_tokens = max((s.num_tokens for s in compute), default=1)
     by_lane: dict[int, tuple[list[tuple[float, float]], list[Any]]] = {}
     for s in compute:
@@ -216,17 +222,19 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
         xr.append((ms(s.start_ns), s.duration_ns * 1e-6))
         colors.append(_shade(composition(s), s.num_tokens, max_tokens))
     for i, (xr, colors) in by_lane.items():
-        ax.broken_barh(xr, (i - height / 2, height), facecolors=colors, edgecolor=(1, 1, 1, 0.6), linewidth=0.3)
+        ax.broken_barh(xr, (i - height / 2, height), facecolors=colors, edgecolor=(1, 1, 1, 0.6),
+                       linewidth=0.3)
 
     for key, (bubbles, starved) in idle_intervals(run.spans, run.work, window).items():
         y = lane[key] - height / 2
         if bubbles:
             ax.broken_barh([(ms(a), (b - a) * 1e-6) for a, b in bubbles], (y, height),
-                           facecolor=(*BUBBLE_COLOR, 0.18), edgecolor=(*BUBBLE_COLOR, 0.9), hatch="////", linewidth=0.4)
+                           facecolor=(*BUBBLE_COLOR, 0.18), edgecolor=(*BUBBLE_COLOR, 0.9), hatch="////",
+                           linewidth=0.4)
         if starved:
             ax.broken_barh([(ms(a), (b - a) * 1e-6) for a, b in starved], (y, height),
-                           facecolor=(*STARVATION_COLOR, 0.15), edgecolor=(*STARVATION_COLOR, 0.9), hatch="..",
-                           linewidth=0.4)
+                           facecolor=(*STARVATION_COLOR, 0.15), edgecolor=(*STARVATION_COLOR, 0.9),
+                           hatch="..", linewidth=0.4)
 
     x0, x1 = ms(w0), ms(w1)
     span_ms = max(x1 - x0, 1e-9)
@@ -240,7 +248,8 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
         if width >= min_frac_per_char * (len(text) + 0.5):
             cx = ms(s.start_ns) + s.duration_ns * 0.5e-6
             ax.text(cx, lane[(s.stage, s.tp_rank)], text, ha="center", va="center", fontsize=7,
-                    color="white" if composition(s) != "empty" and s.num_tokens > max_tokens * 0.3 else "black",
+                    color=("white" if composition(s) != "empty" and s.num_tokens > max_tokens * 0.3
+                           else "black"),
                     clip_on=True)
 
     ax.set_yticks(range(len(tracks)))
@@ -249,7 +258,8 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
     ax.set_ylim(len(tracks) - 0.5, -0.5)  # stage 0 on top, as data flows downwards
     rep = bubble_report(run.spans, run.work, window)
     ax.set_title(f"{title}  —  window {label}: bubble {100 * rep.mean_bubble_fraction:.1f}%, "
-                 f"busy {100 * rep.mean_busy_fraction:.1f}%, starvation {100 * rep.mean_starvation_fraction:.1f}%",
+                 f"busy {100 * rep.mean_busy_fraction:.1f}%, "
+                 f"starvation {100 * rep.mean_starvation_fraction:.1f}%",
                  fontsize=10, loc="left")
     ax.grid(axis="x", alpha=0.3)
     ax.legend(
@@ -258,7 +268,8 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
             Patch(facecolor=PALETTE["decode"][1], label="decode-only"),
             Patch(facecolor=PALETTE["hybrid"][1], label="hybrid"),
             Patch(facecolor=(*BUBBLE_COLOR, 0.18), edgecolor=BUBBLE_COLOR, hatch="////", label="bubble"),
-            Patch(facecolor=(*STARVATION_COLOR, 0.15), edgecolor=STARVATION_COLOR, hatch="..", label="starvation"),
+            Patch(facecolor=(*STARVATION_COLOR, 0.15), edgecolor=STARVATION_COLOR, hatch="..",
+                  label="starvation"),
         ],
         loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
         title="darker = more tokens", title_fontsize=7,
@@ -271,9 +282,10 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
         widths = [max(s.duration_ns * 1e-6, span_ms * 1e-4) for s in mbs]
         pre = [s.num_prefill_tokens for s in mbs]
         dec = [s.num_decode_tokens for s in mbs]
-        tok_ax.bar(xs, pre, widths, align="edge", color=PALETTE["prefill"][1], label="prefill tokens", linewidth=0)
-        tok_ax.bar(xs, dec, widths, bottom=pre, align="edge", color=PALETTE["decode"][1], label="decode tokens",
+        tok_ax.bar(xs, pre, widths, align="edge", color=PALETTE["prefill"][1], label="prefill tokens",
                    linewidth=0)
+        tok_ax.bar(xs, dec, widths, bottom=pre, align="edge", color=PALETTE["decode"][1],
+                   label="decode tokens", linewidth=0)
         tok_ax.set_ylabel("tokens /\nmicrobatch", fontsize=8)
         tok_ax.grid(axis="y", alpha=0.3)
         tok_ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
@@ -290,7 +302,8 @@ def _figure(num_runs: int, num_lanes: Sequence[int]) -> tuple[Any, list[tuple[An
     return fig, [(axes[2 * i], axes[2 * i + 1]) for i in range(num_runs)]
 
 
-def render_png(trace_path: str | os.PathLike[str], png_path: str | os.PathLike[str], window: str | Window = "all") -> Path:
+def render_png(trace_path: str | os.PathLike[str], png_path: str | os.PathLike[str],
+               window: str | Window = "all") -> Path:
     """Gantt chart plus tokens-per-microbatch panel of one trace, written as a PNG."""
     run = load_run(trace_path)
     win = parse_window(window, run) if isinstance(window, str) else window
@@ -305,7 +318,8 @@ def render_png(trace_path: str | os.PathLike[str], png_path: str | os.PathLike[s
 
 
 def render_compare(
-    a: str | os.PathLike[str], b: str | os.PathLike[str], png_path: str | os.PathLike[str], window: str | Window = "all"
+    a: str | os.PathLike[str], b: str | os.PathLike[str], png_path: str | os.PathLike[str],
+    window: str | Window = "all",
 ) -> Path:
     """Two runs one above the other on one time scale, each relative to its own first span."""
     runs = [load_run(a), load_run(b)]
@@ -314,7 +328,8 @@ def render_compare(
     fig, axes = _figure(2, lanes)
     ends = [_draw_run(ax, tok, r, w, f"{tag}: {r.path.name}")
             for (ax, tok), r, w, tag in zip(axes, runs, wins, ("A", "B"), strict=True)]
-    starts = [(resolve_window(r.spans, r.work, w)[1][0][0] - r.origin_ns) * 1e-6 for r, w in zip(runs, wins, strict=True)]
+    starts = [(resolve_window(r.spans, r.work, w)[1][0][0] - r.origin_ns) * 1e-6
+              for r, w in zip(runs, wins, strict=True)]
     for ax, _ in axes:
         ax.set_xlim(min(starts), max(ends))  # one shared scale: the longer run sets it
     axes[-1][1].set_xlabel("time since each run's first span (ms)")

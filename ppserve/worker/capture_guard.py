@@ -26,7 +26,8 @@ _METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero")
 
 @contextlib.contextmanager
 def no_host_transfers(what: str = "captured code") -> Iterator[None]:
-    """Within the block (this thread only), tensor factories from host data and syncing tensor methods raise."""
+    """Within the block (this thread only), tensor factories from host data and syncing tensor methods
+    raise."""
     owner = threading.get_ident()
     saved: list[tuple[Any, str, Any]] = []
 

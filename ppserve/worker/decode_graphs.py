@@ -150,16 +150,17 @@ class DecodeGraphRunner:
                 if (batch, width) not in self.graphs:
                     self.graphs[(batch, width)] = self._capture(batch, width)
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d decode CUDA graphs (batch sizes %s, table widths %s) in %.1f s", len(self.graphs),
-                    self.batch_sizes, self.widths, elapsed)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s, table widths %s) in %.1f s",
+                    len(self.graphs), self.batch_sizes, self.widths, elapsed)
         return elapsed
 
     def _forward(self, batch: int, width: int) -> Tensor:
         # Fresh metadata for every trace: backends cache per-step tensors (masks) in meta.scratch, and a
         # cached tensor would be baked into the graph instead of recomputed from the buffers.
         meta = AttentionMetadata.for_static_decodes(
-            self.slot_mapping[:batch], self.context_lens[:batch], self.block_tables[:batch, :width], self.block_size,
-            self.cu_query_lens[:batch + 1], self.token_idx[:batch], self.cu_context_lens[width][:batch + 1])
+            self.slot_mapping[:batch], self.context_lens[:batch], self.block_tables[:batch, :width],
+            self.block_size, self.cu_query_lens[:batch + 1], self.token_idx[:batch],
+            self.cu_context_lens[width][:batch + 1])
         first = self.model.is_first
         hidden: Tensor = self.model(self.input_ids[:batch] if first else None,
                                     None if first else self.hidden[:batch], self.positions[:batch],

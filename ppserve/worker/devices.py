@@ -33,8 +33,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def current_device() -> torch.device:
-    """This process's device: its current CUDA device (set from Ray's assignment) when CUDA is there, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """This process's device: its current CUDA device (set from Ray's assignment) when CUDA is there, else
+    the CPU."""
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -93,8 +95,8 @@ def cuda_device_for_actor(assigned_gpu_ids: Sequence[str | int], cuda_visible_de
             raise RuntimeError(
                 f"this stage actor sees {visible_device_count} CUDA device(s) but asked Ray for no GPU "
                 "(parallel.gpus_per_worker=0): every such actor of a node would run on the same GPU. Set "
-                "parallel.gpus_per_worker (leave it unset: 1 when the cluster has GPUs), or hide the GPUs from "
-                "the workers with CUDA_VISIBLE_DEVICES=''"
+                "parallel.gpus_per_worker (leave it unset: 1 when the cluster has GPUs), or hide the GPUs "
+                "from the workers with CUDA_VISIBLE_DEVICES=''"
             )
         return None
     if visible_device_count == 0:
@@ -105,7 +107,8 @@ def cuda_device_for_actor(assigned_gpu_ids: Sequence[str | int], cuda_visible_de
         )
     ids = [str(i) for i in assigned_gpu_ids]
     if not ids:
-        raise RuntimeError(f"Ray assigned no GPU to this stage actor although it asked for {requested_gpus:g}")
+        raise RuntimeError("Ray assigned no GPU to this stage actor although it asked for "
+                           f"{requested_gpus:g}")
     if cuda_visible_devices is None:
         # Ray was told not to set CUDA_VISIBLE_DEVICES (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES): the ids
         # are physical indices.
@@ -119,6 +122,6 @@ def cuda_device_for_actor(assigned_gpu_ids: Sequence[str | int], cuda_visible_de
             )
         index = visible.index(ids[0])
     if index >= visible_device_count:
-        raise RuntimeError(f"GPU {ids[0]} (local index {index}) is not among the {visible_device_count} device(s) "
-                           "torch sees in this actor")
+        raise RuntimeError(f"GPU {ids[0]} (local index {index}) is not among the {visible_device_count} "
+                           "device(s) torch sees in this actor")
     return index

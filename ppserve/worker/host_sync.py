@@ -82,8 +82,8 @@ class CpuSyncGuard(TorchFunctionMode):
         if why and not _allowed():
             name = getattr(func, "__qualname__", repr(func))
             self.seen.append(name)
-            raise HostSyncError(f"{self.where}: {name} {why} inside a stage's step (a sync on a GPU); only the "
-                                "last stage's sampled ids may be read")
+            raise HostSyncError(f"{self.where}: {name} {why} inside a stage's step (a sync on a GPU); only "
+                                "the last stage's sampled ids may be read")
         return func(*args, **kwargs)
 
     def _why(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str:

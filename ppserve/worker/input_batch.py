@@ -174,8 +174,8 @@ class InputBatch:
         ring_index = [ring_at[rid] for rid in out.ring_request_ids] if ring else []
         (ids_t, pos_t, slots_t, logits_t, rows_t, dec_t, dec_tok_t, dec_ctx_t, cu_t, cu_ctx_t, diff_i,
          diff_v, ring_i) = self.staging.upload([ids, positions, slots, logits_idx, rows, decodes,
-                                                [cu[i] for i in decodes], [context_lens[i] for i in decodes], cu,
-                                                cu_ctx, diff_index, diff_values, ring_index])
+                                                [cu[i] for i in decodes], [context_lens[i] for i in decodes],
+                                                cu, cu_ctx, diff_index, diff_values, ring_index])
         self.tables.apply(diff_i, diff_v)
         if ring_index:
             assert self._ring_tokens is not None
@@ -188,14 +188,15 @@ class InputBatch:
             cu_context_lens_t=cu_ctx_t.to(torch.int32),
         )
         return ModelInput(
-            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t, sample_request_ids=sample_ids,
-            sample_states=[self.requests[r] for r in sample_ids],
+            input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
+            sample_request_ids=sample_ids, sample_states=[self.requests[r] for r in sample_ids],
         )
 
     def _drain_table_diff(self) -> tuple[list[int], list[int]]:
         """The flat (row * width + column) positions and block ids of every table entry added since the
         last step, for requests still live."""
-        live = [(self.tables.row_of[rid], first, self.requests[rid].block_ids) for rid, first in self._table_diff
+        live = [(self.tables.row_of[rid], first, self.requests[rid].block_ids)
+                for rid, first in self._table_diff
                 if rid in self.requests and rid in self.tables.row_of]
         self._table_diff.clear()
         self.tables.fit_width(max((len(blocks) for _, _, blocks in live), default=0))  # before any index

@@ -50,8 +50,9 @@ def kv_budget_bytes(total: int, free: int, transient_peak: int, utilization: flo
     if budget <= 0:
         raise ValueError(
             f"no memory left for the KV cache: {utilization:g} x {total / GiB:.1f} GiB "
-            f"(cache.gpu_memory_utilization) minus {in_use / GiB:.2f} GiB in use and a {transient_peak / GiB:.2f} "
-            "GiB peak for the largest microbatch; raise cache.gpu_memory_utilization, lower "
+            f"(cache.gpu_memory_utilization) minus {in_use / GiB:.2f} GiB in use and a "
+            f"{transient_peak / GiB:.2f} GiB peak for the largest microbatch; raise "
+            "cache.gpu_memory_utilization, lower "
             "scheduler.token_budget, or spread the layers over more stages"
         )
     return budget
@@ -125,7 +126,8 @@ class StageMemory:
         None) leaves of `gpu_memory_utilization` x total (kv_budget_bytes above), and on CPU
         DEFAULT_CPU_KV_BYTES."""
         if kv_cache_memory is not None:
-            return int(kv_cache_memory) if kv_cache_memory > 1 else int(kv_cache_memory * free_memory_bytes(self.device))
+            return (int(kv_cache_memory) if kv_cache_memory > 1
+                    else int(kv_cache_memory * free_memory_bytes(self.device)))
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_BYTES
         if peak is None:
@@ -139,7 +141,8 @@ class StageMemory:
 
     def num_blocks(self, kv_cache_memory: float | None, gpu_memory_utilization: float = 0.9) -> int:
         """Blocks that fit this worker's KV budget (see kv_budget_bytes)."""
-        return max(1, self.kv_budget_bytes(kv_cache_memory, gpu_memory_utilization) // self.kv_bytes_per_block())
+        return max(1, self.kv_budget_bytes(kv_cache_memory, gpu_memory_utilization)
+                   // self.kv_bytes_per_block())
 
     @torch.inference_mode()
     def profile_peak_bytes(self, worst_case_sampling: bool = True) -> int:
@@ -176,8 +179,8 @@ class StageMemory:
             return 0
         seqs = max(1, min(self.profile_seqs, self.profile_tokens))
         return int(backend.decode_gather_bytes(seqs, self.max_model_len, self.block_size,
-                                               self.model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype,
-                                               self.dtype))
+                                               self.model.num_kv_heads_local, self.arch.head_dim,
+                                               self.kv_dtype, self.dtype))
 
     def scratch_forward(self, query_lens: list[int], seq_lens: list[int], params: SamplingParams,
                          kv_cache: list[torch.Tensor] | None = None) -> None:
@@ -192,9 +195,11 @@ class StageMemory:
             tables.append(list(range(nxt, nxt + need)))
             nxt += need
         cache = kv_cache if kv_cache is not None else allocate_kv_cache(
-            model.num_local_layers, nxt, bs, model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype, device)
+            model.num_local_layers, nxt, bs, model.num_kv_heads_local, self.arch.head_dim, self.kv_dtype,
+            device)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs, device)
-        positions = torch.cat([torch.arange(n - q, n, device=device) for q, n in zip(query_lens, seq_lens, strict=True)])
+        positions = torch.cat([torch.arange(n - q, n, device=device)
+                               for q, n in zip(query_lens, seq_lens, strict=True)])
         tokens = sum(query_lens)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         hidden_in = None if model.is_first else torch.zeros(tokens, self.arch.hidden_size, dtype=self.dtype,

@@ -41,13 +41,15 @@ class NullForward:
     def forward(self, inp: ModelInput, hidden_in: Tensor | None) -> Tensor:
         n = int(inp.positions.shape[0])
         if self.hidden.shape[0] < n:  # grown once to the largest microbatch, then reused
-            self.hidden = torch.zeros(n, self.hidden.shape[1], dtype=self.hidden.dtype, device=self.hidden.device)
+            self.hidden = torch.zeros(n, self.hidden.shape[1], dtype=self.hidden.dtype,
+                                      device=self.hidden.device)
         return self.hidden[:n]
 
     def logits_for_sampling(self, hidden: Tensor) -> Tensor:
         n = int(hidden.shape[0])
         if self.logits.shape[0] < n:
-            self.logits = torch.zeros(n, self.logits.shape[1], dtype=self.logits.dtype, device=self.logits.device)
+            self.logits = torch.zeros(n, self.logits.shape[1], dtype=self.logits.dtype,
+                                      device=self.logits.device)
         return self.logits[:n]
 
 

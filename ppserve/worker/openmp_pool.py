@@ -8,7 +8,7 @@ one of the hundreds of parallel regions a forward pass runs. That is exactly wha
 thread builds a stage (loading weights, warming up and timing it run parallel regions) and another
 computes with it: the engine thread of `ppserve serve` behind the event loop's thread, a Ray stage
 actor's loop thread behind the thread that ran its set-up calls: on a small machine that doubles a decode
-step (ARCHITECTURE.md §2; docs/decisions.md#release-openmp-pool).
+step (ARCHITECTURE.md#the-life-of-a-microbatch; docs/decisions.md#release-openmp-pool).
 
 `release_thread_pool()` calls `omp_pause_resource_all(omp_pause_soft)` on the libgomp already loaded,
 which in libgomp frees the calling thread's pool (its workers exit and leave the count); a later

@@ -1,7 +1,7 @@
 """Logits -> token ids on the last stage: penalties, min_tokens, greedy, temperature, top-k, top-p,
 min-p, per-request seeds, log-probabilities.
 
-Each step pays only for what its requests ask (ARCHITECTURE.md §2):
+Each step pays only for what its requests ask (ARCHITECTURE.md#the-life-of-a-microbatch):
 - greedy rows: a row-wise argmax of the logits, bit-exact;
 - temperature alone: one softmax-like pass and an inverse-CDF draw from one uniform per row, found in
   two levels (a block of 256 tokens, then a token in it): nothing sorted, no noise over the vocabulary;
@@ -74,11 +74,13 @@ def _row_uniforms(params: Sequence[SamplingParams], positions: Sequence[int], de
     if any(sp.seed is not None for sp in params):
         seeds = _device_tensor([_as_int64(sp.seed or 0) for sp in params], torch.int64, device)
         seeded = _device_tensor([sp.seed is not None for sp in params], torch.bool, device)
-        u = torch.where(seeded, seeded_uniforms(seeds, _device_tensor(list(positions), torch.int64, device)), u)
+        u = torch.where(seeded, seeded_uniforms(seeds, _device_tensor(list(positions), torch.int64, device)),
+                        u)
     return u
 
 
-def _device_tensor(values: list[int] | list[float] | list[bool], dtype: torch.dtype, device: torch.device) -> Tensor:
+def _device_tensor(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
     """A small host list on the device without a sync: pinned and copied asynchronously on CUDA."""
     t = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
@@ -172,7 +174,8 @@ def _nucleus_threshold_cpu(weights: Tensor, top_p: Tensor) -> Tensor:
     before = cum - mass - base[rows] + carried[rows]  # each token's row mass from above, excluding it
     kept = torch.bincount(rows, weights=(before < target[rows]).double(), minlength=n).long().clamp_(min=1)
     # Indexing copies, so the empty rows below are filled in a tensor of this function's own.
-    threshold = vals[(starts + kept - 1).clamp(max=max(0, vals.numel() - 1))] if vals.numel() else weights.new_empty(n)
+    threshold = (vals[(starts + kept - 1).clamp(max=max(0, vals.numel() - 1))] if vals.numel()
+                 else weights.new_empty(n))
     empty = counts == 0
     if bool(empty.any()):
         threshold[empty] = _nucleus_threshold_radix(weights[empty], top_p[empty])
@@ -238,7 +241,8 @@ def _sample_top_k(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -
     device, vocab = logits.device, logits.shape[-1]
     ks = [min(sp.top_k, vocab) for sp in params]
     values, ids = logits.topk(max(ks), dim=-1)  # sorted, largest first
-    weights = torch.sub(values, values[:, :1]).mul_(1.0 / _params(params, "temperature", torch.float32, device)[:, None])
+    weights = torch.sub(values, values[:, :1]).mul_(
+        1.0 / _params(params, "temperature", torch.float32, device)[:, None])
     weights = weights.exp_()
     rank = torch.arange(values.shape[1], device=device)
     weights.masked_fill_(rank[None, :] >= _device_tensor(ks, torch.int64, device)[:, None], 0.0)
@@ -290,7 +294,8 @@ def process_logits(logits: Tensor, sp: SamplingParams, token_ids: Sequence[int],
 
 
 def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[tuple[Sequence[int], int]], stop_ids: Sequence[Sequence[int]]) -> Tensor:
+                    histories: Sequence[tuple[Sequence[int], int]],
+                    stop_ids: Sequence[Sequence[int]]) -> Tensor:
     """Rows [N, V] with each request's penalties and min_tokens applied, all rows at once (a new tensor).
 
     `histories[i]`: (prompt followed by the outputs so far, prompt length); `stop_ids[i]`: the ids
@@ -315,7 +320,8 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
     packed = _device_tensor(flat, torch.int64, device).view(n, 2 * width + stop_width)
     tokens, is_output, stops_t = packed[:, :width], packed[:, width:2 * width], packed[:, 2 * width:]
     factors = _device_tensor([v for sp in params for v in (sp.repetition_penalty, sp.frequency_penalty,
-                                                           sp.presence_penalty)], logits.dtype, device).view(n, 3)
+                                                           sp.presence_penalty)],
+                             logits.dtype, device).view(n, 3)
     rep, freq, pres = factors[:, :1], factors[:, 1:2], factors[:, 2:3]
     padded = torch.cat([logits, logits.new_zeros(n, 1)], dim=1)
     seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device).scatter_(1, tokens, True)
@@ -330,7 +336,8 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
 def top_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
     """For rows of raw logits [N, V]: (log-probability of tokens[i], the ks[i] most likely (id, logprob))."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(list(tokens), dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    chosen = lp.gather(
+        1, torch.tensor(list(tokens), dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
     k_max = max(ks, default=0)
     top_vals, top_ids = (lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long()))
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
@@ -354,7 +361,8 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
     if processed:
         if histories is None:
             raise ValueError("penalties and min_tokens need the requests' token histories")
-        stops = [(*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
+        stops = [(*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos
+                 else params[i].stop_token_ids
                  for i in processed]
         rows = apply_penalties(logits if len(processed) == len(params) else
                                logits.index_select(0, _device_tensor(processed, torch.int64, logits.device)),

@@ -106,8 +106,8 @@ class StageActor:
             return NodeInfo(node_ip="127.0.0.1", node_id="", pid=os.getpid())
         import ray
 
-        return NodeInfo(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id(),
-                        pid=os.getpid())
+        return NodeInfo(node_ip=ray.util.get_node_ip_address(),
+                        node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid())
 
     def listen_for_store(self, host: str) -> int:
         """Rank 0: bind the TCPStore's socket now, on `host` only, and return its port.
@@ -163,9 +163,11 @@ class StageActor:
         device = self._worker.device
         link = self.spec.stage_link
         if link == "rendezvous" or link == "socket" or (link == "auto" and backend == "gloo"):
-            # CPU stages: a socket (comm/socket_channel.py), or one with NCCL's strict rules (comm/rendezvous.py)
+            # CPU stages: a socket (comm/socket_channel.py), or one with NCCL's strict rules
+            # (comm/rendezvous.py)
             if device.type != "cpu":
-                raise ValueError(f"parallel.stage_link={link} carries CPU tensors; GPU stages use torch (NCCL)")
+                raise ValueError(f"parallel.stage_link={link} carries CPU tensors; GPU stages use torch "
+                                 "(NCCL)")
             host = "127.0.0.1" if ipaddress.ip_address(master).is_loopback else self._node_ip()
             self._connect_socket_links(store, host, rendezvous=link == "rendezvous")
         else:
@@ -174,7 +176,8 @@ class StageActor:
             # states (stage 0 to 1).
             ring_group = None
             if self.spec.token_ring and self.spec.num_stages > 1:
-                ring_group = dist.new_group([0, (self.spec.num_stages - 1) * self.spec.tp_size])  # on every rank
+                # on every rank
+                ring_group = dist.new_group([0, (self.spec.num_stages - 1) * self.spec.tp_size])
             self.inbound = None if self.prev_rank is None else TorchP2PChannel(self.prev_rank, device)
             self.outbound = None if self.next_rank is None else TorchP2PChannel(self.next_rank, device)
             ring_from, ring_to = self._ring_peers()
@@ -195,7 +198,8 @@ class StageActor:
         import ray
 
         return cuda_device_for_actor(
-            ray.get_runtime_context().get_accelerator_ids().get("GPU", []), os.environ.get("CUDA_VISIBLE_DEVICES"),
+            ray.get_runtime_context().get_accelerator_ids().get("GPU", []),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),
             torch.cuda.device_count() if torch.cuda.is_available() else 0, self.spec.gpus)
 
     def _node_ip(self) -> str:
@@ -215,7 +219,8 @@ class StageActor:
             from ppserve.comm.rendezvous import RendezvousChannel
 
             def make(sock: socket.socket, outbound: bool) -> RendezvousChannel:
-                return RendezvousChannel(sock, outbound, f"stage {stage}", f"stage {stage + 1 if outbound else stage - 1}")
+                return RendezvousChannel(sock, outbound, f"stage {stage}",
+                                         f"stage {stage + 1 if outbound else stage - 1}")
 
             def make_ring(sock: socket.socket, outbound: bool) -> RendezvousChannel:
                 return RendezvousChannel(sock, outbound, f"stage {stage} (token ring)",
@@ -224,7 +229,8 @@ class StageActor:
                                                     channel=make)
         ring_from, ring_to = self._ring_peers()
         if ring_from is not None or ring_to is not None:
-            self.ring_in, self.ring_out = connect_links(store, self.rank, ring_from, ring_to, host, RING_STORE_KEY,
+            self.ring_in, self.ring_out = connect_links(store, self.rank, ring_from, ring_to, host,
+                                                        RING_STORE_KEY,
                                                         channel=make_ring if rendezvous else None)
 
     def _ring_peers(self) -> tuple[int | None, int | None]:
@@ -259,10 +265,12 @@ class StageActor:
         if self.spec.stage > 0:
             self._receive(1, WARM_UP_STEP)  # and the TP broadcast that passes it on
         if self.outbound is not None:
-            self.outbound.send(torch.zeros(1, worker.arch.hidden_size, dtype=worker.dtype, device=worker.device),
+            self.outbound.send(torch.zeros(1, worker.arch.hidden_size, dtype=worker.dtype,
+                                           device=worker.device),
                                wire(None, self.spec.stage + 1), WARM_UP_STEP)
         if self.ring_out is not None:  # the token ring's link too (a step id of -1: no step's tokens)
-            self.ring_out.send(torch.zeros(1, 1, dtype=torch.int64, device=worker.device), (-1.0,), WARM_UP_STEP)
+            self.ring_out.send(torch.zeros(1, 1, dtype=torch.int64, device=worker.device), (-1.0,),
+                               WARM_UP_STEP)
         if self.ring_in is not None:
             self.ring_in.recv(1, 1, torch.int64, 1, WARM_UP_STEP)
         worker.memory.note("communication warmed up")
@@ -300,7 +308,8 @@ class StageActor:
             return self._execute(out)
         from ppserve.worker.host_sync import step_guard
 
-        with step_guard(self.worker.device, f"stage {self.spec.stage} tp {self.spec.tp_rank} step {out.step_id}"):
+        with step_guard(self.worker.device,
+                        f"stage {self.spec.stage} tp {self.spec.tp_rank} step {out.step_id}"):
             return self._execute(out)
 
     def _execute(self, out: SchedulerOutput) -> StepResult | None:
@@ -314,7 +323,8 @@ class StageActor:
             if values is not None:
                 self._upstream.append(values)
         hidden, result = worker.execute(out, hidden_in, inp)
-        row = worker.times.relay(self._upstream_rows())  # None on TP ranks other than 0: rank 0's time is the stage's
+        # None on TP ranks other than 0: rank 0's time is the stage's
+        row = worker.times.relay(self._upstream_rows())
         if not worker.model.is_last:
             if self.outbound is not None:
                 assert hidden is not None
@@ -371,7 +381,8 @@ class StageActor:
             target = max(target, out.ring_step_id)
         tokens = self._ring_tokens
         live = worker.batch.requests
-        if len(tokens) > 2 * len(live) + 64:  # finished requests' last tokens: dropped now and then, not per step
+        # finished requests' last tokens: dropped now and then, not per step
+        if len(tokens) > 2 * len(live) + 64:
             for rid in [r for r in tokens if r not in live]:
                 del tokens[rid]
         if due and due[0][0] <= target:
@@ -409,7 +420,8 @@ class StageActor:
         hidden_size, dtype, device = worker.arch.hidden_size, worker.dtype, worker.device
         values = None
         if self.inbound is not None:
-            hidden, values = self.inbound.recv(num_tokens, hidden_size, dtype, wire_length(self.spec.stage), step)
+            hidden, values = self.inbound.recv(num_tokens, hidden_size, dtype, wire_length(self.spec.stage),
+                                               step)
         else:
             hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         if worker.tp.size > 1:
@@ -455,7 +467,8 @@ class StageActor:
                                   f"{traceback.format_exc()}")
             if reply is not None:
                 try:
-                    # The last stage's send, like the others' (busy time, ARCHITECTURE.md §5): the result to the engine.
+                    # The last stage's send, like the others' (busy time, ARCHITECTURE.md#measuring-bubbles):
+                    # the result to the engine.
                     with self.worker.recorder.span("send", out.step_id):
                         conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
                 except OSError:

@@ -41,7 +41,8 @@ def wire(row: TimeRow | None, num_stages_before: int) -> tuple[float, ...]:
     if row is None:
         return (NO_ROW,) + (0.0,) * num_stages_before
     if len(row.seconds) != num_stages_before:
-        raise ValueError(f"a row of {len(row.seconds)} stage times for a link after {num_stages_before} stages")
+        raise ValueError(f"a row of {len(row.seconds)} stage times for a link after {num_stages_before} "
+                         "stages")
     return (float(row.step_id), *row.seconds)
 
 

@@ -90,7 +90,8 @@ class StageWorker:
         self.tp = tp if tp is not None else TPContext()
         self.recorder = SpanRecorder(stage=spec.stage, tp_rank=spec.tp_rank, enabled=spec.trace)
         self.init_model()
-        # Its steps' seconds and compute spans (CUDA events read a step late on a GPU), relayed down the pipeline.
+        # Its steps' seconds and compute spans (CUDA events read a step late on a GPU), relayed down the
+        # pipeline.
         self.timer = step_timer_for(self.device.type, self.recorder)
         self.times = StageTimes(self.timer, first=spec.stage == 0, relays=spec.tp_rank == 0)
         # The KV block size: cache.block_size, else the one the attention backend reads in place.
@@ -101,9 +102,9 @@ class StageWorker:
         self.graphs: DecodeGraphRunner | None = None
         # KV sizing, the memory profile and the per-phase memory figures (worker/memory.py).
         self.memory = StageMemory(self.model, self.arch, block_size=self.block_size, dtype=self.dtype,
-                                  kv_dtype=self.kv_dtype, device=self.device, profile_tokens=spec.profile_tokens,
-                                  profile_seqs=spec.profile_seqs, stage=spec.stage, tp_rank=spec.tp_rank,
-                                  max_model_len=spec.max_model_len)
+                                  kv_dtype=self.kv_dtype, device=self.device,
+                                  profile_tokens=spec.profile_tokens, profile_seqs=spec.profile_seqs,
+                                  stage=spec.stage, tp_rank=spec.tp_rank, max_model_len=spec.max_model_len)
         self.memory_log = self.memory.log  # the same list: the GPU check reads it from the worker
         self.memory.note("weights loaded")
 
@@ -149,9 +150,9 @@ class StageWorker:
         if mode == "capture" and self.device.type != "cuda":
             raise ValueError("model.cuda_graphs=capture needs a CUDA device")
         if mode != "off" and not self.model.capturable:
-            raise ValueError(f"model.cuda_graphs={mode}: this model's MoE layers run the grouped expert path here, "
-                             "which reads per-expert token counts back to the host; graphs need the Triton MoE "
-                             "kernel (CUDA with triton), or set model.cuda_graphs=off")
+            raise ValueError(f"model.cuda_graphs={mode}: this model's MoE layers run the grouped expert path "
+                             "here, which reads per-expert token counts back to the host; graphs need the "
+                             "Triton MoE kernel (CUDA with triton), or set model.cuda_graphs=off")
         return mode
 
     def init_cache(self, num_blocks: int) -> None:
@@ -172,19 +173,21 @@ class StageWorker:
                 pad_block=num_blocks, dtype=self.dtype, device=self.device, capture=mode == "capture",
                 paged_in_place=self.model.attn_backend.reads_cache_in_place(self.block_size),
             )
-        logger.info("stage %d tp %d: KV cache of %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.spec.stage,
-                    self.spec.tp_rank, num_blocks, self.block_size, num_blocks * self.block_size,
-                    num_blocks * self.memory.kv_bytes_per_block() / GiB, self.kv_dtype)
+        logger.info("stage %d tp %d: KV cache of %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
+                    self.spec.stage, self.spec.tp_rank, num_blocks, self.block_size,
+                    num_blocks * self.block_size, num_blocks * self.memory.kv_bytes_per_block() / GiB,
+                    self.kv_dtype)
         self.memory.note("KV cache allocated", kv_blocks=num_blocks, kv_tokens=num_blocks * self.block_size,
                          kv_gib=num_blocks * self.memory.kv_bytes_per_block() / GiB)
         if not self.memory.decode_warm:  # after a GPU profile too: its decode and chunk paths are still cold
             self.memory.note("warmed up", warm_up_s=self.memory.warm_up(self.kv_caches))
         t0 = time.perf_counter()
         self.startup_cost = measure_startup_cost(self.memory, self.kv_caches)  # the scheduler's prior
-        self.memory.note("step cost timed", timing_s=time.perf_counter() - t0, floor_ms=self.startup_cost.floor_s * 1e3,
-                         token_us=self.startup_cost.token_s * 1e6)
+        self.memory.note("step cost timed", timing_s=time.perf_counter() - t0,
+                         floor_ms=self.startup_cost.floor_s * 1e3, token_us=self.startup_cost.token_s * 1e6)
         if self.graphs is not None and mode == "capture":
-            seconds = self.graphs.capture_all()  # before serving: a capture while serving would stall the pipeline
+            # before serving: a capture while serving would stall the pipeline
+            seconds = self.graphs.capture_all()
             self.memory.note("decode graphs captured", capture_s=seconds, graphs=len(self.graphs.graphs))
 
     # ---- one microbatch ------------------------------------------------------------------------
@@ -211,9 +214,9 @@ class StageWorker:
         """Run this stage's layers for one microbatch (`inp` from `prepare`, or prepared now). The last
         stage samples (a StepResult of tokens); other stages hand back the hidden states [T, H] for the
         next stage. The stage's timer measures the step for the scheduler's cost model: its prepare span
-        (host work the bubble math counts as busy, ARCHITECTURE.md §5) plus its layers' compute (CUDA
-        events on a GPU, read a step or more later without waiting: worker/step_timer.py), the last
-        stage's LM head included: it is the stage's compute as its layers are, and the step-cost model
+        (host work the bubble math counts as busy, ARCHITECTURE.md#measuring-bubbles) plus its layers'
+        compute (CUDA events on a GPU, read a step or more later without waiting: worker/step_timer.py), the
+        last stage's LM head included: it is the stage's compute as its layers are, and the step-cost model
         prices it per sampled token (left out, a calibration would misprice the last stage). Sampling is
         outside that figure: it follows the logits and is not the stage's compute."""
         if inp is None:
@@ -259,8 +262,10 @@ class StageWorker:
                                  stop_ids=self.arch.eos_token_ids)
             sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
             for st, token in zip(states, tokens, strict=True):
-                st.last_sampled = token  # the token ring: this stage's input token for the request's next decode
-            logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True) if lp is not None}
+                # the token ring: this stage's input token for the request's next decode
+                st.last_sampled = token
+            logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True)
+                        if lp is not None}
         return StepResult(out.step_id, sampled, logprobs=logprobs)
 
     def drain_spans(self) -> list[dict[str, Any]]:

@@ -48,10 +48,12 @@ class StepStaging:
         self._turn ^= 1
         done = self._copied[turn]
         if done is not None and not done.query():
-            done.synchronize()  # this buffer's previous copy (two steps ago) is still running: rare, and needed
+            # this buffer's previous copy (two steps ago) is still running: rare, and needed
+            done.synchronize()
         host = self._host[turn]
         if host.numel() < n:
-            host = self._host[turn] = torch.empty(max(n, 2 * host.numel(), 1024), dtype=torch.int64, pin_memory=True)
+            host = self._host[turn] = torch.empty(max(n, 2 * host.numel(), 1024), dtype=torch.int64,
+                                                  pin_memory=True)
         host[:n].copy_(packed)
         if self._device_buf.numel() < n:
             self._device_buf = torch.empty(host.numel(), dtype=torch.int64, device=self.device)

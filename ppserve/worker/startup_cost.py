@@ -1,5 +1,5 @@
 """A stage's step-cost prior, timed at start-up, so the scheduler's cost model is calibrated from the
-first microbatch (ARCHITECTURE.md §3, "Balanced formation").
+first microbatch (ARCHITECTURE.md#how-a-microbatch-is-formed, "Balanced formation").
 
 The scheduler shares work by predicted time once its online cost model is calibrated (sched/cost.py),
 and by tokens before, with a quarter-budget floor per chunk that suits a GPU. The online fit needs a few

@@ -1,9 +1,9 @@
 """How long each of a stage's steps computed, read without making the host wait for the device.
 
 A stage times its layers' compute once per microbatch: the scheduler's cost model learns from it, and
-the trace shows it as the stage's `compute` span (ARCHITECTURE.md §5). On a CPU the host clock knows
-the time when the step ends (`HostStepTimer`). On a GPU a launch returns before its work is done, so
-`EventStepTimer` records a CUDA event pair around the layers and reads a step's pair only once
+the trace shows it as the stage's `compute` span (ARCHITECTURE.md#measuring-bubbles). On a CPU the host
+clock knows the time when the step ends (`HostStepTimer`). On a GPU a launch returns before its work is
+done, so `EventStepTimer` records a CUDA event pair around the layers and reads a step's pair only once
 `query()` says its end event is done, at a later step: never `synchronize()` on the hot path, which
 would stall the host, and with it the next step's launches, every step. A timed step therefore comes
 back with the id of the step it measures (`TimedStep.step_id`), which may be an earlier one.
@@ -197,7 +197,8 @@ class EventStepTimer:
             self._pool += [event for _, event in waits]  # an unfinished step's waits: nothing to end them at
         if start is None:
             return
-        if end is None:  # the step raised before its layers were done: no figure; the host span shows the stage busy
+        # the step raised before its layers were done: no figure; the host span shows the stage busy
+        if end is None:
             self.recorder.record("compute", self._host_start_ns, self.clock_ns(), self._step, **span_tags)
             return
         with self._lock:
@@ -230,7 +231,8 @@ class EventStepTimer:
             wait_ns = step.anchor.host_ns + round(step.anchor.event.elapsed_time(waited) * 1e6)
             self.recorder.record("recv_wait", min(wait_ns, start_ns), start_ns, wait_step)
             self._pool.append(waited)
-        self.recorder.record("compute", start_ns, start_ns + round(compute_ms * 1e6), step.step_id, **step.span_tags)
+        self.recorder.record("compute", start_ns, start_ns + round(compute_ms * 1e6), step.step_id,
+                             **step.span_tags)
         self._done.append(TimedStep(step.step_id, compute_ms * 1e-3 + step.host_s))
         self._pool += (step.start, step.end)
 

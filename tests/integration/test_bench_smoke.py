@@ -1,6 +1,7 @@
 """Every benchmark runs end to end on a tiny input: a tiny random Llama (no tokenizer, so prompts are
 random token ids), pp=2 on the session's Ray, a handful of requests. Figures are not checked, only
-that each suite produces its files and sane shapes (benchmarks are not tests, ARCHITECTURE.md §10)."""
+that each suite produces its files and sane shapes (benchmarks are not tests,
+ARCHITECTURE.md#tests-and-benchmarks)."""
 
 from __future__ import annotations
 

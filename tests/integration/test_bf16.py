@@ -1,8 +1,8 @@
 """bfloat16: ppserve against transformers run in bfloat16 on the same weights (SmolLM2-135M-Instruct).
 
 bf16 is checked by tolerance and agreement, not equality: two correct bf16 implementations round
-differently and drift apart after a few dozen tokens (ARCHITECTURE.md §10). The float32 fast path
-is untouched: exactness stays with test_model.py and test_equality_default.py.
+differently and drift apart after a few dozen tokens (ARCHITECTURE.md#tests-and-benchmarks). The float32
+fast path is untouched: exactness stays with test_model.py and test_equality_default.py.
 """
 
 from __future__ import annotations

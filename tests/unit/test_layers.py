@@ -1,5 +1,5 @@
-"""The import graph, read from the source: the layer order of ARCHITECTURE.md §1 holds and no module imports
-itself back."""
+"""The import graph, read from the source: the layer order of ARCHITECTURE.md#layers holds and no module
+imports itself back."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_imports_follow_the_layer_order():
                 continue
             if (LEVEL[b] > 0 if a == "ppserve" else LEVEL[b] >= LEVEL[a]):  # the root re-exports the base
                 bad.append(f"{mod} -> {dep}")
-    assert not bad, "imports against the layer order (ARCHITECTURE.md §1):\n" + "\n".join(sorted(bad))
+    assert not bad, "imports against the layer order (ARCHITECTURE.md#layers):\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycle():

@@ -1,21 +1,27 @@
 """Kernel dispatch in one table: each op runs the native kernel where it accepts the input, torch otherwise.
 
-| op | native (CPU, ppserve/model/csrc) | otherwise |
-|---|---|---|
-| `rms_norm`, `add_rms_norm` | elementwise_bf16.c (bf16: one pass, residual add fused) | torch, in float32 like the reference |
-| `silu_mul` | elementwise_bf16.c (bf16) | `F.silu(gate) * up` |
-| `rope_` (in place), `rope` | elementwise_bf16.c (bf16, heads contiguous) | `x * cos + rotate_half(x) * sin` |
-| `qk_norm_rope_` (Qwen3's q/k heads) | elementwise_bf16.c (bf16: per-head norm and rotation in place, one call) | `rms_norm` over the heads, then `rope` |
-| `argmax` | argmax.c (float32 logits) | `torch.argmax` (same indices: first maximum, NaN wins) |
-| MoE router (`moe.TopKRouter`) | moe_route.c (bf16, up to 16 experts: logits, softmax, top-k, weights in one call) | the torch chain (`choose`) |
-| MoE dispatch / combine (`ops/moe.py`) | moe_route.c (sort and gather: any dtype; weighted sum: bf16) | sort, searchsorted, index ops |
-| linear (`gemm.PackedWeight`) | gemm_amx.c (bf16, AMX) | oneDNN prepacked or plain `F.linear`, timed per shape |
-| attention (`model/attention.py`) | paged_attention.c (decode), prefill_attention_amx.c (bf16 chunks, AMX) | SDPA; flash-attn on CUDA |
-
 float32 never enters a native kernel but `argmax` and the MoE dispatch (exact: an index and a permutation),
-so float32 output stays identical to transformers. Which kernels a process may use is `settings.KernelSettings` (config fields, environment
-overrides).
+so float32 output stays identical to transformers. Which kernels a process may use is
+`settings.KernelSettings` (config fields, environment overrides). The table is the comment below.
 """
+
+# The op table, one row per op: op | native (CPU, ppserve/model/csrc) | otherwise
+# - `rms_norm`, `add_rms_norm` | elementwise_bf16.c (bf16: one pass, residual add fused) | torch, in float32
+#   like the reference
+# - `silu_mul` | elementwise_bf16.c (bf16) | `F.silu(gate) * up`
+# - `rope_` (in place), `rope` | elementwise_bf16.c (bf16, heads contiguous) |
+#   `x * cos + rotate_half(x) * sin`
+# - `qk_norm_rope_` (Qwen3's q/k heads) | elementwise_bf16.c (bf16: per-head norm and rotation in place, one
+#   call) | `rms_norm` over the heads, then `rope`
+# - `argmax` | argmax.c (float32 logits) | `torch.argmax` (same indices: first maximum, NaN wins)
+# - MoE router (`moe.TopKRouter`) | moe_route.c (bf16, up to 16 experts: logits, softmax, top-k, weights in
+#   one call) | the torch chain (`choose`)
+# - MoE dispatch / combine (`ops/moe.py`) | moe_route.c (sort and gather: any dtype; weighted sum: bf16) |
+#   sort, searchsorted, index ops
+# - linear (`gemm.PackedWeight`) | gemm_amx.c (bf16, AMX) | oneDNN prepacked or plain `F.linear`, timed per
+#   shape
+# - attention (`model/attention.py`) | paged_attention.c (decode), prefill_attention_amx.c (bf16 chunks, AMX)
+#   | SDPA; flash-attn on CUDA
 
 from __future__ import annotations
 

@@ -70,7 +70,8 @@ def library_key(compiler: str | None = None) -> str:
     except (OSError, subprocess.SubprocessError):  # a broken compiler: the build will say so where it matters
         version = f"{compiler}: no version"
     return hashlib.sha256("\0".join([*(f.read_text() for f in _sources()), *_COMPILE_FLAGS, *_LINK_FLAGS,
-                                     *_LINK_LIBS, version, _cpu_flags(), platform.machine()]).encode()).hexdigest()[:16]
+                                     *_LINK_LIBS, version, _cpu_flags(),
+                                     platform.machine()]).encode()).hexdigest()[:16]
 
 
 def _build(compiler: str) -> Path:

@@ -1,4 +1,5 @@
-"""How a linear layer's GEMM runs on CPU: ppserve's panel kernel, oneDNN's prepacked layout, or plain F.linear.
+"""How a linear layer's GEMM runs on CPU: ppserve's panel kernel, oneDNN's prepacked layout, or plain
+F.linear.
 
 A linear layer owns a `PackedWeight`: `prepack()` (called once after loading) lays a bf16 CPU weight out
 in 16-column panels for ppserve's own GEMM where the CPU has one (AMX tiles, csrc/gemm_amx.c, or
@@ -13,9 +14,11 @@ bit-exact with transformers. Evidence: docs/decisions.md#cpu-gemm-paths.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +30,8 @@ from ppserve.model.ops.settings import current
 
 def can_prepack(weight: Tensor) -> bool:
     """oneDNN prepacking pays off for bf16 weights on CPUs with native bf16 (AVX512-BF16 / AMX)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class PackedWeight:
@@ -73,7 +76,7 @@ class PackedWeight:
             paths = [("packed", bucket), ("plain", bucket)]
             if bucket < SMALL_GEMM_ROWS:
                 paths.append(("packed", SMALL_GEMM_ROWS))
-            return {path: (lambda path=path: self.run(x, weight, bias, path)) for path in paths}
+            return {path: functools.partial(self.run, x, weight, bias, path) for path in paths}
 
         path = fastest_path((int(weight.shape[0]), int(weight.shape[1]), bucket), candidates)
         return self.run(x, weight, bias, path)[:rows]
@@ -101,7 +104,7 @@ class PackedWeight:
         if padded != x.shape[0]:
             x = torch.cat([x, x.new_zeros(padded - x.shape[0], x.shape[1])])
         if kind == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            return cast(Tensor, torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], ""))
         return F.linear(x, weight, bias)
 
 

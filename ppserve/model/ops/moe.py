@@ -106,8 +106,10 @@ def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
     hidden, inter = w2.shape[1], w2.shape[2]
     if hidden % 32 or inter % 32:
         return None
-    gate_up, down = torch.stack([kernel.pack_gate_up(w) for w in w13]), torch.stack([kernel.pack(w) for w in w2])
-    return PanelExperts(gate_up, down, kernel.kernel, tuple(zip(gate_up.unbind(), down.unbind(), strict=True)))
+    gate_up, down = (torch.stack([kernel.pack_gate_up(w) for w in w13]),
+                     torch.stack([kernel.pack(w) for w in w2]))
+    return PanelExperts(gate_up, down, kernel.kernel,
+                        tuple(zip(gate_up.unbind(), down.unbind(), strict=True)))
 
 
 def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
@@ -143,7 +145,8 @@ def _dispatch(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Te
     """`native.MoeRouting.dispatch` in torch ops: (rows in expert order, ends, pos)."""
     k = topk_ids.shape[1]
     sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True, out_int32=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device), right=True,
+                              out_int32=True)
     pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
     return x.index_select(0, order // k), ends, pos
 
@@ -176,7 +179,8 @@ def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
     else:
         def expert_out(e: int) -> Tensor:
             return F.linear(silu_mul(F.linear(x, w13[e])), w2[e])
-    return torch.cat([expert_out(e) for e in topk_ids[0].tolist()])  # the host read the per-expert loop makes too
+    # the host read the per-expert loop makes too
+    return torch.cat([expert_out(e) for e in topk_ids[0].tolist()])
 
 
 def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> Tensor:

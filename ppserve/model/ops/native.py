@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from torch import Tensor
 
 from ppserve.model.ops.build import load_library
 from ppserve.model.ops.settings import current, generation
+
+if TYPE_CHECKING:
+    from ctypes import _CDataType, _NamedFuncPointer  # typeshed's names of a C type and a library's function
 
 logger = logging.getLogger(__name__)
 _K = TypeVar("_K")
@@ -29,7 +32,8 @@ class PagedDecode:
     DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        args = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 5
+        args = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                + [ctypes.c_int64] * 5)
         args += [ctypes.c_float, ctypes.c_int]
         self._fns = {}
         for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.bfloat16, "paged_decode_bf16")):
@@ -56,11 +60,12 @@ class PagedDecode:
         out = torch.empty_like(query)
         keys = kv_cache.data_ptr()  # the V plane one plane's bytes after it (pointers, not two index ops)
         status = self._fns[query.dtype](
-            query.data_ptr(), keys, keys + kv_cache.stride(0) * kv_cache.element_size(), block_tables.data_ptr(),
-            block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq, hkv, d, bs, scale,
-            torch.get_num_threads())
+            query.data_ptr(), keys, keys + kv_cache.stride(0) * kv_cache.element_size(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(), n, hq,
+            hkv, d, bs, scale, torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"paged decode kernel failed (status {status}: 1 = unsupported shape, 2 = out of memory)")
+            raise RuntimeError(f"paged decode kernel failed (status {status}: 1 = unsupported shape, "
+                               "2 = out of memory)")
         return out
 
 
@@ -74,10 +79,11 @@ class Elementwise:
         self._add_rms = self._bind(lib.add_rms_norm_bf16, [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, nt])
         self._silu = self._bind(lib.silu_mul_bf16, [ptr, i64, ptr, i64, i64, nt])
         self._rope = self._bind(lib.rope_bf16, [ptr, i64, ptr, ptr, i64, i64, i64, nt])
-        self._qk_norm_rope = self._bind(lib.qk_norm_rope_bf16, [ptr, i64, ptr, ptr, ptr, ptr] + [i64] * 4 + [f32, nt])
+        self._qk_norm_rope = self._bind(lib.qk_norm_rope_bf16,
+                                        [ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 4, f32, nt])
 
     @staticmethod
-    def _bind(fn, args):
+    def _bind(fn: _NamedFuncPointer, args: list[type[_CDataType]]) -> _NamedFuncPointer:
         fn.argtypes, fn.restype = args, None
         return fn
 
@@ -103,19 +109,21 @@ class Elementwise:
             raise ValueError(f"add_rms_norm: shapes differ {tuple(x.shape)} vs {tuple(y.shape)}")
         x, y = x.contiguous(), y.contiguous()
         total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
-        self._add_rms(x.data_ptr(), y.data_ptr(), weight.contiguous().data_ptr(), total.data_ptr(), out.data_ptr(),
-                      x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        self._add_rms(x.data_ptr(), y.data_ptr(), weight.contiguous().data_ptr(), total.data_ptr(),
+                      out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return total, out
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """gate_up [T, 2I] -> silu(gate) * up [T, I]."""
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inter), dtype=gate_up.dtype)
-        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter,
+                   torch.get_num_threads())
         return out
 
     @staticmethod
-    def _rotation_operands(what: str, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[int, int, int, Tensor, Tensor]:
+    def _rotation_operands(what: str, x: Tensor, cos: Tensor,
+                           sin: Tensor) -> tuple[int, int, int, Tensor, Tensor]:
         """The rotation kernels' checks: x [T, H, D] with heads contiguous (token rows may be strided), D even
         and at most 1024 -> (T, H, D, cos, sin as contiguous [T, D])."""
         t, h, d = x.shape
@@ -126,21 +134,24 @@ class Elementwise:
     def rope_(self, x: Tensor, cos: Tensor, sin: Tensor) -> None:
         """Rotate x [T, H, D] in place (token rows may be strided, heads contiguous); cos/sin [T, 1, D]."""
         t, h, d, cos, sin = self._rotation_operands("rope", x, cos, sin)
-        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, torch.get_num_threads())
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d,
+                   torch.get_num_threads())
 
-    def qk_norm_rope_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor, q_heads: int, cos: Tensor, sin: Tensor,
-                      eps: float) -> None:
+    def qk_norm_rope_(self, qk: Tensor, q_weight: Tensor, k_weight: Tensor, q_heads: int, cos: Tensor,
+                      sin: Tensor, eps: float) -> None:
         """In place, qk [T, Hq + Hk, D] (token rows may be strided, heads contiguous): each of the first
         `q_heads` heads of a token through RMSNorm with q_weight [D], the others with k_weight [D], then every
-        head rotated with cos/sin [T, 1, D]: `rms_norm` per head and then `rope_`, bit for bit, in one call."""
+        head rotated with cos/sin [T, 1, D]: `rms_norm` per head and then `rope_`, bit for bit, in one
+        call."""
         t, h, d, cos, sin = self._rotation_operands("qk_norm_rope", qk, cos, sin)
         if not 0 <= q_heads <= h:
             raise ValueError(f"qk_norm_rope: unsupported layout: {q_heads} query heads of {h} heads")
         if q_weight.shape != (d,) or k_weight.shape != (d,):
-            raise ValueError(f"qk_norm_rope: weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} are not [{d}]")
+            raise ValueError(f"qk_norm_rope: weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} "
+                             f"are not [{d}]")
         self._qk_norm_rope(qk.data_ptr(), qk.stride(0), q_weight.contiguous().data_ptr(),
-                           k_weight.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), t, q_heads, h - q_heads,
-                           d, eps, torch.get_num_threads())
+                           k_weight.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr(), t, q_heads,
+                           h - q_heads, d, eps, torch.get_num_threads())
 
 
 class PrefillAttention:
@@ -163,7 +174,8 @@ class PrefillAttention:
         return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and q.shape[2] == 64
                 and q.stride(2) == 1 and q.stride(1) == 64 and kv_cache.is_contiguous())
 
-    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, context_len: int, scale: float) -> Tensor:
+    def __call__(self, q: Tensor, kv_cache: Tensor, block_table: Tensor, context_len: int,
+                 scale: float) -> Tensor:
         """q [ql, Hq, 64] (token rows may be strided); kv_cache [2, blocks, bs, Hkv, 64] already holding
         the chunk's own K/V; block_table [>= blocks needed] int64 -> [ql, Hq, 64]."""
         ql, hq, d = q.shape
@@ -172,11 +184,13 @@ class PrefillAttention:
         if table.dtype != torch.int64 or table.numel() * bs < context_len:
             raise ValueError("prefill attention: the block table must be int64 and cover the context")
         out = torch.empty((ql, hq, d), dtype=q.dtype)
-        status = self._fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), table.data_ptr(),
-                          ql, context_len, hq, hkv, d, bs, scale, out.data_ptr(), torch.get_num_threads())
+        status = self._fn(q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                          table.data_ptr(), ql, context_len, hq, hkv, d, bs, scale, out.data_ptr(),
+                          torch.get_num_threads())
         if status != 0:
-            raise RuntimeError(f"prefill attention kernel ({self.kernel}) failed (status {status}: 1 = unsupported "
-                               f"shape, 2 = out of memory, 3 = built without {self.kernel.upper()})")
+            raise RuntimeError(f"prefill attention kernel ({self.kernel}) failed (status {status}: "
+                               f"1 = unsupported shape, 2 = out of memory, 3 = built without "
+                               f"{self.kernel.upper()})")
         return out
 
 
@@ -185,7 +199,8 @@ class GreedyArgmax:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.argmax_rows_f32
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int]
         fn.restype = None
         self._fn = fn
 
@@ -228,7 +243,8 @@ class MoeRouting:
 
     @classmethod
     def routes(cls, x: Tensor, weight: Tensor) -> bool:
-        """bf16 token rows [T, H] on CPU with unit inner stride; the router's float32 weight [E, H] contiguous."""
+        """bf16 token rows [T, H] on CPU with unit inner stride; the router's float32 weight [E, H]
+        contiguous."""
         return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
                 and weight.dtype == torch.float32 and weight.is_contiguous()
                 and weight.shape[0] <= cls.ROUTE_MAX_EXPERTS)
@@ -280,8 +296,9 @@ class MoeRouting:
         ends = torch.empty(num_experts, dtype=torch.int32)
         pos = torch.empty(t * k, dtype=torch.int64)
         size = x.element_size()
-        status = self._dispatch(x.data_ptr(), x.stride(0) * size, topk_ids.data_ptr(), t, k, num_experts, h * size,
-                                rows.data_ptr(), pos.data_ptr(), ends.data_ptr(), torch.get_num_threads())
+        status = self._dispatch(x.data_ptr(), x.stride(0) * size, topk_ids.data_ptr(), t, k, num_experts,
+                                h * size, rows.data_ptr(), pos.data_ptr(), ends.data_ptr(),
+                                torch.get_num_threads())
         if status == 1:
             raise ValueError(f"MoE dispatch: an expert id outside [0, {num_experts})")
         if status != 0:
@@ -300,7 +317,8 @@ class MoeRouting:
         h = down.shape[1]
         out = torch.empty((t, h), dtype=torch.bfloat16)
         self._combine(down.data_ptr(), pos.data_ptr(), topk_weights.data_ptr(),
-                      int(topk_weights.dtype == torch.float32), t, k, h, out.data_ptr(), torch.get_num_threads())
+                      int(topk_weights.dtype == torch.float32), t, k, h, out.data_ptr(),
+                      torch.get_num_threads())
         return out
 
 
@@ -316,7 +334,8 @@ class PanelGemm:
     def __init__(self, lib: ctypes.CDLL, kernel: str = "amx") -> None:
         fn = getattr(lib, self.KERNELS[kernel])
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
         grouped = getattr(lib, self.GROUPED_KERNELS[kernel])
@@ -356,13 +375,14 @@ class PanelGemm:
         m, k = x.shape
         n = packed.shape[0] * 16
         if x.dtype != torch.bfloat16 or k != packed.shape[1] * 32:
-            raise ValueError(f"{self.kernel} GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed weight "
-                             f"[{n}, {packed.shape[1] * 32}]")
+            raise ValueError(f"{self.kernel} GEMM: input {tuple(x.shape)} {x.dtype} does not match a packed "
+                             f"weight [{n}, {packed.shape[1] * 32}]")
         out = torch.empty((m, n // 2 if silu_mul else n), dtype=torch.bfloat16)
         if m == 0:  # an empty microbatch part: nothing to compute (the kernels refuse M = 0)
             return out
-        status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                          out.data_ptr(), out.shape[1], m, n, k, int(silu_mul), torch.get_num_threads())
+        status = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1], m, n, k,
+                          int(silu_mul), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{self.kernel} GEMM refused [{m}, {k}] x [{n}, {k}] (status {status})")
         return out
@@ -378,19 +398,21 @@ class PanelGemm:
         num_experts, n = packed.shape[0], packed.shape[1] * 16
         if (x.dtype != torch.bfloat16 or k != packed.shape[2] * 32 or ends.shape != (num_experts,)
                 or ends.dtype != torch.int32):
-            raise ValueError(f"{self.kernel} grouped GEMM: input {tuple(x.shape)} {x.dtype}, ends {tuple(ends.shape)} "
-                             f"{ends.dtype} do not match {num_experts} packed weights [{n}, {packed.shape[2] * 32}]")
+            raise ValueError(f"{self.kernel} grouped GEMM: input {tuple(x.shape)} {x.dtype}, "
+                             f"ends {tuple(ends.shape)} {ends.dtype} do not match {num_experts} packed "
+                             f"weights [{n}, {packed.shape[2] * 32}]")
         if p != int(ends[-1]):
-            raise ValueError(f"{self.kernel} grouped GEMM: the experts' rows end at {int(ends[-1])}, not at {p}")
+            raise ValueError(f"{self.kernel} grouped GEMM: the experts' rows end at {int(ends[-1])}, "
+                             f"not at {p}")
         if not packed.is_contiguous():  # the kernel finds expert e's weight e strides in
             raise ValueError(f"{self.kernel} grouped GEMM: the packed weights must be one contiguous tensor")
         ends = ends.contiguous()
         out = torch.empty((p, n // 2 if silu_mul else n), dtype=torch.bfloat16)
         if p == 0:
             return out
-        status = self._grouped_fn(x.data_ptr(), x.stride(0), packed.data_ptr(), packed.stride(0), ends.data_ptr(),
-                                  num_experts, out.data_ptr(), out.shape[1], n, k, int(silu_mul),
-                                  torch.get_num_threads())
+        status = self._grouped_fn(x.data_ptr(), x.stride(0), packed.data_ptr(), packed.stride(0),
+                                  ends.data_ptr(), num_experts, out.data_ptr(), out.shape[1], n, k,
+                                  int(silu_mul), torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{self.kernel} grouped GEMM refused [{p}, {k}] x {num_experts} x [{n}, {k}] "
                                f"(status {status}: {'ends not non-decreasing' if status == 2 else 'shape'})")
@@ -470,7 +492,7 @@ _Twin = TypeVar("_Twin", PanelGemm, PrefillAttention)
 def _amx_else_avx512(kernel: str | None, binding: type[_Twin], avx512_built: str) -> _Twin | None:
     """A kernel written twice, for AMX and for AVX512-BF16 (`binding(lib, 'amx' | 'avx512')`): the AMX one
     where AMX is granted, else the other where the library was built with it (`avx512_built()` says)."""
-    if kernel not in (None, *binding.KERNELS):
+    if kernel is not None and kernel not in binding.KERNELS:
         raise ValueError(f"unknown {binding.__name__} kernel {kernel!r} ({', '.join(binding.KERNELS)})")
     amx = _bound(f"{binding.__name__}:amx", binding, needs_amx=True) if kernel != "avx512" else None
     if amx is not None or kernel == "amx":

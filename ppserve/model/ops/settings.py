@@ -22,8 +22,10 @@ MOE_KERNELS = ("auto", "grouped", "triton")
 class KernelSettings:
     native: bool = True  # model.native_kernels: ppserve's C kernels on CPU (built on first use)
     amx: bool = True  # model.amx_kernels: the AMX GEMM and prefill attention where the CPU has AMX
-    linear_path: str = "auto"  # model.linear_path: panel GEMM, else oneDNN timed per shape; or oneDNN packed | plain
-    cache_dir: str | None = None  # model.kernel_cache_dir: where built kernels are kept (<cache root>/kernels, ppserve/cache.py)
+    # model.linear_path: panel GEMM, else oneDNN timed per shape; or oneDNN packed | plain
+    linear_path: str = "auto"
+    # model.kernel_cache_dir: where built kernels are kept (<cache root>/kernels, ppserve/cache.py)
+    cache_dir: str | None = None
     moe_kernel: str = "auto"  # model.moe_kernel: the MoE experts' path (ops/moe.py): auto | grouped | triton
 
     def __post_init__(self) -> None:
