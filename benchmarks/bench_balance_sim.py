@@ -1,6 +1,6 @@
 """The balanced pipeline at GPU scale, in the simulator (the same scheduler code over a roofline cost model).
 
-Two tables, one run:
+Three tables, one run:
 1. Llama-2-70B on A100s, PP4 x TP4, the Azure conversation trace (400 requests, Poisson at each rate),
    sarathi at token budget 512 and 128 running requests (seq cap on): the unbalanced formation with
    the old control-plane figures (0.2 ms turnaround, no dispatch latency, no token ring: what the issue
@@ -8,10 +8,13 @@ Two tables, one run:
    unbalanced and the balanced formation each without and with the token ring
    (`scheduler.token_ring`, its extra microbatch formed just in time;
    ARCHITECTURE.md#how-a-microbatch-is-formed). The default is the balanced formation with the ring.
-   Mean bubble (active window), microbatch token CV, throughput, TTFT and TBT.
+   Beside them the baselines vllm (v0) and orca and today's peers vllm-v1 and sglang-pp. Mean bubble
+   (active window), microbatch token CV, throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
    (unbalanced), against the pipelined ideal (every chunk enters a stage the moment both the stage and
    the chunk are free, no control plane).
+3. The capacity of sarathi, vllm-v1 and sglang-pp on the trace's lengths under a p99-TBT SLO, as the
+   planner finds it.
 
     python benchmarks/bench_balance_sim.py [--rates 2,4,8] [--out results/bench_balance_sim.json]
 """
@@ -25,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.config import SchedulerConfig
+from ppserve.metrics.capacity import SLO
+from ppserve.plan.search import PlanContext, capacities
+from ppserve.plan.space import Cluster, Deployment
+from ppserve.sched.partition import even_partition
 from ppserve.sim import (
     BatchShape,
     RooflineCostModel,
@@ -71,12 +78,30 @@ def pipelined_ideal_ttft(cost: RooflineCostModel, prompt: int, budget: int) -> f
     return done
 
 
+def capacity_table(model: Any, hw: Any, pp: int, tp: int, blocks: int, trace: list[WorkloadRequest],
+                   args: argparse.Namespace) -> dict[str, float]:
+    """Each policy's capacity on the conversation trace's lengths under the p99-TBT SLO (and the median
+    scheduling delay under 2 s), as `ppserve plan` finds it (`ppserve.plan.search.capacities`)."""
+    layers = tuple(b - a for a, b in even_partition(model.num_layers, pp))
+    slo = SLO(args.capacity_tbt_p99_ms * 1e-3)
+    ctx = PlanContext(model, Cluster(hw, pp * tp), tuple(trace), slo,
+                      overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
+    policies = ("sarathi", "vllm-v1", "sglang-pp")
+    deps = [Deployment(pp, tp, 1, policy, 512, 128, layers, blocks, 16) for policy in policies]
+    out = {d.policy: c.capacity for d, c in zip(deps, capacities(ctx, deps, rel_tol=0.05), strict=True)}
+    print(f"\ncapacity under p99 TBT <= {args.capacity_tbt_p99_ms:g} ms (req/s, to 5 %): "
+          + ", ".join(f"{p} {v:.2f}" for p, v in out.items()))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="2,4,8")
     ap.add_argument("--num-requests", type=int, default=400)
     ap.add_argument("--dispatch-ms", type=float, default=0.5, help="measured control plane (connections)")
     ap.add_argument("--overhead-ms", type=float, default=0.5, help="measured engine turnaround")
+    ap.add_argument("--capacity-tbt-p99-ms", type=float, default=100.0,
+                    help="also each policy's capacity under this p99-TBT SLO (0: skip)")
     ap.add_argument("--out", default="results/bench_balance_sim.json")
     args = ap.parse_args()
     model, hw = load_model_spec("llama2-70b"), load_hardware("a100")
@@ -100,6 +125,9 @@ def main() -> None:
         ),
         ("balanced", no_ring, args.overhead_ms, args.dispatch_ms),
         ("balanced + token ring (default)", base, args.overhead_ms, args.dispatch_ms),
+        # The published baselines and today's peers, each by its own rules (ppserve/sched/policies.py).
+        *((policy, dataclasses.replace(base, policy=policy, token_ring=None), args.overhead_ms,
+           args.dispatch_ms) for policy in ("vllm", "orca", "vllm-v1", "sglang-pp")),
     ]
     rows = []
     print(
@@ -129,10 +157,10 @@ def main() -> None:
         r = run(cost, prompt, sched, blocks, 8192, overhead, dispatch)
         long_rows[name] = r["ttft_p50_s"]
         print(f"  {name}: TTFT {1e3 * r['ttft_p50_s']:.1f} ms = {r['ttft_p50_s'] / ideal:.2f}x the ideal")
+    caps = capacity_table(model, hw, pp, tp, blocks, trace, args) if args.capacity_tbt_p99_ms > 0 else {}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"args": vars(args), "trace_rows": rows, "long_prompt": long_rows}, indent=2)
-    )
+    Path(args.out).write_text(json.dumps(
+        {"args": vars(args), "trace_rows": rows, "long_prompt": long_rows, "capacity_req_s": caps}, indent=2))
     print(f"wrote {args.out}")
 
 

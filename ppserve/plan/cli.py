@@ -61,10 +61,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--sched-delay-s", type=float, default=2.0,
                    help="median scheduling delay (Sarathi-Serve: 2 s)")
     k = p.add_argument_group("search")
-    k.add_argument("--policies", default="sarathi,vllm")
+    k.add_argument("--policies", default="sarathi,vllm",
+                   help="comma-separated, among sarathi, vllm, orca and today's peers vllm-v1, sglang-pp")
     k.add_argument("--token-budgets", type=_ints, default=(256, 512, 1024, 2048),
-                   help="sarathi's, comma-separated")
-    k.add_argument("--max-num-seqs", type=_ints, default=(256,), help="sarathi's, comma-separated")
+                   help="sarathi's (and the peers'), comma-separated")
+    k.add_argument("--max-num-seqs", type=_ints, default=(256,),
+                   help="sarathi's (and the peers'), comma-separated")
     k.add_argument("--vllm-max-num-seqs", type=_ints, default=(32, 64, 128), help="vllm's max batch sizes")
     k.add_argument("--no-slo-budget", action="store_true",
                    help="search the budget grid only, not also each shape's budget for the TBT SLO "

@@ -104,7 +104,8 @@ def save_pareto_plot(cands: Sequence[Candidate], path: Path, title: str, tbt_slo
         return False
     front = pareto_front(cands)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for policy, marker in (("sarathi", "o"), ("vllm", "s"), ("orca", "^")):
+    markers = (("sarathi", "o"), ("vllm", "s"), ("orca", "^"), ("vllm-v1", "D"), ("sglang-pp", "v"))
+    for policy, marker in markers:
         pts = [c for c in cands if c.deployment.policy == policy and _tbt(c) != float("inf")]
         if pts:
             ax.scatter([_tbt(c) * 1e3 for c in pts], [c.capacity_per_gpu for c in pts], marker=marker,

@@ -56,6 +56,11 @@ class WorkloadShape:
         return cls(sum(totals) / len(totals), max(totals))
 
 
+# The policies the planner prices: every one a server runs but static batching (request-level batches
+# are no serving deployment). vllm-v1 and sglang-pp, today's peers, take the token-budget grid.
+PLANNABLE = ("sarathi", "vllm", "orca", "vllm-v1", "sglang-pp")
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The knobs tried for every (pp, tp) that fits. vllm's token budget is vLLM v0's (whole prompts up to
@@ -71,9 +76,9 @@ class SearchSpace:
     min_kv_requests: int = 8
 
     def __post_init__(self) -> None:
-        unknown = set(self.policies) - {"sarathi", "vllm", "orca"}
+        unknown = set(self.policies) - set(PLANNABLE)
         if unknown or not self.policies:
-            raise ValueError(f"policies must be among sarathi, vllm, orca; got {list(self.policies)}")
+            raise ValueError(f"policies must be among {', '.join(PLANNABLE)}; got {list(self.policies)}")
         for name in ("token_budgets", "max_num_seqs", "vllm_max_num_seqs"):
             values = getattr(self, name)
             if not values or any(v < 1 for v in values):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from ppserve.request import Request, RequestStatus
 from ppserve.sched.block_manager import BlockManager, blocks_for
 from ppserve.sched.budget import TimeBudget, TokenBudget
+from ppserve.sched.cost import PipelineCost
 
 __all__ = ["BatchBuilder", "RunningSplit"]
 
@@ -70,6 +71,10 @@ class BatchBuilder:
         max_total_tokens: Callable[[Request], int],
         clock: Callable[[], float],
         decode_quota: int | None = None,
+        step_id: int = 0,
+        in_flight_step_ids: tuple[int, ...] = (),
+        num_stages: int = 1,
+        pipeline_cost: Callable[[], PipelineCost | None] = lambda: None,
     ) -> None:
         self.budget = budget
         self._blocks = blocks
@@ -87,11 +92,30 @@ class BatchBuilder:
         # How many decodes this microbatch may take (balanced formation); None = as many as fit.
         self.decode_quota = decode_quota
         self._head_hits: tuple[Request | None, list[int]] = (None, [])  # the waiting head's cached blocks
+        self.num_preempted = 0  # requests this microbatch's formation preempted for blocks
+        # Where this microbatch sits in the pipeline, for a policy that keeps per-slot state (sglang-pp):
+        # the step id it will get, those of the microbatches in flight (oldest first), the stage count,
+        # and the step-cost model's current prediction (None until calibrated).
+        self.step_id = step_id
+        self.in_flight_step_ids = in_flight_step_ids
+        self.num_stages = num_stages
+        self.pipeline_cost = pipeline_cost
 
     # ---- what a policy reads ---------------------------------------------------------------------
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        return self._blocks.block_size
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._running
 
     def schedulable_running(self, decodes: bool) -> Iterator[Request]:
         """Running requests that may take tokens now and are not in this batch yet: decodes, or prefills
@@ -101,6 +125,15 @@ class BatchBuilder:
     def schedulable_following(self) -> Iterator[Request]:
         """Prompts whose next chunk may follow their in-flight chunk down the pipeline (`pipeline_chunks`)."""
         yield from self._schedulable(self.following)
+
+    def schedulable_in_order(self) -> Iterator[Request]:
+        """Every running request that may take tokens now (a decode whose token is back, a prefill, a
+        prompt's chunk following its in-flight one), in admission order, the order vLLM v1 serves its
+        running list in."""
+        ready = {r.request_id for r in (*self.decodes, *self.prefills, *self.following)}
+        for req in list(self._running.values()):
+            if req.request_id in ready and req.status is _RUNNING and req.request_id not in self.chosen:
+                yield req
 
     def _schedulable(self, reqs: list[Request]) -> Iterator[Request]:
         for req in reqs:
@@ -197,6 +230,7 @@ class BatchBuilder:
                 if victim is None:
                     return False
                 self._preempt(victim)
+                self.num_preempted += 1
                 if victim is req:
                     return False
             blocks.allocate(req, num_tokens)

@@ -7,14 +7,21 @@ part in: `token_budgeted` (it consults the token budget, so the budget mode's ti
 too; orca and static admit whole prompts under no token budget), `chunked_prefill` (it cuts prompts into
 chunks, so no microbatch ever holds more than the budget: an invariant the scheduler checks; vllm runs a
 prompt longer than the budget alone), and `balanced` (the scheduler hands it a decode quota and a fair share
-of the work, and lets a prompt's chunks follow each other down the pipeline: `ppserve.sched.balance`).
+of the work: `ppserve.sched.balance`), `pipelined_chunks` (a prompt's next chunk may follow its in-flight
+chunk down the pipeline) and `seq_capped` (it keeps `scheduler.per_microbatch_seq_cap`, a per-microbatch
+share of `max_num_seqs`).
+
+Besides Sarathi-Serve's own baselines (`vllm` as vLLM v0, `orca`, `static`), today's peers run as
+`vllm-v1`; each keeps its own rules: no balancing, no token ring unless asked.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 from ppserve.config import POLICIES as POLICY_NAMES
+from ppserve.request import Request
 from ppserve.sched.batch import BatchBuilder
 
 __all__ = ["POLICIES", "Policy", "make_policy"]
@@ -25,6 +32,8 @@ class Policy(Protocol):
     token_budgeted: bool
     chunked_prefill: bool
     balanced: bool
+    pipelined_chunks: bool
+    seq_capped: bool
 
     def fill(self, b: BatchBuilder) -> None: ...
 
@@ -44,8 +53,11 @@ class SarathiPolicy:
     token_budgeted = True
     chunked_prefill = True
 
+    seq_capped = True
+
     def __init__(self, balanced: bool = True) -> None:
         self.balanced = balanced
+        self.pipelined_chunks = balanced
 
     def fill(self, b: BatchBuilder) -> None:
         # Phase 1: every schedulable decode (up to its quota) gets its one token, before any prefill.
@@ -79,6 +91,8 @@ class VllmPolicy:
     token_budgeted = True
     chunked_prefill = False
     balanced = False
+    pipelined_chunks = False
+    seq_capped = True
 
     def fill(self, b: BatchBuilder) -> None:
         # Prefills already under way (recompute after preemption) run whole, like new prompts.
@@ -98,6 +112,150 @@ class VllmPolicy:
         b.add_decodes()
 
 
+class VllmV1Policy:
+    """vLLM v1's scheduler under pipeline parallelism, without async scheduling (vllm-project/vllm:
+    `v1/core/sched/scheduler.py` `Scheduler.schedule`, `v1/engine/core.py` `step_with_batch_queue`).
+
+    - p microbatches in flight (`max_concurrent_batches`), each formed as soon as a slot frees.
+    - Running requests first, in admission order, each given what it has left up to the budget left:
+      a decode its token once the last one is back (in flight it has none left and is skipped), a
+      prompt its next chunk even while its previous chunk is in flight (tokens count as computed when
+      scheduled). Decodes get no priority over older prompts' chunks.
+    - Then, only if this formation preempted nothing, waiting requests in arrival order, chunked to the
+      budget left, while a seat of `max_num_seqs` is free: a bound over all microbatches in flight, with
+      no per-microbatch share (issue #41682: a burst fills one microbatch and leaves the others thin).
+    - No balancing across microbatches, no token ring.
+
+    Plainest readings: vLLM preempts the most recently admitted running request even in flight; here
+    the most recent one not in flight (a stage may still read its KV). `long_prefill_token_threshold`
+    is off. Async scheduling (p + 1 microbatches, a decode on its pending token) is not modelled."""
+
+    name = "vllm-v1"
+    token_budgeted = True
+    chunked_prefill = True
+    balanced = False
+    pipelined_chunks = True
+    seq_capped = False
+
+    def fill(self, b: BatchBuilder) -> None:
+        for req in b.schedulable_in_order():
+            if not b.budget.tokens_left or not b.budget.has_seat:
+                break
+            n = b.budget.chunk(req.num_uncomputed_tokens, req.num_computed_tokens)
+            if n > 0 and not b.add(req, n, may_preempt=True):
+                break  # no blocks even after preempting every request it may (or itself): the rest waits
+        if b.num_preempted:
+            return
+        while (head := b.waiting_head()) is not None:
+            n = b.budget.chunk(head.num_uncomputed_tokens, head.num_computed_tokens)
+            if n == 0 or not b.admit(head, n):
+                break
+
+
+class SglangPpPolicy:
+    """SGLang's scheduler under pipeline parallelism (sgl-project/sglang: `event_loop_pp` in
+    `scheduler_pp_mixin.py`, `get_next_batch_to_run`, `PrefillAdder`, `DynamicChunkSizer`).
+
+    - p microbatch slots, each with its own running batch, formed again once its previous microbatch
+      is back; a request decodes only in the slot that ran its last prefill chunk (no rebalancing).
+    - A slot tries a prefill first: the one prompt being chunked (its chunks follow each other down the
+      pipeline), then, after its last chunk, waiting requests in arrival order while the slot holds
+      fewer than `max_num_seqs // p` and the chunk budget (the token budget) lasts. A slot that runs a
+      prefill skips its decodes that round (`enable_mixed_chunk` off); otherwise it runs them all.
+    - Dynamic chunking: with a chunk's time from an empty prefix f(l) = a l^2 + b l, a chunk over L
+      computed tokens gets the x with a x^2 + (2 a L + b) x = f(C), smoothed to C + 0.75 (x - C), at
+      least C / 4, in multiples of max(block, 64) tokens.
+
+    Plainest readings: a and b come from the step-cost model's slowest stage (SGLang profiles once at
+    start-up; uncalibrated, chunks stay C); KV admission and preemption are ppserve's (blocks for the
+    chunk now, not SGLang's `new_token_ratio` reservation; the most recently admitted request not in
+    flight, where SGLang retracts the slot's request with the fewest outputs). No token ring."""
+
+    name = "sglang-pp"
+    token_budgeted = True
+    chunked_prefill = True
+    balanced = False
+    pipelined_chunks = True
+    seq_capped = False
+    SMOOTH = 0.75
+
+    def __init__(self) -> None:
+        self._slot_of_request: dict[str, int] = {}  # a decoding request's slot
+        self._slot_of_step: dict[int, int] = {}  # an in-flight microbatch's slot
+        self._next_slot = 0
+
+    def _free_slots(self, b: BatchBuilder) -> list[int]:
+        """The slots with no microbatch in flight, in round-robin order from the one after the last
+        formed (SGLang's loop visits every slot in turn, an idle one included)."""
+        self._slot_of_step = {s: self._slot_of_step[s] for s in b.in_flight_step_ids
+                              if s in self._slot_of_step}
+        busy = set(self._slot_of_step.values())
+        p = b.num_stages
+        return [k % p for k in range(self._next_slot, self._next_slot + p) if k % p not in busy]
+
+    def fill(self, b: BatchBuilder) -> None:
+        bound = self._slot_of_request
+        for rid in [rid for rid in bound if not b.is_running(rid)]:
+            del bound[rid]  # finished or preempted: it prefills, and binds, again
+        for slot in self._free_slots(b):
+            self._fill_slot(b, slot)
+            if b.chosen:
+                self._slot_of_step[b.step_id] = slot
+                self._next_slot = slot + 1
+                return
+
+    def _fill_slot(self, b: BatchBuilder, slot: int) -> None:
+        bound = self._slot_of_request
+        cap = max(b.max_num_seqs // b.num_stages, 1)
+        in_slot = sum(1 for k in bound.values() if k == slot)
+        ready = list(b.schedulable_in_order())
+        chunked = next((r for r in ready if _prompt_left(r, 0)), None)
+        admitting = chunked is None
+        if chunked is not None:
+            b.add(chunked, self._chunk_size(b, chunked), may_preempt=True)
+            n = b.chosen.get(chunked.request_id)
+            if n is not None and not _prompt_left(chunked, n):  # its last chunk: others may join
+                bound[chunked.request_id] = slot
+                in_slot += 1
+                admitting = True
+        while admitting and in_slot < cap and (head := b.waiting_head()) is not None:
+            n = b.budget.chunk(head.num_uncomputed_tokens, head.num_computed_tokens)
+            if n == 0 or not b.admit(head, n):
+                break
+            if _prompt_left(head, b.chosen[head.request_id]):
+                break  # it is now the prompt being chunked
+            bound[head.request_id] = slot
+            in_slot += 1
+        if not b.chosen:  # no prefill this round: the slot's own decodes
+            for req in ready:  # one may have been preempted for an earlier one's block
+                if bound.get(req.request_id) == slot and req is not chunked and b.is_running(req.request_id):
+                    b.add(req, 1, may_preempt=True)
+
+    def _chunk_size(self, b: BatchBuilder, req: Request) -> int:
+        """The next chunk of the prompt being chunked: C, or with a calibrated cost SGLang's dynamic size."""
+        left = len(req.prompt_token_ids) - req.num_computed_tokens
+        c = b.budget.token_budget or left
+        cost = b.pipeline_cost() if req.num_computed_tokens > 0 else None
+        if cost is None:
+            return min(left, c)
+        stage = max(cost.stages, key=lambda st: st.chunk_s(c, 0, False))
+        a, lin = stage.prefill_key_s / 2, stage.token_s + stage.prefill_key_s / 2
+        if a <= 0:
+            return min(left, c)
+        target = a * c * c + lin * c
+        bq = 2 * a * req.num_computed_tokens + lin
+        x = (-bq + math.sqrt(bq * bq + 4 * a * target)) / (2 * a)
+        size = max(int(c + self.SMOOTH * (x - c)), c // 4)
+        align = max(b.block_size, 64)
+        size = max(align, size // align * align)
+        return min(left, size, c)
+
+
+def _prompt_left(req: Request, scheduled: int) -> bool:
+    """Whether prompt tokens remain after `scheduled` more (a chunk counts once it is computed)."""
+    return req.num_computed_tokens + scheduled < len(req.prompt_token_ids)
+
+
 def _runs_alone(b: BatchBuilder, num_tokens: int) -> bool:
     """A whole prompt longer than the budget runs alone in an empty microbatch, else it never starts."""
     left = b.budget.tokens_left
@@ -111,6 +269,8 @@ class OrcaPolicy:
     token_budgeted = False
     chunked_prefill = False
     balanced = False
+    pipelined_chunks = False
+    seq_capped = True
 
     def fill(self, b: BatchBuilder) -> None:
         b.add_decodes()
@@ -132,6 +292,8 @@ class StaticPolicy:
     token_budgeted = False
     chunked_prefill = False
     balanced = False
+    pipelined_chunks = False
+    seq_capped = True
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:
@@ -148,7 +310,8 @@ class StaticPolicy:
 
 # The registry: every policy class by its name. The names a config may use are config.POLICIES (the
 # config validates before anything is built); the two must agree, which is checked here at import.
-POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy)}
+POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy,
+                                                 VllmV1Policy, SglangPpPolicy)}
 if set(POLICIES) != set(POLICY_NAMES):
     raise ImportError(f"policy classes {sorted(POLICIES)} and config.POLICIES {sorted(POLICY_NAMES)} "
                       "disagree")

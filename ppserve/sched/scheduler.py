@@ -76,8 +76,11 @@ class Scheduler:
         self._released: list[str] = []  # ids whose worker state must be dropped, sent with the next output
         self._next_step = 0
         self.num_preemptions = 0
-        self._seq_cap = max(1, config.max_num_seqs // num_stages) if config.per_microbatch_seq_cap else None
+        capped = config.per_microbatch_seq_cap and self.policy.seq_capped
+        self._seq_cap = max(1, config.max_num_seqs // num_stages) if capped else None
         self.balanced = self.policy.balanced and num_stages > 1
+        # A prompt's next chunk may follow its in-flight chunk down the pipeline.
+        self.pipelined_chunks = self.policy.pipelined_chunks and num_stages > 1
         # Each microbatch's decode quota and budget, so that consecutive microbatches cost the same.
         self.formation = BalancedFormation(
             num_stages, config.max_num_seqs, config.balance_rounds, self._seq_cap, self.cost, self.blocks,
@@ -241,7 +244,7 @@ class Scheduler:
             budget = mode.new_budget(mode.token_budget, self._seq_cap)
         else:
             budget = TokenBudget(None, self._seq_cap)  # whole prompts: no token budget, so no time budget
-        split = RunningSplit(self.running, ring, pipeline_chunks=self.balanced)
+        split = RunningSplit(self.running, ring, pipeline_chunks=self.pipelined_chunks)
         quota = None
         if self.formation is not None:
             budget, quota = self.formation.plan(split, budget)
@@ -249,7 +252,9 @@ class Scheduler:
             budget=budget, split=split, blocks=self.blocks, running=self.running, waiting=self.waiting,
             preempt=self._preempt, max_num_seqs=self.config.max_num_seqs,
             max_total_tokens=self.max_total_tokens,
-            clock=self.clock, decode_quota=quota,
+            clock=self.clock, decode_quota=quota, step_id=self._next_step,
+            in_flight_step_ids=tuple(out.step_id for out in self.in_flight), num_stages=self.num_stages,
+            pipeline_cost=self._calibrated_cost,
         )
         self.policy.fill(b)
         # Looked up for admission but not admitted: holds nothing. The one looked up, not the queue's head
@@ -260,6 +265,9 @@ class Scheduler:
         if not b.chosen:
             return None
         return self._emit(b, ring)
+
+    def _calibrated_cost(self) -> PipelineCost | None:
+        return self.cost.current if self.cost.calibrated else None
 
     def _emit(self, b: BatchBuilder, ring: dict[str, Request]) -> SchedulerOutput:
         new: list[NewRequestData] = []
@@ -445,7 +453,7 @@ class Scheduler:
                     if rid in sampling and rid not in ringed:
                         raise AssertionError(f"request {rid} is in an in-flight microbatch after the one "
                                              "that samples it")
-                    if counts.get(rid) and not self.balanced and rid not in ringed:
+                    if counts.get(rid) and not self.pipelined_chunks and rid not in ringed:
                         raise AssertionError(f"request {rid} is in two in-flight microbatches")
                 counts[rid] = counts.get(rid, 0) + 1
             sampling.update(out.sample_request_ids)

@@ -44,8 +44,11 @@ def reproduce(
     total_tokens: int = 1024,
     pd_ratio: float = 10.0,
     batch_size: int = 16,
+    policies: tuple[str, ...] = ("sarathi", "orca", "vllm", "vllm-v1", "sglang-pp"),
 ) -> dict[str, Any]:
-    """Run sarathi and orca on the same offline workload; return settings, per-policy figures, ratios.
+    """Run sarathi and orca (the paper's pair) and the other `policies` (the vLLM-v0 baseline and
+    today's peers, each by its own rules) on the same offline workload; return settings, per-policy
+    figures, ratios.
 
     workload "paper": `num_requests` (default 4 * batch_size * pp) requests of `total_tokens` tokens at
     P:D `pd_ratio`, `batch_size` requests per microbatch. workload "trace": the first `num_requests`
@@ -76,7 +79,9 @@ def reproduce(
         "schedule_overhead_ms": overhead_ms,
     }
     runs: dict[str, Any] = {}
-    for policy in ("sarathi", "orca"):
+    if not {"sarathi", "orca"} <= set(policies):
+        raise ValueError(f"policies must include sarathi and orca (the paper's pair), got {list(policies)}")
+    for policy in policies:
         # Both policies cap requests per microbatch (max_num_seqs / pp), as Orca's and Sarathi's pipeline
         # setups fix a per-microbatch batch size; without it one microbatch can swallow every request
         # and leave the other pp-1 slots of the pipeline empty.
@@ -95,6 +100,13 @@ def reproduce(
         "bubble_fraction_orca_over_sarathi": (o["bubbles"]["mean_bubble_fraction"]
                                               / s["bubbles"]["mean_bubble_fraction"]),
         "paper": {"median_bubble": 6.29, "throughput": 1.91},
+        # every other policy against sarathi: its bubble fraction over sarathi's, sarathi's throughput
+        # over its
+        "versus_sarathi": {p: {"bubble_fraction": r["bubbles"]["mean_bubble_fraction"]
+                                                  / s["bubbles"]["mean_bubble_fraction"],
+                               "throughput_sarathi_over": s["throughput"]["requests_per_s"]
+                                                          / r["throughput"]["requests_per_s"]}
+                           for p, r in runs.items() if p != "sarathi"},
     }
     return {"settings": settings, "runs": runs, "ratios": ratios}
 
@@ -104,7 +116,7 @@ def _fmt(out: dict[str, Any]) -> str:
     for policy, r in out["runs"].items():
         b, t = r["bubbles"], r["throughput"]
         lines.append(
-            f"{policy:>8}: median per-request bubble {b['per_request_bubble_s']['p50'] * 1e3:9.2f} ms, "
+            f"{policy:>9}: median per-request bubble {b['per_request_bubble_s']['p50'] * 1e3:9.2f} ms, "
             f"bubble fraction ({b['window']}) {100 * b['mean_bubble_fraction']:5.1f}%, "
             f"throughput {t['requests_per_s']:.3f} req/s ({t['output_tokens_per_s']:.0f} tok/s), "
             f"{r['num_microbatches']} microbatches, token cv {b['microbatch_token_cv']:.2f}"
@@ -115,6 +127,10 @@ def _fmt(out: dict[str, Any]) -> str:
         f"sarathi/orca throughput: {ra['throughput_sarathi_over_orca']:.2f}x (paper 1.91x); "
         f"bubble fraction ratio {ra['bubble_fraction_orca_over_sarathi']:.2f}x"
     )
+    for policy, v in ra["versus_sarathi"].items():
+        if policy != "orca":
+            lines.append(f"{policy}/sarathi bubble fraction: {v['bubble_fraction']:.2f}x; sarathi/{policy} "
+                         f"throughput: {v['throughput_sarathi_over']:.2f}x")
     return "\n".join(lines)
 
 

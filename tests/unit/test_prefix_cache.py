@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ppserve.config import POLICIES
 from ppserve.request import Request, SamplingParams
 from ppserve.sched.block_manager import BlockManager, block_key, root_key
 from tests.unit.sched_helpers import assert_drained, drive, fake_result, make_request, make_scheduler, step
@@ -193,7 +194,7 @@ def test_caching_off_shares_nothing():
     assert b.num_cached_tokens == 0 and s.blocks.num_cached == 0 and s.blocks.num_query_tokens == 0
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("pp", [1, 3])
 def test_churn_with_shared_prefixes_cancels_and_kv_pressure(policy, pp):
     """Random requests over a few shared prefixes (and unique ones), eos and cancels, on caches both

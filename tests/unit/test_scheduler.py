@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from ppserve.config import POLICIES
 from ppserve.request import FinishReason, RequestStatus, SamplingParams
 from ppserve.sched import StepResult
 from tests.unit.imports import assert_imports_without
@@ -277,7 +278,7 @@ def test_add_request_rejections():
         s.add_request(make_request("full", 4))
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_random_traces_hold_invariants(policy, pp):
     for seed in range(5):

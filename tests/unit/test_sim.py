@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from ppserve.config import SchedulerConfig
+from ppserve.config import POLICIES, SchedulerConfig
 from ppserve.metrics import gpipe_bubble_fraction
 from ppserve.metrics.spans import Span
 from ppserve.sched.cost import StepCost
@@ -104,7 +104,7 @@ def test_arrivals_idle_gaps_are_starvation():
     assert res.timings["r1"].first_scheduled_s == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_policies_run_with_invariants(policy):
     wl = with_poisson_arrivals(uniform_lengths(30, (5, 120), (1, 20), seed=1), rate=200.0, seed=2)
     cfg = SimConfig(SchedulerConfig(policy=policy, token_budget=64, max_num_seqs=8), num_blocks=64,
