@@ -8,12 +8,12 @@ Three tables, one run:
    unbalanced and the balanced formation each without and with the token ring
    (`scheduler.token_ring`, its extra microbatch formed just in time;
    ARCHITECTURE.md#how-a-microbatch-is-formed). The default is the balanced formation with the ring.
-   Beside them the baselines vllm (v0) and orca and today's peers vllm-v1 and sglang-pp. Mean bubble
-   (active window), microbatch token CV, throughput, TTFT and TBT.
+   Beside them the baselines vllm (v0) and orca and today's peers vllm-v1(-async) and sglang-pp. Mean
+   bubble (active window), microbatch token CV, throughput, TTFT and TBT.
 2. One 4096-token prompt at PP4, budget 512: TTFT with the chunks pipelined (balanced) and one at a time
    (unbalanced), against the pipelined ideal (every chunk enters a stage the moment both the stage and
    the chunk are free, no control plane).
-3. The capacity of sarathi, vllm-v1 and sglang-pp on the trace's lengths under a p99-TBT SLO, as the
+3. The capacity of sarathi and the peers on the trace's lengths under a p99-TBT SLO, as the
    planner finds it.
 
     python benchmarks/bench_balance_sim.py [--rates 2,4,8] [--out results/bench_balance_sim.json]
@@ -86,7 +86,7 @@ def capacity_table(model: Any, hw: Any, pp: int, tp: int, blocks: int, trace: li
     slo = SLO(args.capacity_tbt_p99_ms * 1e-3)
     ctx = PlanContext(model, Cluster(hw, pp * tp), tuple(trace), slo,
                       overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3)
-    policies = ("sarathi", "vllm-v1", "sglang-pp")
+    policies = ("sarathi", "vllm-v1", "vllm-v1-async", "sglang-pp")
     deps = [Deployment(pp, tp, 1, policy, 512, 128, layers, blocks, 16) for policy in policies]
     out = {d.policy: c.capacity for d, c in zip(deps, capacities(ctx, deps, rel_tol=0.05), strict=True)}
     print(f"\ncapacity under p99 TBT <= {args.capacity_tbt_p99_ms:g} ms (req/s, to 5 %): "
@@ -127,7 +127,7 @@ def main() -> None:
         ("balanced + token ring (default)", base, args.overhead_ms, args.dispatch_ms),
         # The published baselines and today's peers, each by its own rules (ppserve/sched/policies.py).
         *((policy, dataclasses.replace(base, policy=policy, token_ring=None), args.overhead_ms,
-           args.dispatch_ms) for policy in ("vllm", "orca", "vllm-v1", "sglang-pp")),
+           args.dispatch_ms) for policy in ("vllm", "orca", "vllm-v1", "vllm-v1-async", "sglang-pp")),
     ]
     rows = []
     print(

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-POLICIES = ("sarathi", "vllm", "orca", "static", "vllm-v1", "sglang-pp")
+POLICIES = ("sarathi", "vllm", "orca", "static", "vllm-v1", "vllm-v1-async", "sglang-pp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BUDGET_MODES = ("tokens", "time")
 
@@ -168,7 +168,7 @@ def _warn_deprecated(old: str, new: str) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = "sarathi"  # sarathi | vllm | orca | static | vllm-v1 | sglang-pp (the peers under pp)
+    policy: str = "sarathi"  # sarathi | vllm | orca | static | vllm-v1 | vllm-v1-async | sglang-pp
     token_budget: int = 512  # tokens per microbatch (sarathi; also the whole-prompt limit of vllm)
     max_num_seqs: int = 256  # requests running at once
     per_microbatch_seq_cap: bool = False  # cap requests per microbatch at max_num_seqs / pp_size
@@ -189,8 +189,8 @@ class SchedulerConfig:
     # requests wait beyond the free seats (max_num_seqs), or every seat is taken under
     # per_microbatch_seq_cap: plain Sarathi-Serve there. A request that stops on a stop token computes one
     # token that is thrown away. pp = 1 has no ring: the setting changes nothing there. None (the
-    # default): on with the sarathi policy, off with the baselines (vllm, orca, static, vllm-v1,
-    # sglang-pp), which are measured as published (`token_ring_on`).
+    # default): on with the sarathi policy and with vllm-v1-async (vLLM's async scheduling, its own
+    # rules), off with the other baselines, which are measured as published (`token_ring_on`).
     token_ring: bool | None = None
     # Deprecated spelling of token_ring (accepted, with a warning once; vLLM's `async_scheduling` means
     # something else: the engine scheduling one step ahead, not tokens handed stage to stage)
@@ -242,8 +242,8 @@ class SchedulerConfig:
     @property
     def token_ring_on(self) -> bool:
         """Whether the token ring is asked for (it runs where pp > 1): `token_ring`, or when that is None,
-        with the sarathi policy only."""
-        return self.policy == "sarathi" if self.token_ring is None else self.token_ring
+        with the sarathi policy (ppserve's ring) and vllm-v1-async (vLLM's async scheduling)."""
+        return self.policy in ("sarathi", "vllm-v1-async") if self.token_ring is None else self.token_ring
 
     def _check_budget_fields(self) -> None:
         if self.budget_mode not in BUDGET_MODES:

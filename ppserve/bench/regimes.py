@@ -1,16 +1,16 @@
 """The regime suite (issue 21): every microbatch formation on every load regime, in the simulator.
 
 One table answers "are the microbatches uniform in every regime?": the simulator (ppserve/sim, the
-engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md#the-simulator) runs seven
+engine's own step loop and scheduler over a roofline cost model; ARCHITECTURE.md#the-simulator) runs eight
 formations on eleven regimes, deterministic (every workload seeded, no wall clock in any figure).
 
 Formations (`FORMATIONS`): `sarathi`, the default (the balanced formation,
 ARCHITECTURE.md#how-a-microbatch-is-formed, with the token ring); `sarathi-unbal` (balance=False);
 `sarathi-no-ring` (token_ring=False); the baselines `vllm` and `orca` as published, and today's peers
-`vllm-v1` and `sglang-pp` (`ppserve/sched/policies.py`). Regimes (`regimes()`; request counts full /
-`--reduced`): Sarathi's saturated GPT-3 case, the conversation trace at three rates, long prompts,
-sparse arrivals, one long prompt, bursts, decode-heavy, shared prefixes, multi-turn; why each is there:
-docs/decisions.md#regime-suite. Per cell: bubbles (active window), throughput, TTFT p50/p99, TBT p99,
+`vllm-v1`, `vllm-v1-async` and `sglang-pp` (`ppserve/sched/policies.py`). Regimes (`regimes()`;
+request counts full / `--reduced`): Sarathi's saturated GPT-3 case, the conversation trace at three
+rates, long and sparse prompts, one long prompt, bursts, decode-heavy, shared prefixes, multi-turn; why
+each: docs/decisions.md#regime-suite. Per cell: bubbles (active window), throughput, TTFT p50/p99, TBT p99,
 per-request bubble p50. `criteria` checks, per regime, what the simulator can promise: balanced
 sarathi's mean bubble <= the unbalanced one's and each peer's, its throughput >= THROUGHPUT_FLOOR x and
 TTFT p50 <= TTFT_CEILING x the best formation's.
@@ -92,10 +92,12 @@ FORMATIONS: tuple[Formation, ...] = (
     Formation("vllm", "vllm"),
     Formation("orca", "orca"),
     Formation("vllm-v1", "vllm-v1"),
+    Formation("vllm-v1-async", "vllm-v1-async"),
     Formation("sglang-pp", "sglang-pp"),
 )
-# Today's peers (vLLM v1, SGLang): the default's bubble must be no worse than each one's too.
-PEERS = ("vllm-v1", "sglang-pp")
+# Today's peers (vLLM v1 with and without async scheduling, SGLang): the default's bubble must be no
+# worse than each one's too.
+PEERS = ("vllm-v1", "vllm-v1-async", "sglang-pp")
 
 
 @dataclass(frozen=True)

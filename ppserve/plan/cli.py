@@ -62,7 +62,7 @@ def add_parser(sub: Any) -> None:
                    help="median scheduling delay (Sarathi-Serve: 2 s)")
     k = p.add_argument_group("search")
     k.add_argument("--policies", default="sarathi,vllm",
-                   help="comma-separated, among sarathi, vllm, orca and today's peers vllm-v1, sglang-pp")
+                   help="comma-separated, among sarathi, vllm, orca and the peers vllm-v1(-async), sglang-pp")
     k.add_argument("--token-budgets", type=_ints, default=(256, 512, 1024, 2048),
                    help="sarathi's (and the peers'), comma-separated")
     k.add_argument("--max-num-seqs", type=_ints, default=(256,),

@@ -104,7 +104,8 @@ def save_pareto_plot(cands: Sequence[Candidate], path: Path, title: str, tbt_slo
         return False
     front = pareto_front(cands)
     fig, ax = plt.subplots(figsize=(8, 5))
-    markers = (("sarathi", "o"), ("vllm", "s"), ("orca", "^"), ("vllm-v1", "D"), ("sglang-pp", "v"))
+    markers = (("sarathi", "o"), ("vllm", "s"), ("orca", "^"), ("vllm-v1", "D"), ("vllm-v1-async", "d"),
+               ("sglang-pp", "v"))
     for policy, marker in markers:
         pts = [c for c in cands if c.deployment.policy == policy and _tbt(c) != float("inf")]
         if pts:

@@ -57,8 +57,8 @@ class WorkloadShape:
 
 
 # The policies the planner prices: every one a server runs but static batching (request-level batches
-# are no serving deployment). vllm-v1 and sglang-pp, today's peers, take the token-budget grid.
-PLANNABLE = ("sarathi", "vllm", "orca", "vllm-v1", "sglang-pp")
+# are no serving deployment). Today's peers (vllm-v1, vllm-v1-async, sglang-pp) take the budget grid.
+PLANNABLE = ("sarathi", "vllm", "orca", "vllm-v1", "vllm-v1-async", "sglang-pp")
 
 
 @dataclass(frozen=True)

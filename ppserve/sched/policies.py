@@ -12,7 +12,9 @@ chunk down the pipeline) and `seq_capped` (it keeps `scheduler.per_microbatch_se
 share of `max_num_seqs`).
 
 Besides Sarathi-Serve's own baselines (`vllm` as vLLM v0, `orca`, `static`), today's peers run as
-`vllm-v1`; each keeps its own rules: no balancing, no token ring unless asked.
+`vllm-v1` (and `vllm-v1-async`) and `sglang-pp`; each keeps its own rules: no balancing, and no token
+ring but vLLM's async scheduling's own. `ring_at_once`: the policy's own ring (every microbatch formed
+at once with the decodes on pending tokens, the extra slot always open).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Policy(Protocol):
     balanced: bool
     pipelined_chunks: bool
     seq_capped: bool
+    ring_at_once: bool
 
     def fill(self, b: BatchBuilder) -> None: ...
 
@@ -54,6 +57,7 @@ class SarathiPolicy:
     chunked_prefill = True
 
     seq_capped = True
+    ring_at_once = False
 
     def __init__(self, balanced: bool = True) -> None:
         self.balanced = balanced
@@ -93,6 +97,7 @@ class VllmPolicy:
     balanced = False
     pipelined_chunks = False
     seq_capped = True
+    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         # Prefills already under way (recompute after preemption) run whole, like new prompts.
@@ -128,7 +133,7 @@ class VllmV1Policy:
 
     Plainest readings: vLLM preempts the most recently admitted running request even in flight; here
     the most recent one not in flight (a stage may still read its KV). `long_prefill_token_threshold`
-    is off. Async scheduling (p + 1 microbatches, a decode on its pending token) is not modelled."""
+    is off. With async scheduling: `VllmV1AsyncPolicy`."""
 
     name = "vllm-v1"
     token_budgeted = True
@@ -136,12 +141,15 @@ class VllmV1Policy:
     balanced = False
     pipelined_chunks = True
     seq_capped = False
+    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         for req in b.schedulable_in_order():
             if not b.budget.tokens_left or not b.budget.has_seat:
                 break
-            n = b.budget.chunk(req.num_uncomputed_tokens, req.num_computed_tokens)
+            # A decode on its pending token (async scheduling) has nothing known left: its one token.
+            left = req.num_uncomputed_tokens or int(req.request_id in b.split.ring)
+            n = b.budget.chunk(left, req.num_computed_tokens)
             if n > 0 and not b.add(req, n, may_preempt=True):
                 break  # no blocks even after preempting every request it may (or itself): the rest waits
         if b.num_preempted:
@@ -150,6 +158,19 @@ class VllmV1Policy:
             n = b.budget.chunk(head.num_uncomputed_tokens, head.num_computed_tokens)
             if n == 0 or not b.admit(head, n):
                 break
+
+
+class VllmV1AsyncPolicy(VllmV1Policy):
+    """vLLM v1 with async scheduling under pipeline parallelism (`AsyncScheduler`, the V2 model runner's
+    `max_concurrent_batches` = pp + 1 and `next_decode_eligible_step`): p + 1 microbatches in flight, a
+    decode scheduled again p steps after its last, on the token that microbatch is still computing,
+    which the last stage hands to the first (PR #32618). Each microbatch is formed as soon as a slot
+    frees, with every such decode, and the extra slot is always open: ppserve's token ring carries the
+    tokens, without its own rules (formed just in time, closed while the seats bind). Otherwise as
+    `VllmV1Policy`."""
+
+    name = "vllm-v1-async"
+    ring_at_once = True
 
 
 class SglangPpPolicy:
@@ -177,6 +198,7 @@ class SglangPpPolicy:
     balanced = False
     pipelined_chunks = True
     seq_capped = False
+    ring_at_once = False
     SMOOTH = 0.75
 
     def __init__(self) -> None:
@@ -271,6 +293,7 @@ class OrcaPolicy:
     balanced = False
     pipelined_chunks = False
     seq_capped = True
+    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         b.add_decodes()
@@ -294,6 +317,7 @@ class StaticPolicy:
     balanced = False
     pipelined_chunks = False
     seq_capped = True
+    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:
@@ -311,7 +335,7 @@ class StaticPolicy:
 # The registry: every policy class by its name. The names a config may use are config.POLICIES (the
 # config validates before anything is built); the two must agree, which is checked here at import.
 POLICIES: dict[str, type] = {p.name: p for p in (SarathiPolicy, VllmPolicy, OrcaPolicy, StaticPolicy,
-                                                 VllmV1Policy, SglangPpPolicy)}
+                                                 VllmV1Policy, VllmV1AsyncPolicy, SglangPpPolicy)}
 if set(POLICIES) != set(POLICY_NAMES):
     raise ImportError(f"policy classes {sorted(POLICIES)} and config.POLICIES {sorted(POLICY_NAMES)} "
                       "disagree")

@@ -87,8 +87,12 @@ class Scheduler:
             self.in_flight, self.waiting, self.running, lambda: self.clock()) if self.balanced else None
         # One microbatch more than the stages, its decodes taking the tokens the oldest in-flight
         # microbatch samples, straight from the last stage (sched/token_ring.py).
-        self.ring = TokenRing(num_stages, config.max_num_seqs, self._seq_cap, config.ring_margin_ms,
-                              max_model_len) if config.token_ring_on and num_stages > 1 else None
+        # A policy whose own rules include a ring (vLLM's async scheduling) forms each microbatch as soon
+        # as a slot frees, with every decode that may ride on its pending token, the slot always open.
+        at_once = self.policy.ring_at_once
+        self.ring = TokenRing(num_stages, config.max_num_seqs, self._seq_cap,
+                              None if at_once else config.ring_margin_ms, max_model_len,
+                              always_open=at_once) if config.token_ring_on and num_stages > 1 else None
         self.max_in_flight = self.ring.max_in_flight if self.ring is not None else num_stages
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -232,6 +236,8 @@ class Scheduler:
         ring = self.ring.candidates(self.in_flight, self.requests) if self.ring is not None else {}
         if len(self.in_flight) >= self.num_stages:
             return self._form(ring) if self._ring_slot_open() else None
+        if self.policy.ring_at_once:
+            return self._form(ring)
         return self._form({}) or (self._form(ring) if ring else None)
 
     def _ring_slot_open(self) -> bool:

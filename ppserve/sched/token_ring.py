@@ -24,8 +24,10 @@ _RUNNING = RequestStatus.RUNNING
 
 class TokenRing:
     def __init__(self, num_stages: int, max_num_seqs: int, seq_cap: int | None, margin_ms: float | None,
-                 max_model_len: int) -> None:
+                 max_model_len: int, always_open: bool = False) -> None:
         self.num_stages = num_stages
+        # The extra slot open whatever the seats (a peer's published rule: vLLM's async scheduling).
+        self.always_open = always_open
         self.max_in_flight = num_stages + 1
         self.max_num_seqs = max_num_seqs
         self.seq_cap = seq_cap
@@ -63,7 +65,7 @@ class TokenRing:
         Without a cap a full house keeps the slot: it still takes the engine's turnaround off each
         decode group's cycle."""
         seats = self.max_num_seqs - num_running
-        return num_waiting <= max(0, seats) and (seats > 0 or self.seq_cap is None)
+        return self.always_open or (num_waiting <= max(0, seats) and (seats > 0 or self.seq_cap is None))
 
     # ---- the clock of the extra slot -------------------------------------------------------------
     def formed(self, step_id: int, at_s: float, stage0_s: float | None) -> None:

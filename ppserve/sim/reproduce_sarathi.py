@@ -44,7 +44,7 @@ def reproduce(
     total_tokens: int = 1024,
     pd_ratio: float = 10.0,
     batch_size: int = 16,
-    policies: tuple[str, ...] = ("sarathi", "orca", "vllm", "vllm-v1", "sglang-pp"),
+    policies: tuple[str, ...] = ("sarathi", "orca", "vllm", "vllm-v1", "vllm-v1-async", "sglang-pp"),
 ) -> dict[str, Any]:
     """Run sarathi and orca (the paper's pair) and the other `policies` (the vLLM-v0 baseline and
     today's peers, each by its own rules) on the same offline workload; return settings, per-policy

@@ -126,7 +126,8 @@ def test_pipeline_with_preemption(ray_session, tiny_llama_dir, prompts, expected
     assert got == expected
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static", "vllm-v1", "sglang-pp"])
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "static", "vllm-v1", "vllm-v1-async",
+                                    "sglang-pp"])
 def test_policies_through_pipeline(ray_session, tiny_llama_dir, prompts, expected, policy):
     got, _ = generate(tiny_llama_dir, prompts, pipeline_parallel_size=2, token_budget=24, policy=policy,
                       block_size=4, max_num_seqs=4)

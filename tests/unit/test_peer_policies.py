@@ -155,3 +155,27 @@ def test_sglang_pp_dynamic_chunks_shrink_as_the_prefix_grows():
     assert sizes[0] == 512 and sizes[1] < 512
     assert all(a >= b for a, b in zip(sizes[1:-2], sizes[2:-1], strict=False))
     assert all(n % 64 == 0 or n == sizes[-1] for n in sizes) and min(sizes[:-1]) >= 512 // 4
+
+
+def test_vllm_v1_async_schedules_decodes_on_pending_tokens_at_once():
+    """Async scheduling: up to p + 1 microbatches, a decode scheduled again on the token the oldest
+    in-flight microbatch is still computing, formed at once and with every seat taken. With no
+    per-microbatch share the burst's eight requests ride together: two microbatches in flight, the
+    cohort and its next step on pending tokens, the other slots empty (#41682 again)."""
+    s = make_scheduler("vllm-v1-async", token_budget=512, pp=4, max_num_seqs=8, per_microbatch_seq_cap=True)
+    assert s.ring is not None and s.max_in_flight == 5
+    for i in range(8):
+        s.add_request(make_request(f"r{i}", 8, max_tokens=40))
+    first = _fill(s)
+    assert [len(out.order) for out in first] == [8, 8]  # the prompts, then their first decodes at once
+    assert first[1].ring_request_ids == first[0].order
+    for _ in range(12):
+        _collect(s)
+        (out,) = _fill(s)
+        assert len(out.ring_request_ids) == 8 and len(s.in_flight) == 2
+    # Without async scheduling the cohort waits for its token: one microbatch in flight.
+    s = make_scheduler("vllm-v1", token_budget=512, pp=4, max_num_seqs=8)
+    assert s.ring is None and s.max_in_flight == 4
+    for i in range(8):
+        s.add_request(make_request(f"r{i}", 8, max_tokens=40))
+    assert len(_fill(s)) == 1

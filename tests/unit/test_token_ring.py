@@ -192,7 +192,7 @@ def test_cancel_with_a_ring_decode_in_flight_keys_only_known_tokens():
     assert_drained(s)
 
 
-@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "vllm-v1"])
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "vllm-v1", "vllm-v1-async", "sglang-pp"])
 @pytest.mark.parametrize("pp", [2, 3, 4])
 def test_random_traces_hold_invariants_with_the_ring(policy, pp):
     for seed in range(5):
