@@ -23,17 +23,7 @@ from typing import Any
 from ppserve import LLM, SamplingParams
 from ppserve.bench.report import write_json
 from ppserve.metrics.control_plane import control_plane_latency
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about pipelines.",
-    "Explain in one sentence what a GPU does.",
-    "List three prime numbers.",
-    "What is the boiling point of water in Celsius?",
-    "Give me a short tip for writing clean Python code.",
-    "Name three planets of the solar system.",
-    "Why is the sky blue? Answer briefly.",
-]
+from ppserve.server.demo import DEMO_PROMPTS as QUESTIONS  # the demo's load
 
 
 def process_cpu_s(pids: list[int]) -> float:

@@ -41,7 +41,18 @@ class Policy(Protocol):
     def fill(self, b: BatchBuilder) -> None: ...
 
 
-class SarathiPolicy:
+class _Rules:
+    """The attributes every policy has, at the baselines' values; a policy states only where it differs."""
+
+    token_budgeted = True
+    chunked_prefill = True
+    balanced = False
+    pipelined_chunks = False
+    seq_capped = True
+    ring_at_once = False
+
+
+class SarathiPolicy(_Rules):
     """Stall-free batching: decodes first, then unfinished prefill chunks, then new requests (FCFS),
     chunking prefills so the microbatch holds exactly its budget of tokens when work allows.
 
@@ -53,11 +64,6 @@ class SarathiPolicy:
     it is plain Sarathi-Serve (the scheduler sets no quota and no share)."""
 
     name = "sarathi"
-    token_budgeted = True
-    chunked_prefill = True
-
-    seq_capped = True
-    ring_at_once = False
 
     def __init__(self, balanced: bool = True) -> None:
         self.balanced = balanced
@@ -87,17 +93,12 @@ class SarathiPolicy:
             b.add(req, n, may_preempt=True)
 
 
-class VllmPolicy:
+class VllmPolicy(_Rules):
     """Prefill-prioritizing (vLLM v0 default): whole prompts in a prefill-only microbatch while they fit
     in the token budget; when no prompt can start, a decode-only microbatch."""
 
     name = "vllm"
-    token_budgeted = True
     chunked_prefill = False
-    balanced = False
-    pipelined_chunks = False
-    seq_capped = True
-    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         # Prefills already under way (recompute after preemption) run whole, like new prompts.
@@ -117,7 +118,7 @@ class VllmPolicy:
         b.add_decodes()
 
 
-class VllmV1Policy:
+class VllmV1Policy(_Rules):
     """vLLM v1's scheduler under pipeline parallelism, without async scheduling (vllm-project/vllm:
     `v1/core/sched/scheduler.py` `Scheduler.schedule`, `v1/engine/core.py` `step_with_batch_queue`).
 
@@ -136,12 +137,8 @@ class VllmV1Policy:
     is off. With async scheduling: `VllmV1AsyncPolicy`."""
 
     name = "vllm-v1"
-    token_budgeted = True
-    chunked_prefill = True
-    balanced = False
     pipelined_chunks = True
     seq_capped = False
-    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         for req in b.schedulable_in_order():
@@ -173,7 +170,7 @@ class VllmV1AsyncPolicy(VllmV1Policy):
     ring_at_once = True
 
 
-class SglangPpPolicy:
+class SglangPpPolicy(_Rules):
     """SGLang's scheduler under pipeline parallelism (sgl-project/sglang: `event_loop_pp` in
     `scheduler_pp_mixin.py`, `get_next_batch_to_run`, `PrefillAdder`, `DynamicChunkSizer`).
 
@@ -193,12 +190,8 @@ class SglangPpPolicy:
     flight, where SGLang retracts the slot's request with the fewest outputs). No token ring."""
 
     name = "sglang-pp"
-    token_budgeted = True
-    chunked_prefill = True
-    balanced = False
     pipelined_chunks = True
     seq_capped = False
-    ring_at_once = False
     SMOOTH = 0.75
 
     def __init__(self) -> None:
@@ -284,16 +277,12 @@ def _runs_alone(b: BatchBuilder, num_tokens: int) -> bool:
     return b.budget.num_seqs == 0 and left is not None and num_tokens > left
 
 
-class OrcaPolicy:
+class OrcaPolicy(_Rules):
     """Iteration-level hybrid batches: all decodes plus whole (unchunked) prompts, no token budget."""
 
     name = "orca"
     token_budgeted = False
     chunked_prefill = False
-    balanced = False
-    pipelined_chunks = False
-    seq_capped = True
-    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         b.add_decodes()
@@ -306,7 +295,7 @@ class OrcaPolicy:
                 break
 
 
-class StaticPolicy:
+class StaticPolicy(_Rules):
     """Request-level batching (FasterTransformer): a batch runs to completion before new requests join.
 
     A batch is formed only when no request is running; then its whole prompts run, then its decodes."""
@@ -314,10 +303,6 @@ class StaticPolicy:
     name = "static"
     token_budgeted = False
     chunked_prefill = False
-    balanced = False
-    pipelined_chunks = False
-    seq_capped = True
-    ring_at_once = False
 
     def fill(self, b: BatchBuilder) -> None:
         if b.num_running == 0:
