@@ -53,6 +53,9 @@ class ModelConfig:
     kernel_cache_dir: str | None = None  # built kernels; None = <cache root>/kernels (PPSERVE_KERNEL_CACHE)
     # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
     moe_kernel: str = "auto"
+    # A Jinja chat template file that replaces the model's (vLLM's --chat-template); None: the model's
+    # own, or ppserve's tool-aware one where tools are used and the model's template knows none
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -338,6 +341,18 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    backend: str = "xgrammar"  # the grammar backend (structured/backend.py)
+    compile_timeout_s: float = 30.0  # a grammar that takes longer to compile is the request's 400
+
+    def __post_init__(self) -> None:
+        if self.backend != "xgrammar":
+            raise ValueError(f"structured.backend must be xgrammar, got {self.backend!r}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"structured.compile_timeout_s must be > 0, got {self.compile_timeout_s!r}")
+
+
+@dataclass(frozen=True)
 class TraceConfig:
     enabled: bool = True  # record spans at every stage; off costs nothing
     path: str | None = None  # write the Chrome trace here at shutdown
@@ -351,6 +366,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 
 def _coerce(value: Any, annotation: Any, name: str) -> Any:

@@ -9,6 +9,9 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from ppserve.structured.spec import StructuredOutputs, coerce
 
 # Upper bounds that protect the engine from absurd requests; the server may tighten them.
 MAX_STOP_STRINGS = 16
@@ -61,11 +64,16 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; k: the sampled token's log-probability and the k most likely
     n: int = 1  # sequences to generate from the prompt (each its own request: see the front doors)
+    # The output must match this (a JSON schema, regex, choice, grammar or tool calls; vLLM's dict works
+    # too): the last stage masks the tokens the grammar does not allow (ARCHITECTURE.md#structured-outputs).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        so: Any = self.structured_outputs
+        object.__setattr__(self, "structured_outputs", coerce(so))
         self.validate()
 
     def validate(self) -> None:
@@ -113,6 +121,14 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.structured_outputs is not None:
+            # The grammar ends the output with end-of-sequence where it accepts: nothing may keep it out.
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with structured outputs: the output ends "
+                                 "where the grammar is complete")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured outputs: the grammar decides "
+                                 "where the output may end")
 
     @property
     def processes_logits(self) -> bool:

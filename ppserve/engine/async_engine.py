@@ -151,6 +151,15 @@ class AsyncEngine:
         """Queue the request's n choices (all or none; see LLMEngine.add_choices): one stream per choice.
         Cancelling or releasing `request_id` covers every choice."""
         self._check_available()
+        if sampling.structured_outputs is not None:
+            # The grammar compiles on its own thread, never the engine loop's; the request waits for it
+            # here, and one that fails or takes too long is refused with the compiler's message.
+            cache = self.engine.grammars
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(cache.submit(sampling.structured_outputs)),
+                                       cache.timeout_s)
+            except TimeoutError:
+                cache.get(sampling.structured_outputs, timeout_s=0.0)  # raises the timeout's GrammarError
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         rids = [rid] if sampling.n == 1 else [f"{rid}/{i}" for i in range(sampling.n)]
         if rid in self._groups or any(r in self._streams for r in rids):

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the executors and transformers are imported when the engine
     from transformers import PreTrainedTokenizerBase
 
     from ppserve.engine.executor import Executor
+    from ppserve.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ class LLMEngine:
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Structured outputs' compile cache for this model's tokenizer (structured/grammars.py)."""
+        from ppserve.structured.grammars import shared_cache
+
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer; this model directory has none")
+        return shared_cache(str(self.model_dir), self.arch.vocab_size, self.arch.eos_token_ids,
+                            tokenizer=self.tokenizer, timeout_s=self.config.structured.compile_timeout_s)
 
     def init_executor(self) -> None:
         from ppserve.sched.partition import initial_ranges
@@ -232,6 +243,9 @@ class LLMEngine:
         return their ids: `request_id` itself when n is 1, else `request_id/i`. All or none are queued."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        if sampling.structured_outputs is not None:
+            # Compiled here once (the async engine awaits it off the loop first, so this finds it cached).
+            self.grammars.get(sampling.structured_outputs)
         ids = self.tokenize(prompt)
         salt = (prompt.cache_salt or None) if isinstance(prompt, PromptInput) else None
         sampling = self.resolve_max_tokens(len(ids), sampling)

@@ -40,7 +40,9 @@ __all__ = [
 # `prepare` is a stage building a microbatch's inputs (its diff applied, tensors made) before its
 # hidden states arrive: work of the stage, kept out of `compute` so that compute stays the span from
 # the stage's inputs being complete to its outputs (what per-request bubbles measure between stages).
-KINDS: frozenset[str] = frozenset({"recv_wait", "prepare", "compute", "send", "schedule"})
+# `grammar_mask` is the last stage filling its structured outputs' token masks, inside its `prepare`
+# (busy through that span already, so not a busy kind of its own).
+KINDS: frozenset[str] = frozenset({"recv_wait", "prepare", "compute", "send", "schedule", "grammar_mask"})
 # Kinds that make a stage busy: waiting for input is idleness, which is exactly what a bubble is.
 BUSY_KINDS: frozenset[str] = frozenset({"prepare", "compute", "send"})
 # The stage number of the engine / scheduler track.

@@ -83,6 +83,7 @@ class StepResult:
     stage_seconds: tuple[float, ...] = ()
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     timed_step_id: int | None = None
+    grammar_mask_s: float = 0.0  # the last stage's seconds filling this microbatch's grammar masks
 
     def __post_init__(self) -> None:
         if (self.timed_step_id is None) != (not self.stage_seconds):

@@ -7,6 +7,7 @@ full message and updated by diffs, so later microbatches carry only new block id
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,6 +42,7 @@ class ModelInput:
     sample_request_ids: list[str] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
     prepare_s: float = 0.0  # host seconds building this input (the stage's `prepare` span)
+    mask: Any = None  # the last stage's grammar masks for the sampled rows (worker/grammar_masks.py StepMask)
 
 
 class DeviceBlockTables:

@@ -30,8 +30,10 @@ from ppserve.model.registry import build_stage_model
 from ppserve.request import TokenLogprob
 from ppserve.sched.cost import StepCost
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.structured.grammars import shared_cache
 from ppserve.worker.decode_graphs import DecodeGraphRunner
 from ppserve.worker.devices import current_device, kernel_settings_for, resolve_dtype, resolve_kv_dtype
+from ppserve.worker.grammar_masks import GrammarMasks
 from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, StageMemory
 from ppserve.worker.sampler import sample
@@ -97,6 +99,11 @@ class StageWorker:
         # The KV block size: cache.block_size, else the one the attention backend reads in place.
         self.block_size = spec.block_size or self.model.attn_backend.preferred_block_size
         self.batch = InputBatch(self.block_size, self.device)
+        # Structured outputs: the sampling rank of the last stage masks the logits (grammar_masks.py).
+        self.grammar = None
+        if self.model.is_last and spec.tp_rank == 0:
+            cache = shared_cache(spec.model_dir, self.arch.vocab_size, self.arch.eos_token_ids)
+            self.grammar = GrammarMasks(cache, self.recorder)
         self.kv_caches: list[Tensor] = []
         self.startup_cost: StepCost | None = None  # timed once the KV cache exists (init_cache)
         self.graphs: DecodeGraphRunner | None = None
@@ -202,6 +209,9 @@ class StageWorker:
         try:
             self.batch.apply(out, ring_tokens)
             inp = self.batch.prepare(out)
+            if self.grammar is not None:
+                self.grammar.track(out)
+                inp.mask = self.grammar.fill(inp.sample_request_ids, inp.sample_states, out.step_id)
         finally:
             end = time.perf_counter_ns()
             self.recorder.record("prepare", start, end, out.step_id)
@@ -254,8 +264,13 @@ class StageWorker:
     def _sample(self, out: SchedulerOutput, inp: ModelInput, logits: Tensor | None) -> StepResult:
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
+        mask_s = 0.0
         if logits is not None:  # TP rank 0 samples for the stage; the scheduler tells every rank the tokens
             states = inp.sample_states
+            if inp.mask is not None:
+                assert self.grammar is not None
+                # Before penalties and sampling: log-probabilities are those of the constrained distribution.
+                self.grammar.apply(logits, inp.mask)
             tokens, lps = sample(logits, [st.sampling for st in states],
                                  [len(st.token_ids) - st.num_prompt_tokens for st in states],
                                  histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
@@ -264,9 +279,13 @@ class StageWorker:
             for st, token in zip(states, tokens, strict=True):
                 # the token ring: this stage's input token for the request's next decode
                 st.last_sampled = token
+            if self.grammar is not None:
+                if inp.mask is not None:
+                    self.grammar.accept(inp.sample_request_ids, tokens)
+                mask_s, self.grammar.mask_s = self.grammar.mask_s, 0.0
             logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True)
                         if lp is not None}
-        return StepResult(out.step_id, sampled, logprobs=logprobs)
+        return StepResult(out.step_id, sampled, logprobs=logprobs, grammar_mask_s=mask_s)
 
     def drain_spans(self) -> list[dict[str, Any]]:
         self.timer.poll()  # the compute spans of steps the device has finished since the last step (no wait)

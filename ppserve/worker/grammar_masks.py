@@ -1,0 +1,113 @@
+"""The last stage's grammar work: one matcher per constrained request, the token bitmask of each
+microbatch's sampled rows, and the matcher's advance by every token the stage samples.
+
+Where it runs and why (ARCHITECTURE.md#structured-outputs): the mask is needed only where the token
+is sampled, so it lives on the last stage (TP rank 0, which samples for the stage). It is filled in
+the stage's `prepare`, which runs before the stage waits for the previous stage's hidden states: at
+pp >= 2 the mask is computed while the stages before it compute, and the decode cycle gains no hop.
+The stage sampled every token a matcher needs itself (ring tokens included), so the matchers advance
+locally; a matcher that disagrees with the request's tokens (after a preemption by recompute or a
+rebuilt stage, where the request arrives again with its outputs) is reset and replays them, which
+gives the same state as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from ppserve.metrics.spans import SpanRecorder
+from ppserve.sched.output import SchedulerOutput
+from ppserve.structured.backend import Matcher
+from ppserve.structured.grammars import GrammarCache
+from ppserve.structured.spec import StructuredOutputs
+from ppserve.worker.input_batch import CachedRequestState
+
+
+@dataclass
+class _Tracked:
+    spec: StructuredOutputs
+    compiled: Future[object]
+    matcher: Matcher | None = None
+    accepted: list[int] = field(default_factory=list)  # the output tokens the matcher has taken
+
+
+@dataclass
+class StepMask:
+    """One microbatch's mask: a row per sampled request (all tokens allowed where it has no grammar)."""
+
+    bitmask: Tensor
+    rows: list[int]  # the sampled rows that carry a grammar
+    rids: list[str]
+
+
+class GrammarMasks:
+    def __init__(self, cache: GrammarCache, recorder: SpanRecorder) -> None:
+        self.cache = cache
+        self.recorder = recorder
+        self._tracked: dict[str, _Tracked] = {}
+        self.mask_s = 0.0  # seconds spent filling masks since the last drain (StepResult carries it)
+
+    def track(self, out: SchedulerOutput) -> None:
+        """Start compiling each new constrained request's grammar (in the background) and forget the
+        released ones."""
+        for rid in out.released_request_ids:
+            self._tracked.pop(rid, None)
+        for new in out.new_requests:
+            spec = new.sampling.structured_outputs
+            if spec is not None:
+                # A request sent again (preempted, then recomputed) starts over: its matcher replays.
+                self._tracked[new.request_id] = _Tracked(spec, self.cache.submit(spec))
+
+    def fill(self, rids: Sequence[str], states: Sequence[CachedRequestState],
+             step_id: int) -> StepMask | None:
+        """The bitmask for a microbatch's sampled rows (a `grammar_mask` span), or None when no row has a
+        grammar."""
+        rows = [i for i, rid in enumerate(rids) if rid in self._tracked]
+        if not rows:
+            return None
+        start = time.perf_counter_ns()
+        try:
+            bitmask = self.cache.backend.allocate_bitmask(len(rids))  # all ones: every token allowed
+            for i in rows:
+                self._matcher(rids[i], states[i]).fill(bitmask, i)
+        finally:
+            end = time.perf_counter_ns()
+            self.recorder.record("grammar_mask", start, end, step_id)
+        self.mask_s += (end - start) * 1e-9
+        return StepMask(bitmask, rows, list(rids))
+
+    def _matcher(self, rid: str, st: CachedRequestState) -> Matcher:
+        tr = self._tracked[rid]
+        if tr.matcher is None:
+            tr.matcher = self.cache.backend.matcher(self.cache.get(tr.spec))
+        outputs = st.token_ids[st.num_prompt_tokens:]
+        if tr.accepted != outputs:
+            tr.matcher.reset()
+            tr.accepted = []
+            for t in outputs:
+                self._accept(rid, tr, t)
+        return tr.matcher
+
+    def apply(self, logits: Tensor, mask: StepMask) -> None:
+        """Disallowed tokens' logits to -inf, in place, on the rows that carry a grammar."""
+        self.cache.backend.apply_bitmask(logits, mask.bitmask, mask.rows)
+
+    def accept(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
+        """Advance the matchers of the constrained requests among `rids` by their sampled tokens."""
+        for rid, token in zip(rids, tokens, strict=True):
+            tr = self._tracked.get(rid)
+            if tr is not None and tr.matcher is not None:
+                self._accept(rid, tr, token)
+
+    @staticmethod
+    def _accept(rid: str, tr: _Tracked, token: int) -> None:
+        assert tr.matcher is not None
+        if not tr.matcher.accept(token):
+            raise RuntimeError(f"request {rid}: token {token} is not allowed by its grammar (after "
+                               f"{len(tr.accepted)} output tokens); the mask should have kept it out")
+        tr.accepted.append(token)
