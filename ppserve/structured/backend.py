@@ -75,6 +75,11 @@ class XGrammarBackend:
         """The compiled grammar; GrammarError with the compiler's message when it does not compile."""
         c = self._compiler
         kind = spec.kind
+        if spec.json is not None:
+            unenforced = _unenforced_keyword(json.loads(spec.json))
+            if unenforced:
+                raise GrammarError(f"structured_outputs.json uses {unenforced}, which xgrammar accepts but "
+                                   "does not enforce: the output could break the schema, so it is refused")
         try:
             if spec.json is not None:
                 return c.compile_json_schema(spec.json, any_whitespace=False)
@@ -112,6 +117,25 @@ class XGrammarBackend:
             bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                               indices=None if len(rows) == logits.shape[0] else list(rows))
+
+
+def _unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword in a schema that xgrammar compiles but does not enforce (uniqueItems, allOf of
+    several subschemas), or None. docs/decisions.md#grammar-backend lists how that was found."""
+    if isinstance(schema, list):
+        return next((k for k in map(_unenforced_keyword, schema) if k), None)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf with several subschemas"
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
+            found = _unenforced_keyword(value)
+            if found:
+                return found
+    return None
 
 
 def build_backend(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarBackend:

@@ -74,7 +74,11 @@ class GrammarMasks:
         try:
             bitmask = self.cache.backend.allocate_bitmask(len(rids))  # all ones: every token allowed
             for i in rows:
-                self._matcher(rids[i], states[i]).fill(bitmask, i)
+                matcher = self._matcher(rids[i], states[i])
+                # Terminated: the request ended on this token (its end-of-sequence); a decode the token ring
+                # scheduled before the end was known samples a token the engine throws away.
+                if not matcher.is_terminated():
+                    matcher.fill(bitmask, i)
         finally:
             end = time.perf_counter_ns()
             self.recorder.record("grammar_mask", start, end, step_id)
@@ -86,7 +90,8 @@ class GrammarMasks:
         if tr.matcher is None:
             tr.matcher = self.cache.backend.matcher(self.cache.get(tr.spec))
         outputs = st.token_ids[st.num_prompt_tokens:]
-        if tr.accepted != outputs:
+        if tr.accepted != outputs[:len(tr.accepted)] or (len(outputs) > len(tr.accepted)
+                                                          and not tr.matcher.is_terminated()):
             tr.matcher.reset()
             tr.accepted = []
             for t in outputs:
@@ -101,7 +106,7 @@ class GrammarMasks:
         """Advance the matchers of the constrained requests among `rids` by their sampled tokens."""
         for rid, token in zip(rids, tokens, strict=True):
             tr = self._tracked.get(rid)
-            if tr is not None and tr.matcher is not None:
+            if tr is not None and tr.matcher is not None and not tr.matcher.is_terminated():
                 self._accept(rid, tr, token)
 
     @staticmethod
