@@ -8,7 +8,7 @@ and a message naming the offending field.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -87,8 +87,11 @@ def _request(
     cache_salt: str = "",
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
-    if sampling is None and sampling_kwargs:
-        sampling = SamplingParams(**sampling_kwargs)
+    # Keywords override the given SamplingParams' fields rather than being dropped: sampling=sp with
+    # structured_outputs={...} constrains sp's request.
+    if sampling_kwargs:
+        sampling = (SamplingParams(**sampling_kwargs) if sampling is None
+                    else replace(sampling, **sampling_kwargs))
     return convert.generate_request_to_proto(prompt, sampling, messages=messages, request_id=request_id,
                                              cache_salt=cache_salt)
 
@@ -193,7 +196,9 @@ class PPServeClient(_Client):
         cache_salt: str = "",
         **sampling_kwargs: Any,
     ) -> ChunkStream:
-        """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...)."""
+        """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...), on
+        their own or over `sampling`'s; structured_outputs= takes a StructuredOutputs or vLLM's dict
+        ({"json": schema}, {"choice": [...]}, {"regex": ...}, ...)."""
         req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
         return ChunkStream(self.stub.Generate(req, **self._call(timeout)))
 
@@ -249,7 +254,8 @@ class AsyncPPServeClient(_Client):
         cache_salt: str = "",
         **sampling_kwargs: Any,
     ) -> AsyncIterator[Chunk]:
-        """Yield chunks as they arrive. Leaving the loop early (break, task cancel) cancels the request."""
+        """Yield chunks as they arrive; sampling keywords as in PPServeClient.stream. Leaving the loop
+        early (break, task cancel) cancels the request."""
         req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
         call = self.stub.Generate(req, **self._call(timeout))
         try:

@@ -19,6 +19,7 @@ from ppserve.engine.messages import CHAT_ROLES, PipelineUnavailable, PromptInput
 from ppserve.engine.stats import EngineStats, ServingConfig, StageBubbles
 from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.gen import ppserve_pb2 as pb
+from ppserve.structured.spec import StructuredOutputs
 from ppserve.worker.info import WorkerInfo
 
 __all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
@@ -52,6 +53,8 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None 
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(int(t) for t in msg.stop_token_ids)
     kwargs["ignore_eos"] = bool(msg.ignore_eos)
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     sp = SamplingParams(**kwargs)
     sp.validate()
     return sp
@@ -64,6 +67,33 @@ def sampling_to_proto(sp: SamplingParams) -> pb.SamplingParams:
         value = getattr(sp, name)
         if value is not None:
             setattr(msg, name, value)
+    if sp.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(sp.structured_outputs))
+    return msg
+
+
+# The oneof's wire names and StructuredOutputs' (vLLM's) where they differ: `json` is a JSON Schema.
+_STRUCTURED_TO_SPEC = {"json_schema": "json"}
+_STRUCTURED_TO_PROTO = {v: k for k, v in _STRUCTURED_TO_SPEC.items()}
+
+
+def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputs:
+    """The oneof as vLLM's dict, built by StructuredOutputs.from_dict: the HTTP API's rules and messages
+    (GrammarError, a ValueError, naming the field). Whether it compiles is the engine's to say."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return StructuredOutputs.from_dict({})  # refused: names the kinds to choose from
+    value: Any = list(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputs.from_dict({_STRUCTURED_TO_SPEC.get(kind, kind): value})
+
+
+def structured_to_proto(so: StructuredOutputs) -> pb.StructuredOutputs:
+    """The client side: the one kind set; schemas and tags go as the compact JSON text the spec keeps."""
+    kind = so.kind
+    if kind == "choice":
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=list(so.choice or ())))
+    msg = pb.StructuredOutputs()
+    setattr(msg, _STRUCTURED_TO_PROTO.get(kind, kind), getattr(so, kind))
     return msg
 
 
@@ -131,7 +161,9 @@ _STRING_FIELDS: dict[int, Any] = {
     1: "request_id",
     2: "prompt",
     4: ("messages", {1: "role", 2: "content"}),
-    5: ("sampling", {5: "stop"}),
+    5: ("sampling", {5: "stop", 16: ("structured_outputs", {1: "json_schema", 3: "regex",
+                                                          4: ("choice", {1: "choices"}), 5: "grammar",
+                                                          6: "structural_tag"})}),
 }
 
 
