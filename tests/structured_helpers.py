@@ -50,7 +50,7 @@ def constrained_reference(model_dir: Path, prompts: list[list[int]], spec_kwargs
     from ppserve.structured.spec import StructuredOutputs
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     backend = XGrammarBackend(tok, model.config.vocab_size, [model.config.eos_token_id])
     compiled = backend.compile(StructuredOutputs(**spec_kwargs))
     outs = []
@@ -59,7 +59,7 @@ def constrained_reference(model_dir: Path, prompts: list[list[int]], spec_kwargs
         ids = torch.tensor([p])
         with torch.no_grad():
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, logits_processor=[proc], eos_token_id=model.config.eos_token_id,
-                                 pad_token_id=0)
+                                 do_sample=False, logits_processor=[proc],
+                                 eos_token_id=model.config.eos_token_id, pad_token_id=0)
         outs.append(gen[0, len(p):].tolist())
     return outs

@@ -13,7 +13,9 @@ gRPC mode (`replay_grpc`) starts `ppserve serve` in a subprocess and sends the s
 shutdown.
 
 Both produce a `RunResult`; `summarize_run` turns spans + work intervals + per-request timings into
-the figures every report uses (and works unchanged on a simulated run).
+the figures every report uses (and works unchanged on a simulated run). An offline run that used
+structured outputs also carries its grammar figures (`meta["grammar"]`, engine/stats.py GrammarStats:
+compiles, cache hits, compile and mask seconds), only when there were any.
 """
 
 from __future__ import annotations
@@ -212,6 +214,7 @@ def replay(
     With `max_duration_s`, requests still unfinished at that time are cancelled and left out of the
     timings, and the result is marked `aborted` (an overloaded capacity probe fails fast that way).
     """
+    from ppserve.engine.stats import GrammarTally
     from ppserve.request import SamplingParams
 
     if engine.has_unfinished:
@@ -220,6 +223,8 @@ def replay(
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     reset_observations(engine)
     before = engine.stats()  # the prefix cache's counters at the start: the run's own are the difference
+    grammar = GrammarTally()  # the run's mask time, from its microbatches' results
+    grammar_before = grammar.stats()  # the grammar caches' totals at the start, likewise
     order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
     clock = engine.clock
     states: dict[str, Any] = {}
@@ -251,6 +256,7 @@ def replay(
 
     core = engine.core
     intake, core.intake = core.intake, admit_arrivals
+    core.step_observers.append(grammar.on_step)
     try:
         while nxt < len(order) or engine.has_unfinished:
             now = clock()
@@ -268,6 +274,7 @@ def replay(
                 time.sleep(max(0.0, min(0.05, t0 + requests[order[nxt]].arrival_s - clock())))
     finally:
         core.intake = intake
+        core.step_observers.remove(grammar.on_step)
         bar.close()
     if aborted:
         for rid in list(states):
@@ -285,13 +292,17 @@ def replay(
     after = engine.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
+    meta: dict[str, Any] = {
+        "num_submitted": nxt, "num_finished": len(finished), "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries, "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+    run_grammar = grammar.stats().since(grammar_before)
+    if run_grammar.nonzero:
+        meta["grammar"] = run_grammar.to_dict()
     return RunResult(
         name=name, timings=timings, spans=spans, work_intervals=work,
         num_stages=engine.config.parallel.pipeline_parallel_size,
         num_prompt_tokens=sum(r.prompt_len for r in requests),
-        num_preemptions=after.num_preemptions, aborted=aborted,
-        meta={"num_submitted": nxt, "num_finished": len(finished), "prefix_cache_hits": hits,
-              "prefix_cache_queries": queries, "prefix_cache_hit_rate": hits / queries if queries else 0.0},
+        num_preemptions=after.num_preemptions, aborted=aborted, meta=meta,
     )
 
 

@@ -1,7 +1,9 @@
 """Benchmark output: a results folder per run, JSON, markdown tables and plots (matplotlib, Agg).
 
 Tables and plots are derived from run summaries (`harness.RunResult.summary()`); the JSON holds the
-summaries, the settings and the workload, so every figure can be recomputed.
+summaries, the settings and the workload, so every figure can be recomputed. Runs that used structured
+outputs carry a `grammar` record (harness.py); the policy table is then followed by a grammar table, and
+only then: a run without grammars has nothing to show there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "results_dir",
     "write_json",
     "policy_table",
+    "grammar_table",
     "ratio_lines",
     "sweep_table",
     "capacity_table",
@@ -91,6 +94,26 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"{stages} | {_f(bub.get('per_request_bubble_s', {}).get('p50'), 1e3)} | "
             f"{bub.get('num_microbatches', '-')} | {s.get('num_preemptions', '-')} | "
             f"{_pct(s.get('prefix_cache_hit_rate'))} |"
+        )
+    grammar = grammar_table(summaries)
+    return "\n".join(lines) + (f"\n\n{grammar}" if grammar else "")
+
+
+def grammar_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """One row per run that used structured outputs: its grammar compiles, cache hits, failures, compile
+    seconds, and the last stage's mask time in all and per masked microbatch; "" when no run did."""
+    rows = [s for s in summaries if s.get("grammar")]
+    if not rows:
+        return ""
+    head = ("| run | grammar compiles | cache hits | compile failures | compile total (s) "
+            "| masked microbatches | mask total (ms) | mask per masked microbatch (ms) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in rows:
+        g = s["grammar"]
+        lines.append(
+            f"| {s['name']} | {g.get('compiles', 0)} | {g.get('cache_hits', 0)} | "
+            f"{g.get('compile_failures', 0)} | {_f(g.get('compile_s'), 1, 3)} | {g.get('masked_steps', 0)} | "
+            f"{_f(g.get('mask_s'), 1e3, 2)} | {_f(g.get('mask_mean_s'), 1e3, 3)} |"
         )
     return "\n".join(lines)
 

@@ -84,6 +84,7 @@ class AsyncEngine:
         # Engine-thread state: the statistics window, and whether a step ran since its last span drain.
         self.window = StatsWindow(engine.collect_spans, engine.clock, window_s=stats_window_s,
                                   keep_all_spans=keep_all_spans or bool(self.config.trace.path))
+        engine.core.step_observers.append(self.window.on_step)  # the grammar mask seconds of each step
         self._stepped_since_drain = False
         self._publish_failed = False
         # Engine clock (monotonic) -> Unix time, for the per-token timestamps clients see.

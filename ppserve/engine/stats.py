@@ -11,6 +11,10 @@ Readers never run on the engine thread: it publishes an immutable `StatsSnapshot
 (counts and token totals: a few attribute reads) and, at a bounded rate, the spans it drained
 (`SpanWindow`); a reader's `StatsSnapshot.stats()` computes the bubble report itself, once per drain.
 So a `/metrics` scrape or a GetStats call costs the engine thread nothing, however often it comes.
+
+Structured outputs' figures (`GrammarStats`) are kept beside EngineStats, not in it: EngineStats names
+exactly the wire message's fields, and the wire has none for grammars yet. Compiles are read from the
+process's grammar caches (never building one), mask time from each microbatch's StepResult.
 """
 
 from __future__ import annotations
@@ -20,15 +24,21 @@ import dataclasses
 import functools
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ppserve.config import EngineConfig, config_to_dict
 from ppserve.engine.messages import TokenDelta
 from ppserve.metrics.bubbles import bubble_report
 from ppserve.metrics.spans import Span, WorkInterval
 from ppserve.worker.info import WorkerInfo
+
+if TYPE_CHECKING:
+    from ppserve.sched.output import SchedulerOutput, StepResult
+    from ppserve.structured.grammars import GrammarCache
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +129,75 @@ class EngineStats(EngineCounts):
 
 
 @dataclass(frozen=True)
+class GrammarStats:
+    """Structured outputs' work since start: the grammar caches' compiles and the last stage's masks."""
+
+    compiles: int = 0  # grammars compiled (cache misses that finished)
+    cache_hits: int = 0  # requests whose grammar was cached or already compiling
+    compile_failures: int = 0
+    compile_s: float = 0.0  # seconds compiling, all compiles together
+    mask_s: float = 0.0  # the last stage's seconds filling token masks, all microbatches together
+    masked_steps: int = 0  # microbatches that carried a mask (a nonzero StepResult.grammar_mask_s)
+
+    @property
+    def mask_mean_s(self) -> float:
+        """Mask seconds per masked microbatch (0 before any)."""
+        return self.mask_s / self.masked_steps if self.masked_steps else 0.0
+
+    @property
+    def nonzero(self) -> bool:
+        """Whether any structured-output work happened (reports show the figures only then)."""
+        return bool(self.compiles or self.cache_hits or self.compile_failures or self.masked_steps)
+
+    def since(self, before: GrammarStats) -> GrammarStats:
+        """What happened after `before` (a run's own figures from totals taken around it)."""
+        return GrammarStats(self.compiles - before.compiles, self.cache_hits - before.cache_hits,
+                            self.compile_failures - before.compile_failures,
+                            self.compile_s - before.compile_s, self.mask_s - before.mask_s,
+                            self.masked_steps - before.masked_steps)
+
+    def with_compiles(self, caches: Sequence[GrammarCache]) -> GrammarStats:
+        """These mask figures with the compile counts of `caches` (their totals since each was built)."""
+        stats = [c.stats for c in caches]
+        return dataclasses.replace(
+            self, compiles=sum(c.compiles for c in stats), cache_hits=sum(c.hits for c in stats),
+            compile_failures=sum(c.failures for c in stats), compile_s=sum(c.compile_s for c in stats))
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain numbers for JSON, the per-masked-step mean included."""
+        return {**dataclasses.asdict(self), "mask_mean_s": self.mask_mean_s}
+
+
+def process_grammar_caches() -> list[GrammarCache]:
+    """The grammar caches this process has built (structured/grammars.py `shared_cache`), building none:
+    a process that never imported the grammars module has none, and importing it would load torch."""
+    mod = sys.modules.get("ppserve.structured.grammars")
+    if mod is None:
+        return []
+    with mod._shared_lock:
+        return list(mod._shared.values())
+
+
+class GrammarTally:
+    """Mask time summed from each microbatch's StepResult; `on_step` is an engine core step observer
+    (engine thread only, so no lock), `latest` the immutable figures any thread may read."""
+
+    def __init__(self) -> None:
+        self.latest = GrammarStats()  # replaced whole on each masked microbatch, never mutated
+
+    def on_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        seconds = result.grammar_mask_s
+        if seconds > 0.0:  # an unmasked microbatch costs one attribute read
+            last = self.latest
+            self.latest = dataclasses.replace(last, mask_s=last.mask_s + seconds,
+                                              masked_steps=last.masked_steps + 1)
+
+    def stats(self) -> GrammarStats:
+        """The mask figures so far with the process's compile counts."""
+        return self.latest.with_compiles(process_grammar_caches())
+
+
+@dataclass(frozen=True)
 class SpanWindow:
     """The spans of one drain over the window ending at it, and what the engine said at that drain.
     Immutable: the bubble report is computed from it by whichever thread reads it first, once."""
@@ -159,6 +238,7 @@ class StatsSnapshot:
     requests_finished: int
     uptime_s: float
     spans: SpanWindow
+    grammar: GrammarStats = GrammarStats()  # mask figures as of this publish (see grammar_stats)
 
     @property
     def ready(self) -> bool:
@@ -181,6 +261,11 @@ class StatsSnapshot:
             uptime_s=self.uptime_s,
         )
 
+    def grammar_stats(self) -> GrammarStats:
+        """Structured outputs' figures: this snapshot's mask time, the process's compiles as of now (read
+        here, by the reader: the compile thread updates them, never the engine thread)."""
+        return self.grammar.with_compiles(process_grammar_caches())
+
 
 class StatsWindow:
     """Output tokens and stage spans over the last `window_s` seconds. Fed on the engine thread only;
@@ -189,6 +274,7 @@ class StatsWindow:
     `collect_spans` drains the stages' new spans (a drain waits for in-flight work, so the AsyncEngine
     calls `drain` every SPAN_DRAIN_INTERVAL_S while busy and once each time it goes idle); spans older
     than the window are dropped unless `keep_all_spans` (a trace file or the demo's timeline wants them all).
+    `on_step` sums the microbatches' grammar mask time, once registered as an engine core step observer.
     """
 
     def __init__(self, collect_spans: Callable[[], Iterable[Span]], clock: Callable[[], float], *,
@@ -206,7 +292,12 @@ class StatsWindow:
         self._start_time = clock()
         self._start_ns = time.perf_counter_ns()
         self._span_window = _NO_SPANS
+        self.grammar = GrammarTally()
         self.latest: StatsSnapshot | None = None  # replaced whole (one reference store), never mutated
+
+    def on_step(self, out: SchedulerOutput, result: StepResult) -> None:
+        """An engine core step observer (engine thread): the microbatch's grammar mask time."""
+        self.grammar.on_step(out, result)
 
     def record(self, deltas: Sequence[TokenDelta]) -> None:
         """One step's output: its tokens count towards the rate, its finished requests towards the total."""
@@ -262,6 +353,7 @@ class StatsWindow:
             requests_finished=self.finished_total,
             uptime_s=now - self._start_time,
             spans=self._span_window,
+            grammar=self.grammar.latest,
         )
 
     def _recent_spans(self, t0_ns: int) -> tuple[Span, ...]:

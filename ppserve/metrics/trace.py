@@ -6,6 +6,8 @@ Layout: one process "pipeline" (pid 1). Tracks (threads), in this order:
   "starvation" slices (category "bubble"; both are idle time, so they never overlap a busy slice),
   and "stage S / tp R recv" holding recv_wait slices. recv_wait gets its own track because waiting
   for input overlaps idle time (and, with async receives, compute) and slices on one track must nest.
+  `NESTED_KINDS` slices (grammar_mask) sit one level inside the span containing them (its prepare);
+  one that nothing contains goes to an overflow track, off the idle slices it would overlap.
   If spans of one track still overlap without nesting, the later ones go to overflow tracks
   "... (overlap k)" rather than being clipped, so nothing is hidden.
 Flow arrows ("s"/"f", one id per hop) follow each microbatch's compute from stage s to s+1.
@@ -21,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from ppserve.metrics.bubbles import Window, idle_intervals
 from ppserve.metrics.spans import ENGINE_STAGE, Span, WorkInterval
 
-__all__ = ["to_chrome_trace", "save_chrome_trace", "load_chrome_trace", "validate_chrome_trace"]
+__all__ = ["to_chrome_trace", "save_chrome_trace", "load_chrome_trace", "validate_chrome_trace",
+           "NESTED_KINDS"]
 
 PID = 1
 FORMAT_VERSION = 1
@@ -36,25 +39,48 @@ FORMAT_VERSION = 1
 _EPS_US = 1e-3
 
 Counter = tuple[str, int, dict[str, float]]
+# Kinds drawn one level inside the span of their track that contains them (not busy kinds of their own).
+NESTED_KINDS: frozenset[str] = frozenset({"grammar_mask"})
 
 
 def _us(ns: int) -> float:
     return ns / 1000.0
 
 
-def _lanes(items: list[tuple[int, int, Any]]) -> list[list[tuple[int, int, Any]]]:
-    """Split (start, end, payload) items into lanes whose items never overlap (first fit, by start)."""
+def _lanes(items: list[tuple[int, int, Any]],
+           nested: Container[Any] = ()) -> list[list[tuple[int, int, Any]]]:
+    """Split (start, end, payload) items into lanes whose items never overlap (first fit, by start), except
+    that an item whose payload is in `nested` may sit inside its lane's last top-level item (one level
+    down, not overlapping the lane's other nested items). A nested item that nothing contains opens or
+    joins a lane after the first: the first lane's track also holds the idle slices, which it would
+    overlap."""
     lanes: list[list[tuple[int, int, Any]]] = []
-    ends: list[int] = []
-    for item in sorted(items, key=lambda x: (x[0], x[1])):
-        for k, end in enumerate(ends):
-            if item[0] >= end:
-                lanes[k].append(item)
-                ends[k] = item[1]
-                break
+    ends: list[int] = []  # each lane's top-level end
+    parents: list[tuple[int, int]] = []  # each lane's last top-level item
+    inner_ends: list[int] = []  # each lane's last nested end
+    # Containers before what starts with them inside: at one start, top-level items first.
+    for item in sorted(items, key=lambda x: (x[0], x[2] in nested, x[1])):
+        start, end, payload = item
+        inner = payload in nested
+        for k in range(len(lanes)):
+            if inner and parents[k][0] <= start and end <= parents[k][1] and start >= inner_ends[k]:
+                inner_ends[k] = end
+            elif start >= ends[k] and (not inner or k > 0):
+                ends[k], parents[k], inner_ends[k] = end, (start, end), start
+            else:
+                continue
+            lanes[k].append(item)
+            break
         else:
+            if inner and not lanes:  # keep the first lane for the top-level items
+                lanes.append([])
+                ends.append(start)
+                parents.append((start, start))
+                inner_ends.append(start)
             lanes.append([item])
-            ends.append(item[1])
+            ends.append(end)
+            parents.append((start, end))
+            inner_ends.append(start)
     return lanes
 
 
@@ -91,7 +117,8 @@ def to_chrome_trace(
     for stage, rank in idle:  # a stage track that only idled still gets drawn
         groups.setdefault((stage, rank, "main"), [])
     tracks = _Tracks()
-    slices = _lay_out_tracks(tracks, groups, work, idle)
+    nested = {idx for idx, s in enumerate(spans) if s.kind in NESTED_KINDS}
+    slices = _lay_out_tracks(tracks, groups, work, idle, nested)
     slices += _span_slices(spans, tracks.span_tid)
     slices += _flow_arrows(spans, tracks.span_tid)
     slices += _counter_events(counters)
@@ -154,10 +181,10 @@ class _Tracks:
         )
         return tid
 
-    def place(self, name: str, items: list[Item]) -> int:
+    def place(self, name: str, items: list[Item], nested: Container[int] = ()) -> int:
         """Give each lane of `items` a track (overflow lanes "... (overlap k)"); returns the first lane's
-        tid."""
-        lanes = _lanes(items) or [[]]
+        tid. The spans whose indices are in `nested` nest inside their lane's spans (`_lanes`)."""
+        lanes = _lanes(items, nested) or [[]]
         first = self.new(name)
         for k, lane in enumerate(lanes):
             tid = first if k == 0 else self.new(f"{name} (overlap {k})")
@@ -171,6 +198,7 @@ def _lay_out_tracks(
     groups: dict[TrackKey, list[Item]],
     work: list[WorkInterval] | None,
     idle: dict[tuple[int, int], list[IdleSlice]],
+    nested: Container[int] = (),
 ) -> list[dict[str, Any]]:
     """Make the tracks in display order (scheduler, engine work, stages); returns the work and idle slices."""
     slices: list[dict[str, Any]] = []
@@ -183,7 +211,7 @@ def _lay_out_tracks(
             slices.append(_slice("work", "work", a, b, work_tid, {}))
     for stage, rank in sorted({(k[0], k[1]) for k in groups}):
         name = f"stage {stage} / tp {rank}"
-        main_tid = tracks.place(name, groups.get((stage, rank, "main"), []))
+        main_tid = tracks.place(name, groups.get((stage, rank, "main"), []), nested)
         for bname, a, b in idle.get((stage, rank), []):
             slices.append(_slice(bname, "bubble", a, b, main_tid, {"stage": stage, "tp_rank": rank}))
         if groups.get((stage, rank, "recv")):

@@ -10,8 +10,10 @@ The series: vLLM's (requests running and waiting, KV cache usage, preemptions, p
 hits, prompt and generation tokens, finished requests by reason, TTFT, inter-token and end-to-end latency
 histograms), with vLLM's meaning where vLLM has one; and the pipeline's: each stage's busy, bubble and
 starvation fractions over the stats window (ARCHITECTURE.md#measuring-bubbles definitions) and their mean,
-tokens and each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time.
-Each series' help text, in `ServerMetrics.__init__`, says what it counts.
+tokens and each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time;
+and structured outputs': grammar compiles, cache hits and failures, each compile's seconds (from the process's
+grammar caches at scrape time; none is built for it) and the last stage's mask seconds per masked microbatch
+(StepResult.grammar_mask_s). Each series' help text, in `ServerMetrics.__init__`, says what it counts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ppserve.engine.messages import TokenDelta
-from ppserve.engine.stats import EngineStats
+from ppserve.engine.stats import EngineStats, GrammarStats, process_grammar_caches
 from ppserve.sched.output import SchedulerOutput, StepResult
 
 PREFIX = "ppserve:"
@@ -29,6 +31,9 @@ _LATENCY = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
             80.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _STEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# A compile takes from milliseconds (a small schema) to the compile time limit; a mask fill, microseconds up.
+_COMPILE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_MASK = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1)
 
 
 class ServerMetrics:
@@ -75,11 +80,22 @@ class ServerMetrics:
         self.recovery_total = counter("pipeline_recovery_seconds",
                                       "Time from a stage failure to serving again.")
         self.last_recovery = gauge("pipeline_last_recovery_seconds", "The latest rebuild's recovery time.")
+        self.grammar_compiles = counter("grammar_compiles", "Structured-output grammars compiled (cache "
+                                        "misses that finished).")
+        self.grammar_hits = counter("grammar_cache_hits", "Structured-output requests whose grammar was "
+                                    "cached or already compiling.")
+        self.grammar_failures = counter("grammar_compile_failures", "Grammars that failed to compile.")
+        self.grammar_compile_s = histogram("grammar_compile_seconds", "Seconds each grammar compile took.",
+                                           _COMPILE)
+        self.grammar_mask_s = histogram("grammar_mask_seconds", "The last stage's seconds filling grammar "
+                                        "token masks, per microbatch that had one.", _MASK)
         # Every series exists from the start (at 0), so dashboards and rate() see it before its first event.
         for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prefix_queries,
                        self.prefix_hits, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble,
-                       self.mb_tokens, self.restarts, self.recovery_total, self.last_recovery):
+                       self.mb_tokens, self.restarts, self.recovery_total, self.last_recovery,
+                       self.grammar_compiles, self.grammar_hits, self.grammar_failures,
+                       self.grammar_compile_s, self.grammar_mask_s):
             metric.labels(**label)
         for reason in ("stop", "length", "cancelled", "error"):
             self.success.labels(**label, finished_reason=reason)
@@ -88,6 +104,7 @@ class ServerMetrics:
         self._prefix_hits_seen = 0
         self._restarts_seen = 0
         self._recovery_seen = 0.0
+        self._grammar_seen = GrammarStats()
 
     # ---- engine-thread hooks -----------------------------------------------------------------------
     def on_added(self, num_prompt_tokens: int) -> None:
@@ -111,6 +128,8 @@ class ServerMetrics:
         self.mb_tokens.labels(**self._label).observe(out.total_tokens)
         for stage, seconds in enumerate(result.stage_seconds):
             self.mb_seconds.labels(**self._label, stage=str(stage)).observe(seconds)
+        if result.grammar_mask_s > 0.0:  # only microbatches that had a mask: no zeros in the histogram
+            self.grammar_mask_s.labels(**self._label).observe(result.grammar_mask_s)
 
     # ---- at scrape time ------------------------------------------------------------------------------
     def refresh(self, stats: EngineStats) -> None:
@@ -132,6 +151,27 @@ class ServerMetrics:
             self.bubble.labels(**lab, stage=stage).set(st.bubble_fraction)
             self.starvation.labels(**lab, stage=stage).set(st.starvation_fraction)
         self.mean_bubble.labels(**lab).set(stats.mean_bubble_fraction)
+        self.refresh_grammars()
+
+    def refresh_grammars(self) -> None:
+        """The grammar series from the process's grammar caches: their counts (totals, so only what they
+        gained is added) and each compile finished since the last scrape. A process without structured
+        outputs has no cache, and this reads nothing."""
+        caches = process_grammar_caches()
+        if not caches:
+            return
+        now = GrammarStats().with_compiles(caches)
+        seen, lab = self._grammar_seen, self._label
+        for counter, gained in ((self.grammar_compiles, now.compiles - seen.compiles),
+                                (self.grammar_hits, now.cache_hits - seen.cache_hits),
+                                (self.grammar_failures, now.compile_failures - seen.compile_failures)):
+            if gained > 0:
+                counter.labels(**lab).inc(gained)
+        self._grammar_seen = now
+        hist = self.grammar_compile_s.labels(**lab)
+        for cache in caches:
+            for seconds in cache.drain_compile_seconds():
+                hist.observe(seconds)
 
     def _advance(self, counter: Counter, seen_attr: str, value: float) -> None:
         """Counters only go up: add what the engine's own total gained since the last scrape."""

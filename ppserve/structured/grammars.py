@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -49,7 +49,8 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppserve-grammar")
         self.stats = CompileStats()
-        self.compile_seconds: list[float] = []  # each finished compile's seconds (drained by metrics)
+        # each finished compile's seconds, drained by /metrics (bounded: nothing may drain it)
+        self.compile_seconds: deque[float] = deque(maxlen=4096)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -58,13 +59,15 @@ class GrammarCache:
                 self._backend = self._make_backend()
             return self._backend
 
-    def submit(self, spec: StructuredOutputs) -> Future[object]:
+    def submit(self, spec: StructuredOutputs, count_hit: bool = True) -> Future[object]:
+        """The compile's future, started now unless cached or under way (a hit, counted unless told not to:
+        the last stage's lookup of a request the engine compiled in the same process is not a new hit)."""
         key = spec.key
         with self._lock:
             fut = self._entries.get(key)
             if fut is not None:
                 self._entries.move_to_end(key)
-                self.stats.hits += 1
+                self.stats.hits += count_hit
                 return fut
             fut = self._pool.submit(self._compile, spec)
             self._entries[key] = fut
@@ -89,9 +92,9 @@ class GrammarCache:
             self.compile_seconds.append(seconds)
         return compiled
 
-    def get(self, spec: StructuredOutputs, timeout_s: float | None = None) -> object:
+    def get(self, spec: StructuredOutputs, timeout_s: float | None = None, count_hit: bool = True) -> object:
         """The compiled grammar, waiting for it; GrammarError when it fails or exceeds the limit."""
-        fut = self.submit(spec)
+        fut = self.submit(spec, count_hit)
         limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             return fut.result(timeout=limit)
@@ -104,7 +107,8 @@ class GrammarCache:
 
     def drain_compile_seconds(self) -> list[float]:
         with self._lock:
-            out, self.compile_seconds = self.compile_seconds, []
+            out = list(self.compile_seconds)
+            self.compile_seconds.clear()
         return out
 
     def shutdown(self) -> None:

@@ -3,6 +3,8 @@
 Same layout and colors as the PNG (`ppserve.timeline.render`): one lane per (stage, tp rank),
 compute spans by composition, bubbles and starvation as hatched spans. Hovering a compute span shows
 its microbatch id, stage, times, token counts and request ids; hovering a bubble shows its length.
+Grammar masks (`grammar_mask` spans) are a thin purple bar along the foot of their lane, at least
+`MIN_MARK_PX` wide (they are short beside compute); hovering one shows its microbatch and length.
 The text summary sits under the picture.
 """
 
@@ -15,8 +17,10 @@ from pathlib import Path
 from ppserve.metrics.bubbles import Window, idle_intervals, resolve_window
 from ppserve.timeline.render import (
     BUBBLE_COLOR,
+    GRAMMAR_MASK_COLOR,
     STARVATION_COLOR,
     composition,
+    grammar_masks,
     load_run,
     parse_window,
     summary_of,
@@ -30,6 +34,8 @@ LANE_H = 28
 LEFT = 110
 TOP = 30
 MAX_REQUEST_IDS = 12  # in a tooltip; the rest are counted
+MIN_MARK_PX = 2.0  # the narrowest a grammar mask is drawn, so it stays visible and hoverable
+MARK_H = 6  # px: grammar mask bars run along the foot of the lane, below the compute ids
 
 
 def _rgb(c: tuple[float, float, float]) -> str:
@@ -105,6 +111,15 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
         if w > 7 * (len(str(s.step_id)) + 1):
             parts.append(f'<text x="{x(s.start_ns) + w / 2:.2f}" y="{y + LANE_H * 0.55:.1f}" '
                          f'text-anchor="middle" pointer-events="none">{s.step_id}</text>')
+    masks = grammar_masks(run.spans, w0, w1)
+    for s in masks:
+        y = TOP + lane[(s.stage, s.tp_rank)] * LANE_H + LANE_H - 2 - MARK_H
+        tip = (f"grammar mask for microbatch {s.step_id} on stage {s.stage} tp {s.tp_rank}: "
+               f"{(s.start_ns - origin) * 1e-6:.3f} ms for {s.duration_ns * 1e-6:.3f} ms")
+        parts.append(f'<rect x="{x(s.start_ns):.2f}" y="{y}" '
+                     f'width="{max(x(s.end_ns) - x(s.start_ns), MIN_MARK_PX):.2f}" height="{MARK_H}" '
+                     f'fill="{_rgb(GRAMMAR_MASK_COLOR)}" data-kind="grammar_mask" '
+                     f'data-tip="{html.escape(tip)}"/>')
     axis_y = TOP + len(tracks) * LANE_H + 14
     for k in range(11):
         t = w0 + (w1 - w0) * k / 10
@@ -120,7 +135,9 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
         "pre{font-size:12px}</style></head><body>"
         f"<h3>ppserve timeline: {html.escape(run.path.name)}</h3>"
         "<p>blue: prefill-only, green: decode-only, orange: hybrid (darker = more tokens); "
-        "red hatch: bubble; grey dots: starvation. Hover for details.</p>"
+        "red hatch: bubble; grey dots: starvation"
+        + ("; purple foot bar: grammar mask" if masks else "")
+        + ". Hover for details.</p>"
         + "".join(parts)
         + f"<pre>{html.escape(summary_of(run, win))}</pre><div id=\"tip\"></div>"
         f"<script>{_SCRIPT}</script></body></html>\n"

@@ -3,7 +3,9 @@
 The figures come from `ppserve.metrics` (spans, `idle_intervals`, `bubble_report`); this module only
 loads, lays out and draws them. One lane per (stage, tp rank): compute spans colored by microbatch
 composition (prefill-only blue, decode-only green, hybrid orange; darker = more tokens), bubbles as
-hatched red spans, starvation as dotted grey spans, microbatch ids written where they fit. A lower
+hatched red spans, starvation as dotted grey spans, microbatch ids written where they fit; the last
+stage's grammar masks (`grammar_mask` spans, inside its prepare) as a thin purple bar along the foot of
+its lane, at least `MIN_MARK_FRACTION` of the window wide, as they are short beside compute. A lower
 panel shows the tokens of each microbatch when it entered the pipeline. Matplotlib (Agg) only here.
 """
 
@@ -26,6 +28,7 @@ __all__ = [
     "load_run",
     "parse_window",
     "composition",
+    "grammar_masks",
     "summary_text",
     "render_png",
     "render_compare",
@@ -40,6 +43,9 @@ PALETTE: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]
 }
 BUBBLE_COLOR = (0.90, 0.30, 0.30)
 STARVATION_COLOR = (0.60, 0.60, 0.60)
+GRAMMAR_MASK_COLOR = (0.55, 0.18, 0.72)
+MIN_MARK_FRACTION = 0.002  # of the window: the narrowest a grammar mask is drawn, so it stays visible
+MARK_HEIGHT = 0.22  # of a lane: grammar mask bars run along its foot, below the compute ids
 NAMED_WINDOWS = ("all", "active", "steady")
 
 
@@ -119,6 +125,12 @@ def _shade(kind: str, tokens: int, max_tokens: int) -> tuple[float, float, float
             light[2] + f * (dark[2] - light[2]))
 
 
+def grammar_masks(spans: Sequence[Span], w0: int | None = None, w1: int | None = None) -> list[Span]:
+    """The stage spans of kind `grammar_mask` (overlapping [w0, w1) when given), in span order."""
+    return [s for s in spans if s.kind == "grammar_mask" and s.stage >= 0
+            and (w0 is None or s.end_ns >= w0) and (w1 is None or s.start_ns <= w1)]
+
+
 def _microbatches(spans: Sequence[Span]) -> dict[int, Span]:
     """step id -> its compute span on the first stage (lowest tp rank): when it entered the pipeline."""
     first: dict[int, Span] = {}
@@ -170,6 +182,13 @@ def summary_of(run: Run, window: Window = "active") -> str:
         lines.append("compute ms per microbatch by stage (mean / max): " + ", ".join(
             f"{st}: {statistics.fmean(d) * 1e-6:.3f} / {max(d) * 1e-6:.3f}"
             for st, d in sorted(durs.items())))
+    masks = grammar_masks(run.spans)
+    if masks:
+        ms_each = [s.duration_ns * 1e-6 for s in masks]
+        lines.append(f"grammar masks: {len(masks)} on stage(s) "
+                     f"{', '.join(str(st) for st in sorted({s.stage for s in masks}))}; "
+                     f"mean {statistics.fmean(ms_each):.3f} ms, max {max(ms_each):.3f} ms, "
+                     f"total {sum(ms_each):.3f} ms")
     if rep.worst_stalls:
         lines.append("worst stalls (relative to the first span): " + "; ".join(
             f"stage {st.stage} tp {st.tp_rank} at {(st.start_ns - origin) * 1e-6:.3f} ms for "
@@ -239,6 +258,14 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
     x0, x1 = ms(w0), ms(w1)
     span_ms = max(x1 - x0, 1e-9)
     ax.set_xlim(x0, x1)
+    masks = grammar_masks(run.spans, w0, w1)
+    mask_lanes: dict[int, list[tuple[float, float]]] = {}
+    for s in masks:
+        mask_lanes.setdefault(lane[(s.stage, s.tp_rank)], []).append(
+            (ms(s.start_ns), max(s.duration_ns * 1e-6, span_ms * MIN_MARK_FRACTION)))
+    for i, xr in mask_lanes.items():
+        ax.broken_barh(xr, (i + height / 2 - MARK_HEIGHT * height, MARK_HEIGHT * height),
+                       facecolors=GRAMMAR_MASK_COLOR, edgecolor="none", zorder=3)
     # Write microbatch ids where the bar is wide enough for the text (~1.2% of the axis per digit).
     fig_w = ax.figure.get_size_inches()[0] * ax.get_position().width
     min_frac_per_char = 0.075 / max(fig_w, 1e-6)
@@ -270,6 +297,7 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
             Patch(facecolor=(*BUBBLE_COLOR, 0.18), edgecolor=BUBBLE_COLOR, hatch="////", label="bubble"),
             Patch(facecolor=(*STARVATION_COLOR, 0.15), edgecolor=STARVATION_COLOR, hatch="..",
                   label="starvation"),
+            *([Patch(facecolor=GRAMMAR_MASK_COLOR, label="grammar mask")] if masks else []),
         ],
         loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
         title="darker = more tokens", title_fontsize=7,

@@ -61,7 +61,7 @@ class GrammarMasks:
             spec = new.sampling.structured_outputs
             if spec is not None:
                 # A request sent again (preempted, then recomputed) starts over: its matcher replays.
-                self._tracked[new.request_id] = _Tracked(spec, self.cache.submit(spec))
+                self._tracked[new.request_id] = _Tracked(spec, self.cache.submit(spec, count_hit=False))
 
     def fill(self, rids: Sequence[str], states: Sequence[CachedRequestState],
              step_id: int) -> StepMask | None:
@@ -88,7 +88,7 @@ class GrammarMasks:
     def _matcher(self, rid: str, st: CachedRequestState) -> Matcher:
         tr = self._tracked[rid]
         if tr.matcher is None:
-            tr.matcher = self.cache.backend.matcher(self.cache.get(tr.spec))
+            tr.matcher = self.cache.backend.matcher(self.cache.get(tr.spec, count_hit=False))
         outputs = st.token_ids[st.num_prompt_tokens:]
         if tr.accepted != outputs[:len(tr.accepted)] or (len(outputs) > len(tr.accepted)
                                                           and not tr.matcher.is_terminated()):

@@ -156,3 +156,30 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(model_dir, pro
         with pytest.raises(ValueError, match=message):
             llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=spec))
         assert len(llm.generate(prompts[:1], SamplingParams(max_tokens=4))[0].token_ids) > 0
+
+
+@pytest.mark.parametrize("policy", ["vllm", "orca", "vllm-v1-async", "sglang-pp"])
+def test_baseline_policies_give_the_same_constrained_output(model_dir, prompts, expected, policy):
+    with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
+             block_size=4, policy=policy) as llm:
+        assert [o.token_ids for o in _generate(llm, prompts, "json")] == expected["json"]
+
+
+def test_prefix_cache_hits_change_nothing(model_dir, prompts, expected):
+    with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
+             block_size=4) as llm:
+        first = [o.token_ids for o in _generate(llm, prompts, "regex")]
+        again = _generate(llm, prompts, "regex")
+    assert first == [o.token_ids for o in again] == expected["regex"]
+    assert sum(o.num_cached_tokens for o in again) > 0
+
+
+def test_masks_need_no_host_read_inside_a_stage_step(model_dir, prompts, expected, monkeypatch):
+    """The bitmask is built on the host before the step and reaches the logits without a device read
+    (on a GPU: an asynchronous copy from pinned memory)."""
+    from ppserve.worker.host_sync import STRICT_ENV
+
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
+             block_size=4) as llm:
+        assert [o.token_ids for o in _generate(llm, prompts, "json")] == expected["json"]
