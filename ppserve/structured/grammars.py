@@ -59,6 +59,11 @@ class GrammarCache:
                 self._backend = self._make_backend()
             return self._backend
 
+    def warm(self) -> Future[GrammarBackend]:
+        """Build the backend (the tokenizer's vocabulary index) on the compile thread now, so the first
+        constrained request does not wait for it."""
+        return self._pool.submit(lambda: self.backend)
+
     def submit(self, spec: StructuredOutputs, count_hit: bool = True) -> Future[object]:
         """The compile's future, started now unless cached or under way (a hit, counted unless told not to:
         the last stage's lookup of a request the engine compiled in the same process is not a new hit)."""
@@ -136,5 +141,15 @@ def shared_cache(model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
                 return build_backend(tok, vocab_size, stop_token_ids)
 
             cache = _shared[key] = GrammarCache(make, timeout_s=timeout_s)
+        elif tokenizer is not None and cache._backend is None:
+            cache._make_backend = lambda: build_backend(tokenizer, vocab_size, stop_token_ids)
         cache.timeout_s = timeout_s
         return cache
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether a model directory carries a tokenizer (structured outputs need one)."""
+    from pathlib import Path
+
+    return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model"))

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ppserve.comm.channel import LinkValues, PostedRecv, StageChannel
 from ppserve.sched.output import SchedulerOutput, StepResult
+from ppserve.structured.grammars import has_tokenizer
 from ppserve.worker.info import NodeInfo
 from ppserve.worker.openmp_pool import release_thread_pool
 from ppserve.worker.stage_times import TimeRow, unwire, wire, wire_length
@@ -82,6 +83,7 @@ class StageActor:
         self._store_sock: socket.socket | None = None  # rank 0: the TCPStore's listening socket
         self._conn: Connection | None = None  # the engine's connection (connection control plane)
         self._strict = os.environ.get(STRICT_HOST_SYNC_ENV, "") not in ("", "0")  # worker/host_sync.py
+        self._own_process = True  # a Ray actor or a stage process; `local` says otherwise
 
     @classmethod
     def local(cls, worker: StageWorker, inbound: StageChannel | None, outbound: StageChannel | None,
@@ -89,6 +91,7 @@ class StageActor:
         """An actor body around a worker built in this process, linked by in-memory channels."""
         actor = cls(worker.spec)
         actor._worker, actor.inbound, actor.outbound = worker, inbound, outbound
+        actor._own_process = False
         actor.ring_in, actor.ring_out = ring_in, ring_out
         return actor
 
@@ -296,6 +299,10 @@ class StageActor:
         coefficients (the stage's prior for the scheduler's cost model), other ranks None."""
         worker = self._on_device()
         worker.init_cache(num_blocks)
+        if self._own_process and worker.grammar is not None and has_tokenizer(self.spec.model_dir):
+            # After the step-cost timing, which it must not disturb: the vocabulary index for structured
+            # outputs, built in the background (in process, the engine's cache builds it when first used).
+            worker.grammar.cache.warm()
         if self.spec.tp_rank != 0 or worker.startup_cost is None:
             return None
         return worker.startup_cost.coefficients
