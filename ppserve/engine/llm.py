@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from ppserve.config import EngineConfig, load_config
 from ppserve.engine.llm_engine import LLMEngine
-from ppserve.engine.messages import PromptInput
+from ppserve.engine.messages import ChatTurn, PromptInput
 from ppserve.metrics.bubbles import BubbleReport, bubble_report
 from ppserve.metrics.spans import Span
 from ppserve.metrics.trace import save_chrome_trace
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt: TypeAlias = "str | list[int] | PromptInput"  # one prompt: text, token ids, or chat messages
-Conversation: TypeAlias = "list[dict[str, str]]"  # chat messages, each {"role", "content"}
+# Chat messages, each {"role", "content"} (an assistant turn may add tool_calls, a tool turn tool_call_id)
+Conversation: TypeAlias = "list[dict[str, Any]]"
 
 # Keyword arguments of LLM(...) and the config field each sets.
 _SHORTCUTS = {
@@ -161,14 +163,35 @@ class LLM:
         self,
         conversations: Conversation | list[Conversation],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """Complete chat conversations (lists of {"role", "content"}), rendered by the model's chat
-        template."""
+        """Complete chat conversations (lists of OpenAI-style messages), rendered by the model's chat
+        template. `tools` and `tool_choice` are OpenAI's: the tools go into the prompt and, unless the
+        choice is "none", calls are constrained to the Hermes format, which
+        ppserve.structured.tool_parser.parse_tool_calls reads back from each output's text."""
+        from ppserve.structured.spec import StructuredOutputs
+        from ppserve.structured.tools import normalize_tools, resolve_tool_choice, tool_call_tag, tools_json
+
         # One conversation or a list of them, told apart by the first item (which narrows only the first
         # branch: hence the cast in the second).
         convs = ([conversations] if conversations and isinstance(conversations[0], dict)
                  else cast("list[Conversation]", conversations))
-        prompts = [PromptInput(messages=tuple((m["role"], m["content"]) for m in conv)) for conv in convs]
+        checked = normalize_tools(tools)
+        choice = resolve_tool_choice(tool_choice, checked)
+        tag = tool_call_tag(checked, choice, parallel_tool_calls)
+        if tag is not None:  # the tool call's constraint rides on each request's sampling
+            constraint = StructuredOutputs(structural_tag=tag)
+            if isinstance(sampling_params, list):
+                sampling_params = [dataclasses.replace(sp, structured_outputs=constraint)
+                                   for sp in sampling_params]
+            else:
+                sampling_params = dataclasses.replace(sampling_params or self.default_sampling_params(),
+                                                      structured_outputs=constraint)
+        prompts = [PromptInput(messages=tuple(ChatTurn.from_dict(m) for m in conv), tools=tools_json(checked))
+                   for conv in convs]
         return self.generate(prompts, sampling_params)
 
     # ---- bubbles and traces ------------------------------------------------------------------

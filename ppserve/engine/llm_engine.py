@@ -16,17 +16,19 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.core import EngineCore, sleep_until
 from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
-from ppserve.engine.messages import PromptInput, TokenDelta
+from ppserve.engine.messages import PromptInput, TokenDelta, Turn, turn_dict
 from ppserve.engine.output import OutputState
 from ppserve.engine.stats import EngineCounts
 from ppserve.metrics.spans import Span, WorkTracker
@@ -188,7 +190,8 @@ class LLMEngine:
         """Token ids of a prompt: text, token ids, or chat messages rendered by the model's chat template."""
         if isinstance(prompt, PromptInput):
             if prompt.messages is not None:
-                prompt = self.render_chat(prompt.messages)
+                tools = json.loads(prompt.tools) if prompt.tools is not None else None
+                prompt = self.render_chat(prompt.messages, tools=tools)
             elif prompt.text is not None:
                 prompt = prompt.text
             else:
@@ -205,15 +208,47 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:5]}")
         return ids
 
-    def render_chat(self, messages: tuple[tuple[str, str], ...] | list[dict[str, str]]) -> str:
-        """The prompt text for chat messages, by the model's own chat template (generation prompt added)."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids")
-        msgs = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
-        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: Sequence[Turn] | Sequence[Mapping[str, Any]],
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for chat messages (generation prompt added), by the first of: the template
+        file `model.chat_template`; the model's own template, where the request has no tools or tool
+        turns or the template knows tools (its source mentions them: then it gets `tools=`); else
+        ppserve's Hermes-style one (structured/templates/hermes_tools.jinja), since a template that
+        knows no tools would drop them and fail on an assistant turn whose content is None."""
+        msgs = [dict(m) if isinstance(m, Mapping) else turn_dict(m) for m in messages]
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer; send prompt_token_ids")
+        template = self._chat_template_file()
+        own = getattr(self.tokenizer, "chat_template", None)
+        uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") or m.get("content") is None
+                                        for m in msgs)
+        if template is None and uses_tools and not (isinstance(own, str) and "tools" in own):
+            from ppserve.structured.tools import hermes_template
+
+            template = hermes_template()
+        if template is None and not own:
+            raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids "
+                             "(or set model.chat_template)")
+        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                                  chat_template=template, **kwargs)
         if not isinstance(text, str):  # tokenize=False renders text: anything else is the tokenizer's bug
             raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return text
+
+    def _chat_template_file(self) -> str | None:
+        """The text of `model.chat_template` (read once), or None where it is not set."""
+        path = self.config.model.chat_template
+        if path is None:
+            return None
+        cached: tuple[str, str] | None = getattr(self, "_chat_template_cache", None)
+        if cached is None or cached[0] != path:
+            try:
+                cached = (path, Path(path).read_text())
+            except OSError as e:
+                raise ValueError(f"model.chat_template {path!r} cannot be read: {e}") from None
+            self._chat_template_cache = cached
+        return cached[1]
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, then `overrides`."""

@@ -28,6 +28,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--ray-address", help="attach to this Ray cluster (e.g. auto or HEAD:6379) instead of starting one"
     )
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template that replaces the model's (default: model.chat_template)")
     p.set_defaults(func=run_serve)
 
     g = sub.add_parser("generate", help="stream one completion from a running server")
@@ -83,7 +85,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # The flags are shorthands for settings; an empty address or host is no setting, port 0 is one.
     flags = {"parallel.ray_address": args.ray_address or None, "server.host": args.host or None,
-             "server.port": args.port, "server.http_port": args.http_port}
+             "server.port": args.port, "server.http_port": args.http_port,
+             "model.chat_template": args.chat_template or None}
     overrides = [*args.overrides, *(f"{key}={value}" for key, value in flags.items() if value is not None)]
     config = load_config(args.config, overrides)
     return run_server(config, config.server.host, config.server.port)

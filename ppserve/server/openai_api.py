@@ -1,11 +1,16 @@
 """The OpenAI-compatible HTTP front door (FastAPI): completions, chat completions, models, health, metrics.
 
+Chat with tools renders them into the prompt (LLMEngine.render_chat), constrains calls with a
+structural tag (structured/tools.py) and reads them back (structured/tool_parser.py): `message.tool_calls`
+and finish_reason "tool_calls", or streamed `delta.tool_calls`, as OpenAI answers them.
+
 It shares the gRPC server's process, event loop and AsyncEngine: one engine, two front doors, one
 validation (SamplingParams.validate and the engine's length checks give the same messages here as
 over gRPC). Streaming answers are server-sent events (`data: {json}` chunks and a final
 `data: [DONE]`); errors are OpenAI's error JSON (`{"error": {"message", "type", "param", "code"}}`)
-with 400 (bad input), 401 (missing or wrong bearer token), 404 (unknown model), 429 (the waiting
-queue is full) and 503 (the pipeline is starting, being rebuilt, failed or shutting down).
+with 400 (bad input, a malformed or uncompilable structured output or tool list among it), 401
+(missing or wrong bearer token), 404 (unknown model), 429 (the waiting queue is full) and 503 (the
+pipeline is starting, being rebuilt, failed or shutting down).
 
 A client that disconnects cancels its request at once (its KV blocks are freed): a streaming
 response is cancelled by Starlette when the connection drops, a non-streaming one watches the
@@ -34,6 +39,7 @@ from ppserve.engine.streams import RequestStream, StreamChunk, merge_choices
 from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.metrics import ServerMetrics
 from ppserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from ppserve.structured.tool_parser import ToolCallParser, parse_tool_calls
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: what the context leaves)
 
@@ -125,7 +131,7 @@ class OpenAIFrontDoor:
         body.refuse_unsupported()
         self.check_model(body.model)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprobs)
+        sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprobs, body.structured())
         salt = body.cache_salt or None
         prompts = [PromptInput(text=p, cache_salt=salt) if isinstance(p, str)
                    else PromptInput(token_ids=tuple(p), cache_salt=salt) for p in body.prompts()]
@@ -142,11 +148,15 @@ class OpenAIFrontDoor:
         self.check_model(body.model)
         # max_completion_tokens is the newer name; None leaves the limit to the model and the context.
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprob_count())
+        plan = body.tool_plan()
+        sampling = body.sampling(self.engine.sampling_defaults, max_tokens, body.logprob_count(),
+                                 body.constraint(plan))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = PromptInput(messages=body.conversation(), cache_salt=body.cache_salt or None)
+        prompt = PromptInput(messages=body.conversation(), tools=plan.tools,
+                             cache_salt=body.cache_salt or None)
         streams, num_prompt = await self._add([prompt], sampling, rid)
-        fmt = _Format(self, rid, "chat.completion", chat=True, logprobs=body.logprob_count())
+        fmt = _Format(self, rid, "chat.completion", chat=True, logprobs=body.logprob_count(),
+                      tool_calls=plan.tools is not None and plan.choice.parses)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._sse(fmt, rid, streams, num_prompt, include_usage)
@@ -270,10 +280,12 @@ class _Format:
     """The JSON shapes of one endpoint (completions or chat), whole and streamed."""
 
     def __init__(self, door: OpenAIFrontDoor, rid: str, obj: str, *, chat: bool,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, tool_calls: bool = False) -> None:
         self.door, self.rid, self.object, self.chat, self.logprobs = door, rid, obj, chat, logprobs
+        self.tool_calls = tool_calls  # chat with tools: the answer is read for Hermes tool calls
         self.created = int(time.time())
         self._text_offset: dict[int, int] = {}  # streamed completions: where each choice's next token starts
+        self._parsers: dict[int, ToolCallParser] = {}  # streamed tool calls: each choice's parser
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.rid, "object": self.object + (".chunk" if self.chat else ""),
@@ -293,6 +305,17 @@ class _Format:
             lp = self.logprob_block(chunk.token_ids, chunk.logprobs, self._text_offset.get(index, 0))
             if not self.chat and lp["tokens"]:
                 self._text_offset[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        if self.chat and self.tool_calls:
+            parser = self._parsers.setdefault(index, ToolCallParser())
+            got = parser.feed(chunk.text)
+            if chunk.finished:
+                got.extend(parser.finish())
+                if parser.calls and reason == "stop":
+                    reason = "tool_calls"
+            delta: dict[str, Any] = {"content": got.content} if got.content else {}
+            if got.tool_calls:
+                delta["tool_calls"] = got.tool_calls
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         if self.chat:
             delta = {"content": chunk.text} if chunk.text else {}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -301,6 +324,14 @@ class _Format:
     def whole_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         lp = self.logprob_block(c.token_ids, c.logprobs, 0) if self.logprobs is not None else None
         reason = c.finish_reason
+        if self.chat and self.tool_calls:
+            content, calls = parse_tool_calls(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+                if reason == "stop":
+                    reason = "tool_calls"
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                     "finish_reason": reason}
