@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from ppserve.structured.spec import GrammarError, StructuredOutputs
+from ppserve.structured.spec import GrammarError, StructuredOutputs, unenforced_keyword
 
 
 class Matcher(Protocol):
@@ -76,7 +76,7 @@ class XGrammarBackend:
         c = self._compiler
         kind = spec.kind
         if spec.json is not None:
-            unenforced = _unenforced_keyword(json.loads(spec.json))
+            unenforced = unenforced_keyword(json.loads(spec.json))
             if unenforced:
                 raise GrammarError(f"structured_outputs.json uses {unenforced}, which xgrammar accepts but "
                                    "does not enforce: the output could break the schema, so it is refused")
@@ -117,25 +117,6 @@ class XGrammarBackend:
             bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                               indices=None if len(rows) == logits.shape[0] else list(rows))
-
-
-def _unenforced_keyword(schema: Any) -> str | None:
-    """The first keyword in a schema that xgrammar compiles but does not enforce (uniqueItems, allOf of
-    several subschemas), or None. docs/decisions.md#grammar-backend lists how that was found."""
-    if isinstance(schema, list):
-        return next((k for k in map(_unenforced_keyword, schema) if k), None)
-    if not isinstance(schema, dict):
-        return None
-    if schema.get("uniqueItems") is True:
-        return "uniqueItems"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        return "allOf with several subschemas"
-    for key, value in schema.items():
-        if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
-            found = _unenforced_keyword(value)
-            if found:
-                return found
-    return None
 
 
 def build_backend(tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> GrammarBackend:

@@ -142,6 +142,25 @@ class StructuredOutputs:
         return {kind: value}
 
 
+def unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword in a schema that xgrammar compiles but does not enforce (uniqueItems, allOf of
+    several subschemas), or None. docs/decisions.md#grammar-backend lists how that was found."""
+    if isinstance(schema, list):
+        return next((k for k in map(unenforced_keyword, schema) if k), None)
+    if not isinstance(schema, dict):
+        return None
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf with several subschemas"
+    for key, value in schema.items():
+        if key not in ("enum", "const", "default", "examples") and isinstance(value, (dict, list)):
+            found = unenforced_keyword(value)
+            if found:
+                return found
+    return None
+
+
 def coerce(value: StructuredOutputs | Mapping[str, Any] | None) -> StructuredOutputs | None:
     """SamplingParams(structured_outputs=...) takes the dataclass or vLLM's dict."""
     if value is None or isinstance(value, StructuredOutputs):

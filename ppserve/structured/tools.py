@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppserve.structured.spec import GrammarError
+from ppserve.structured.spec import GrammarError, unenforced_keyword
 
 TOOL_CHOICES = ("none", "auto", "required")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI's function names, with '.' and ':' allowed
@@ -72,6 +72,11 @@ def normalize_tools(tools: Sequence[Any] | None) -> list[dict[str, Any]]:
         if params is None:
             params = EMPTY_PARAMETERS
         check_json_schema(params, f"{where}.function.parameters")
+        unenforced = unenforced_keyword(params)
+        if unenforced:
+            raise GrammarError(f"{where}.function.parameters uses {unenforced}, which the grammar backend "
+                               "accepts but does not enforce: a call could break the schema, so it is "
+                               "refused")
         entry: dict[str, Any] = {"name": name}
         if fn.get("description") is not None:
             if not isinstance(fn["description"], str):
