@@ -1,14 +1,74 @@
 """Structured-output test helpers: a byte-level tokenizer for the tiny random checkpoints (id = byte
 value, so every text is spellable and id 2, the tiny models' end-of-sequence, is a control byte no
 constraint uses), and constrained greedy decoding by transformers with xgrammar's logits processor:
-the oracle a constrained ppserve run must equal token for token."""
+the oracle a constrained ppserve run must equal token for token. Also what the tool-calling tests of
+both front doors share: the tools they offer, and an in-process gRPC server."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from ppserve.server.client import PPServeClient
+
+# The tools both front doors' tool tests offer (bounded strings, so a forced call ends well inside
+# max_tokens), and the question they ask.
+WEATHER_PARAMS = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 16},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+TIME_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+               "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                      "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "description": "The current time in a city",
+                                      "parameters": TIME_PARAMS}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The question, the assistant's call and the tool's answer: a conversation to continue.
+TOOL_TURNS = [*ASK,
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function",
+                   "function": {"name": "get_weather",
+                                "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+
+
+@contextmanager
+def grpc_client(overrides: list[str]) -> Iterator[PPServeClient]:
+    """A gRPC server (config `overrides`) on its own event loop thread, since the tests' client blocks;
+    its client, ready; the server stopped on the way out."""
+    from ppserve.config import load_config
+    from ppserve.engine.async_engine import AsyncEngine
+    from ppserve.engine.llm_engine import LLMEngine
+    from ppserve.server.server import start_server
+
+    cfg = load_config(None, overrides)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        return await start_server(AsyncEngine(LLMEngine(cfg)), "127.0.0.1", 0)  # starts the engine too
+
+    running = asyncio.run_coroutine_threadsafe(start(), loop).result(240)
+    try:
+        with PPServeClient(running.address) as c:
+            c.wait_ready(30)
+            yield c
+    finally:
+        asyncio.run_coroutine_threadsafe(running.stop(1.0), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
 
 
 def add_byte_tokenizer(model_dir: Path, out_dir: Path) -> Path:

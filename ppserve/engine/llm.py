@@ -172,25 +172,21 @@ class LLM:
         template. `tools` and `tool_choice` are OpenAI's: the tools go into the prompt and, unless the
         choice is "none", calls are constrained to the Hermes format, which
         ppserve.structured.tool_parser.parse_tool_calls reads back from each output's text."""
-        from ppserve.structured.spec import StructuredOutputs
-        from ppserve.structured.tools import normalize_tools, resolve_tool_choice, tool_call_tag, tools_json
+        from ppserve.structured.tools import plan_tools
 
         # One conversation or a list of them, told apart by the first item (which narrows only the first
         # branch: hence the cast in the second).
         convs = ([conversations] if conversations and isinstance(conversations[0], dict)
                  else cast("list[Conversation]", conversations))
-        checked = normalize_tools(tools)
-        choice = resolve_tool_choice(tool_choice, checked)
-        tag = tool_call_tag(checked, choice, parallel_tool_calls)
-        if tag is not None:  # the tool call's constraint rides on each request's sampling
-            constraint = StructuredOutputs(structural_tag=tag)
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+        if plan.constraint is not None:  # the tool call's constraint rides on each request's sampling
             if isinstance(sampling_params, list):
-                sampling_params = [dataclasses.replace(sp, structured_outputs=constraint)
+                sampling_params = [dataclasses.replace(sp, structured_outputs=plan.constraint)
                                    for sp in sampling_params]
             else:
                 sampling_params = dataclasses.replace(sampling_params or self.default_sampling_params(),
-                                                      structured_outputs=constraint)
-        prompts = [PromptInput(messages=tuple(ChatTurn.from_dict(m) for m in conv), tools=tools_json(checked))
+                                                      structured_outputs=plan.constraint)
+        prompts = [PromptInput(messages=tuple(ChatTurn.from_dict(m) for m in conv), tools=plan.tools)
                    for conv in convs]
         return self.generate(prompts, sampling_params)
 

@@ -145,3 +145,15 @@ class TokenDelta:
     times: RequestTimes | None = None  # on the final delta only
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for logprobs
     num_cached_tokens: int = 0  # on the final delta: prompt tokens the prefix cache supplied
+
+
+def chat_turn(role: str, content: str | None, tool_calls: Sequence[ToolCall] = (),
+              tool_call_id: str | None = None, name: str | None = None) -> ChatTurn:
+    """A chat message with tool fields as the engine's turn; ValueError where tool_calls sit on a turn
+    that is not the assistant's, or a tool turn does not say which call it answers."""
+    if tool_calls and role != "assistant":
+        raise ValueError(f"tool_calls belong to assistant messages, not {role!r} ones")
+    if role == "tool" and tool_call_id is None:
+        raise ValueError("a tool message needs tool_call_id: the call it answers")
+    return ChatTurn(role=role, content=content, tool_calls=tuple(tool_calls), tool_call_id=tool_call_id,
+                    name=name)

@@ -7,7 +7,7 @@ and a message naming the offending field.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -33,12 +33,17 @@ class Chunk:
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative
     token_times: list[float]  # server Unix seconds, one per new token
-    finish_reason: str | None  # set on the last chunk: stop | length | cancelled | error
+    finish_reason: str | None  # set on the last chunk: stop | length | cancelled | error | tool_calls
     metrics: dict[str, float] | None  # queue_time_s, ttft_s, mean_tbt_s, e2e_s on the last chunk
     index: int = 0  # which choice (sampling n > 1)
     # One per new token when sampling.logprobs was set: {"token_id", "logprob", "top": [(id, logprob), ...]}
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     num_cached_tokens: int = 0  # on the last chunk: prompt tokens the prefix cache supplied
+    # On the last chunk of a request read for tool calls (tools given, tool_choice not "none"): the calls
+    # parsed from the whole output, OpenAI-shaped ({"id", "type", "function": {"name", "arguments"}}), and
+    # the text beside them (None where that is empty beside calls, or the output was not read for calls).
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    content: str | None = None
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
@@ -59,6 +64,10 @@ class Completion:
     index: int = 0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    # As Chunk's on the last chunk: OpenAI-shaped tool calls (fit for the next turn's assistant message)
+    # and the content beside them.
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    content: str | None = None
 
     def add(self, c: Chunk) -> None:
         self.request_id, self.index = c.request_id, c.index
@@ -70,6 +79,7 @@ class Completion:
         if c.finish_reason is not None:
             self.finish_reason, self.metrics = c.finish_reason, c.metrics
             self.num_cached_tokens = c.num_cached_tokens
+            self.tool_calls, self.content = c.tool_calls, c.content
 
 
 def _single(choices: list[Completion]) -> Completion:
@@ -81,10 +91,13 @@ def _single(choices: list[Completion]) -> Completion:
 
 def _request(
     prompt: str | Sequence[int] | None,
-    messages: Sequence[dict[str, str]] | None,
+    messages: Sequence[Mapping[str, Any]] | None,
     sampling: SamplingParams | None,
     request_id: str,
     cache_salt: str = "",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling_kwargs: Any,
 ) -> pb.GenerateRequest:
     # Keywords override the given SamplingParams' fields rather than being dropped: sampling=sp with
@@ -93,7 +106,8 @@ def _request(
         sampling = (SamplingParams(**sampling_kwargs) if sampling is None
                     else replace(sampling, **sampling_kwargs))
     return convert.generate_request_to_proto(prompt, sampling, messages=messages, request_id=request_id,
-                                             cache_salt=cache_salt)
+                                             cache_salt=cache_salt, tools=tools, tool_choice=tool_choice,
+                                             parallel_tool_calls=parallel_tool_calls)
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -189,17 +203,24 @@ class PPServeClient(_Client):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         request_id: str = "",
         timeout: float | None = None,
         cache_salt: str = "",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **sampling_kwargs: Any,
     ) -> ChunkStream:
         """Start a Generate stream; sampling fields may be passed as keywords (max_tokens=8, ...), on
         their own or over `sampling`'s; structured_outputs= takes a StructuredOutputs or vLLM's dict
-        ({"json": schema}, {"choice": [...]}, {"regex": ...}, ...)."""
-        req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
+        ({"json": schema}, {"choice": [...]}, {"regex": ...}, ...). messages are OpenAI-style dicts
+        (tool_calls, tool_call_id and name included); tools, tool_choice ("none", "auto", "required" or
+        {"type": "function", "function": {"name": ...}}) and parallel_tool_calls (None: true) are OpenAI's,
+        and the last chunk carries the calls read back."""
+        req = _request(prompt, messages, sampling, request_id, cache_salt, tools, tool_choice,
+                       parallel_tool_calls, **sampling_kwargs)
         return ChunkStream(self.stub.Generate(req, **self._call(timeout)))
 
     def generate(self, prompt: str | Sequence[int] | None = None, **kwargs: Any) -> Completion:
@@ -247,16 +268,20 @@ class AsyncPPServeClient(_Client):
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
         sampling: SamplingParams | None = None,
         request_id: str = "",
         timeout: float | None = None,
         cache_salt: str = "",
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
         **sampling_kwargs: Any,
     ) -> AsyncIterator[Chunk]:
         """Yield chunks as they arrive; sampling keywords as in PPServeClient.stream. Leaving the loop
         early (break, task cancel) cancels the request."""
-        req = _request(prompt, messages, sampling, request_id, cache_salt, **sampling_kwargs)
+        req = _request(prompt, messages, sampling, request_id, cache_salt, tools, tool_choice,
+                       parallel_tool_calls, **sampling_kwargs)
         call = self.stub.Generate(req, **self._call(timeout))
         try:
             async for msg in call:

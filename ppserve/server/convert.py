@@ -2,24 +2,38 @@
 
 Pure translation: no engine, no torch. Validation of sampling values is SamplingParams' job (its
 ValueError names the field); this module only adds the checks that exist because of the wire format
-(which prompt field was used, token ids as int64).
+(which prompt field was used, token ids as int64, the tool choice's string form). Tool lists and choices
+go through ppserve.structured.tools as the HTTP API's do, so they mean the same and fail with the same
+messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from ppserve.engine.messages import CHAT_ROLES, PipelineUnavailable, PromptInput, RequestTimes
+from ppserve.engine.messages import (
+    CHAT_ROLES,
+    ChatTurn,
+    PipelineUnavailable,
+    PromptInput,
+    RequestTimes,
+    ToolCall,
+    Turn,
+    chat_turn,
+)
 from ppserve.engine.stats import EngineStats, ServingConfig, StageBubbles
 from ppserve.request import SamplingParams, TokenLogprob
 from ppserve.server.gen import ppserve_pb2 as pb
-from ppserve.structured.spec import StructuredOutputs
+from ppserve.structured.spec import GrammarError, StructuredOutputs
+from ppserve.structured.tool_parser import parse_tool_calls
+from ppserve.structured.tools import TOOL_CHOICES, ToolPlan, plan_tools
 from ppserve.worker.info import WorkerInfo
 
 __all__ = ["CHAT_ROLES", "PipelineUnavailable", "PromptInput", "RequestTimes"]  # the engine's, used here
@@ -30,6 +44,7 @@ _FINISH_TO_PROTO: dict[str | None, pb.FinishReason] = {
     "length": pb.FINISH_REASON_LENGTH,
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "error": pb.FINISH_REASON_ERROR,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
 _FINISH_FROM_PROTO: dict[int, str | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
@@ -43,9 +58,11 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "max_tokens", "seed", "pr
                       "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "n", "min_p")
 
 
-def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None,
+                        tools: ToolPlan | None = None) -> SamplingParams:
     """Build SamplingParams; unset optional fields take `defaults` (the model's generation_config.json),
-    then ppserve's. ValueError names the field."""
+    then ppserve's. `tools`: the request's tool plan, whose constraint joins structured_outputs by the
+    HTTP API's rule (ToolPlan.combine). ValueError names the field."""
     kwargs: dict[str, Any] = dict(defaults or {})
     for name in _OPTIONAL_SAMPLING:
         if msg.HasField(name):
@@ -55,6 +72,8 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None 
     kwargs["ignore_eos"] = bool(msg.ignore_eos)
     if msg.HasField("structured_outputs"):
         kwargs["structured_outputs"] = structured_from_proto(msg.structured_outputs)
+    if tools is not None:
+        kwargs["structured_outputs"] = tools.combine(kwargs.get("structured_outputs"))
     sp = SamplingParams(**kwargs)
     sp.validate()
     return sp
@@ -105,8 +124,10 @@ def logprobs_to_proto(logprobs: Sequence[TokenLogprob], token_ids: Sequence[int]
 
 
 # ---- prompts -------------------------------------------------------------------------------------
-def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) -> PromptInput:
-    """Pick the one prompt field that was set; ValueError naming the field otherwise."""
+def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None,
+                      tools: str | None = None) -> PromptInput:
+    """Pick the one prompt field that was set; ValueError naming the field otherwise. `tools`: the checked
+    tool list's JSON text (ToolPlan.tools), which only messages may carry."""
     given = [
         name
         for name, present in (
@@ -122,19 +143,98 @@ def prompt_from_proto(req: pb.GenerateRequest, vocab_size: int | None = None) ->
         raise ValueError(f"set only one of prompt, prompt_token_ids or messages; got {', '.join(given)}")
     salt = req.cache_salt or None
     if req.prompt:
-        return PromptInput(text=req.prompt, cache_salt=salt)
+        return PromptInput(text=req.prompt, tools=tools, cache_salt=salt)
     if req.messages:
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role {m.role!r} is unknown; "
                                  f"expected one of {', '.join(CHAT_ROLES)}")
-        return PromptInput(messages=tuple((m.role, m.content) for m in req.messages), cache_salt=salt)
+        return PromptInput(messages=tuple(_turn_from_proto(m) for m in req.messages), tools=tools,
+                           cache_salt=salt)
     ids = tuple(int(t) for t in req.prompt_token_ids)
     upper = vocab_size if vocab_size is not None else _INT64_MAX
     for i, t in enumerate(ids):
         if not 0 <= t < upper:
             raise ValueError(f"prompt_token_ids[{i}]={t} is out of range [0, {upper})")
-    return PromptInput(token_ids=ids, cache_salt=salt)
+    return PromptInput(token_ids=ids, tools=tools, cache_salt=salt)
+
+
+def _turn_from_proto(m: pb.ChatMessage) -> Turn:
+    """A plain (role, content) pair, or a ChatTurn where the message has tool fields (or is a tool turn,
+    which needs one). An assistant turn with tool_calls and empty content has null content."""
+    if not (m.tool_calls or m.tool_call_id or m.name or m.role == "tool"):
+        return (m.role, m.content)
+    calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments or "{}") for c in m.tool_calls]
+    content = None if calls and not m.content and m.role == "assistant" else m.content
+    return chat_turn(m.role, content, calls, m.tool_call_id or None, m.name or None)
+
+
+def _turn_to_proto(turn: ChatTurn) -> pb.ChatMessage:
+    return pb.ChatMessage(role=turn.role, content=turn.content or "", tool_call_id=turn.tool_call_id or "",
+                          name=turn.name or "",
+                          tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                      for c in turn.tool_calls])
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+TOOL_CHOICE_FUNCTION = "function:"  # tool_choice's prefix naming the one function to call
+
+
+def tool_choice_from_proto(choice: str) -> str | dict[str, Any] | None:
+    """The wire's tool_choice as OpenAI's ("" is unset); ValueError for a string of neither form."""
+    if not choice:
+        return None
+    if choice.startswith(TOOL_CHOICE_FUNCTION):
+        return {"type": "function", "function": {"name": choice[len(TOOL_CHOICE_FUNCTION):]}}
+    if choice not in TOOL_CHOICES:
+        raise GrammarError(f"tool_choice {choice!r} is unknown; expected one of {', '.join(TOOL_CHOICES)} "
+                           f"or {TOOL_CHOICE_FUNCTION}NAME")
+    return choice
+
+
+def tool_choice_to_proto(choice: str | Mapping[str, Any] | None) -> str:
+    """OpenAI's tool_choice (a mode, or {"type": "function", "function": {"name": ...}}) as the wire's."""
+    if choice is None:
+        return ""
+    if isinstance(choice, str):
+        return choice
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError('tool_choice must be a mode or {"type": "function", "function": {"name": ...}}')
+    return TOOL_CHOICE_FUNCTION + name
+
+
+def tool_from_proto(tool: pb.Tool, index: int) -> dict[str, Any]:
+    """A wire Tool as OpenAI's tool dict (normalize_tools checks it); empty fields are unset ones."""
+    fn: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        fn["description"] = tool.description
+    if tool.parameters_json:
+        try:
+            fn["parameters"] = json.loads(tool.parameters_json)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"tools[{index}].parameters_json is not valid JSON: {e}") from None
+    return {"type": "function", "function": fn}
+
+
+def tool_to_proto(tool: Mapping[str, Any]) -> pb.Tool:
+    """The client side: OpenAI's {"type": "function", "function": {name, description, parameters}}; the
+    server checks it."""
+    fn = tool.get("function")
+    if not isinstance(fn, Mapping):
+        raise ValueError("a tool is {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    params = fn.get("parameters")
+    return pb.Tool(name=str(fn.get("name", "")), description=str(fn.get("description") or ""),
+                   parameters_json="" if params is None else json.dumps(params, ensure_ascii=False))
+
+
+def tool_plan_from_proto(req: pb.GenerateRequest) -> ToolPlan:
+    """The request's tools, tool choice and parallel_tool_calls resolved as the HTTP API resolves them;
+    GrammarError (INVALID_ARGUMENT) with its messages."""
+    tools = [tool_from_proto(t, i) for i, t in enumerate(req.tools)]
+    parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None
+    return plan_tools(tools, tool_choice_from_proto(req.tool_choice), parallel)
 
 
 def request_id_from_proto(req: pb.GenerateRequest) -> str:
@@ -160,11 +260,15 @@ class MalformedRequest:
 _STRING_FIELDS: dict[int, Any] = {
     1: "request_id",
     2: "prompt",
-    4: ("messages", {1: "role", 2: "content"}),
+    4: ("messages", {1: "role", 2: "content", 3: ("tool_calls", {1: "id", 2: "name", 3: "arguments"}),
+                     4: "tool_call_id", 5: "name"}),
     5: ("sampling", {5: "stop", 16: ("structured_outputs", {1: "json_schema", 3: "regex",
                                                           4: ("choice", {1: "choices"}), 5: "grammar",
                                                           6: "structural_tag"})}),
+    7: ("tools", {1: "name", 2: "description", 3: "parameters_json"}),
+    8: "tool_choice",
 }
+_REPEATED_MESSAGES = ("messages", "tool_calls", "tools")  # named with their index
 
 
 def generate_request_deserializer(max_bytes: int) -> Callable[[bytes], pb.GenerateRequest | MalformedRequest]:
@@ -223,7 +327,7 @@ def _find_bad_utf8(data: bytes, fields: dict[int, Any], prefix: str) -> str | No
                     return f"{prefix}{spec} is not valid UTF-8"
             elif spec is not None:
                 name, sub = spec
-                label = f"{prefix}{name}[{seen[num]}]." if name == "messages" else f"{prefix}{name}."
+                label = f"{prefix}{name}[{seen[num]}]." if name in _REPEATED_MESSAGES else f"{prefix}{name}."
                 seen[num] += 1
                 if (found := _find_bad_utf8(chunk, sub, label)) is not None:
                     return found
@@ -236,14 +340,22 @@ def generate_request_to_proto(
     prompt: str | Sequence[int] | None = None,
     sampling: SamplingParams | None = None,
     *,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     request_id: str = "",
     cache_salt: str = "",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
 ) -> pb.GenerateRequest:
-    """The client side: text, token ids or chat messages (dicts with role and content)."""
-    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
+    """The client side: text, token ids or chat messages (OpenAI-style dicts: role and content, and
+    tool_calls, tool_call_id or name), and OpenAI's tools, tool_choice and parallel_tool_calls."""
+    req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
+                             tools=[tool_to_proto(t) for t in tools or ()],
+                             tool_choice=tool_choice_to_proto(tool_choice))
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     if messages is not None:
-        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        req.messages.extend(_turn_to_proto(ChatTurn.from_dict(m)) for m in messages)
     elif isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:
@@ -260,6 +372,18 @@ def finish_reason_to_proto(reason: str | None) -> pb.FinishReason:
 
 def finish_reason_from_proto(value: int) -> str | None:
     return _FINISH_FROM_PROTO.get(value)
+
+
+def add_tool_calls(msg: pb.GenerateResponse, text: str) -> None:
+    """A request read for tool calls, on its last message: the calls parsed from the whole output and the
+    content beside them; a stop after one or more calls is FINISH_REASON_TOOL_CALLS (the HTTP API's
+    "tool_calls"), a cut by length stays one."""
+    content, calls = parse_tool_calls(text)
+    msg.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+    if content is not None:
+        msg.content = content
+    if calls and msg.finish_reason == pb.FINISH_REASON_STOP:
+        msg.finish_reason = pb.FINISH_REASON_TOOL_CALLS
 
 
 def request_metrics_to_proto(t: RequestTimes) -> pb.RequestMetrics:
@@ -331,6 +455,9 @@ def chunk_from_proto(msg: pb.GenerateResponse) -> dict[str, Any]:
         "num_prompt_tokens": msg.num_prompt_tokens,
         "num_cached_tokens": msg.num_cached_tokens,
         "num_output_tokens": msg.num_output_tokens,
+        "tool_calls": [{"id": c.id, "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments}} for c in msg.tool_calls],
+        "content": msg.content if msg.HasField("content") else None,
         "token_times": list(msg.token_times),
         "finish_reason": reason,
         "metrics": None,

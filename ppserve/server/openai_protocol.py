@@ -12,22 +12,14 @@ so a bad value gets the same message here as over gRPC.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from ppserve.engine.messages import ChatTurn, ToolCall
+from ppserve.engine.messages import ChatTurn, ToolCall, chat_turn
 from ppserve.request import SamplingParams
 from ppserve.structured.spec import GrammarError, StructuredOutputs
-from ppserve.structured.tools import (
-    ToolChoice,
-    check_json_schema,
-    normalize_tools,
-    resolve_tool_choice,
-    tool_call_tag,
-    tools_json,
-)
+from ppserve.structured.tools import ToolPlan, check_json_schema, plan_tools
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -208,13 +200,9 @@ class ChatMessage(BaseModel):
                                arguments=(c.function.arguments if isinstance(c.function.arguments, str)
                                           else json.dumps(c.function.arguments, ensure_ascii=False)))
                       for c in self.tool_calls or ())
-        if calls and self.role != "assistant":
-            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs tool_call_id: the call it answers")
         content = None if self.content is None and self.role == "assistant" else self.text()
-        return ChatTurn(role="system" if self.role == "developer" else self.role, content=content,
-                        tool_calls=calls, tool_call_id=self.tool_call_id, name=self.name)
+        return chat_turn("system" if self.role == "developer" else self.role, content, calls,
+                         self.tool_call_id, self.name)
 
     def text(self) -> str:
         """The message's text: a string, or the text parts of a content list (other parts refused)."""
@@ -228,16 +216,6 @@ class ChatMessage(BaseModel):
                 raise ValueError(f"message content of type {part.get('type')!r} is not supported (text only)")
             parts.append(str(part.get("text", "")))
         return "".join(parts)
-
-
-@dataclass(frozen=True)
-class ToolPlan:
-    """A chat request's tools resolved: the checked list (JSON text for the prompt, None without tools),
-    the tool choice, and the constraint it puts on the answer (None: unconstrained)."""
-
-    tools: str | None
-    choice: ToolChoice
-    constraint: StructuredOutputs | None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -260,28 +238,13 @@ class ChatCompletionRequest(_SamplingFields):
         return tuple(m.turn() for m in self.messages)
 
     def tool_plan(self) -> ToolPlan:
-        """The tools, the tool choice ("auto" where tools are given and it is not) and the structural tag
-        that constrains calls: "required" and a named function force calls, "auto" constrains a call
-        once the model opens one, "none" leaves the answer free (and unparsed)."""
-        tools = normalize_tools(self.tools)
-        choice = resolve_tool_choice(self.tool_choice, tools)
-        parallel = True if self.parallel_tool_calls is None else self.parallel_tool_calls
-        tag = tool_call_tag(tools, choice, parallel)
-        return ToolPlan(tools_json(tools), choice,
-                        None if tag is None else StructuredOutputs(structural_tag=tag))
+        """The tools, the tool choice and the structural tag that constrains calls (see plan_tools)."""
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def constraint(self, plan: ToolPlan) -> StructuredOutputs | None:
-        """The one constraint on the answer: a forced tool call ("required" or a named function) and
-        another structured output cannot both hold (400); under "auto" an explicit one wins, and the
-        answer is still read for calls."""
-        structured = self.structured()
-        if structured is None:
-            return plan.constraint
-        if plan.choice.mode in ("required", "function"):
-            what = "required" if plan.choice.mode == "required" else f"naming {plan.choice.name!r}"
-            raise GrammarError(f"tool_choice {what} and a structured output ask for two kinds at once; "
-                               "give one")
-        return structured
+        """The one constraint on the answer: the plan's, or the request's own structured output (see
+        ToolPlan.combine for when both are given)."""
+        return plan.combine(self.structured())
 
     def logprob_count(self) -> int | None:
         """None: no logprobs; else how many alternatives per token besides the sampled one."""

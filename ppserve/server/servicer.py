@@ -1,4 +1,8 @@
-"""The ppserve.v1.PPServe servicer: validates requests, streams engine output, maps errors to status codes."""
+"""The ppserve.v1.PPServe servicer: validates requests, streams engine output, maps errors to status codes.
+
+Tool calling means what it means on the HTTP chat API: the tool plan's structural tag constrains the
+output, and the whole output of each choice is read back for calls on its last message.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ class PPServeServicer(pb_grpc.PPServeServicer):
         if isinstance(request, convert.MalformedRequest):  # not parseable: see generate_request_deserializer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         try:
-            prompt = convert.prompt_from_proto(request, self.engine.vocab_size)
-            sampling = convert.sampling_from_proto(request.sampling, self.engine.sampling_defaults)
+            plan = convert.tool_plan_from_proto(request)
+            prompt = convert.prompt_from_proto(request, self.engine.vocab_size, plan.tools)
+            sampling = convert.sampling_from_proto(request.sampling, self.engine.sampling_defaults, plan)
             rid = convert.request_id_from_proto(request) or f"req-{uuid.uuid4().hex[:16]}"
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -41,6 +46,7 @@ class PPServeServicer(pb_grpc.PPServeServicer):
         offset = self.engine.engine_to_unix
         num_prompt_tokens = streams[0].num_prompt_tokens
         unfinished = len(streams)
+        texts: dict[int, list[str]] = {}  # each choice's output so far, where it is read for tool calls
         try:
             async for index, chunk in merge_choices(streams):
                 unfinished -= chunk.finished
@@ -51,7 +57,12 @@ class PPServeServicer(pb_grpc.PPServeServicer):
                         yield _response(rid, index, chunk, num_prompt_tokens, offset)
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         f"the pipeline failed: {self.engine.failure}")
-                yield _response(rid, index, chunk, num_prompt_tokens, offset)
+                msg = _response(rid, index, chunk, num_prompt_tokens, offset)
+                if plan.parses:
+                    texts.setdefault(index, []).append(chunk.text)
+                    if chunk.finished:
+                        convert.add_tool_calls(msg, "".join(texts.pop(index)))
+                yield msg
         finally:
             # Runs on every exit: normal end, client cancel / deadline (grpc.aio raises CancelledError
             # here, which propagates untouched), or server shutdown. Never awaits, so it cannot be

@@ -2,6 +2,9 @@
 constrains a tool call to the Hermes format `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`
 (the format ppserve's own chat template asks for and tool_parser.py reads back).
 
+`plan_tools` and `chat_turn` are what every front door (HTTP's ChatCompletionRequest, gRPC's convert.py)
+calls, so a request means the same and a bad one gets the same message on each.
+
 Pure Python but for xgrammar's tag builder, imported when a tag is built.
 """
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppserve.structured.spec import GrammarError, unenforced_keyword
+from ppserve.structured.spec import GrammarError, StructuredOutputs, unenforced_keyword
 
 TOOL_CHOICES = ("none", "auto", "required")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # OpenAI's function names, with '.' and ':' allowed
@@ -159,3 +162,42 @@ def tool_call_tag(tools: Sequence[Mapping[str, Any]], choice: ToolChoice,
 def tools_json(tools: Sequence[Mapping[str, Any]]) -> str | None:
     """The tool list as the compact JSON text a PromptInput carries (None for no tools)."""
     return json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False) if tools else None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat request's tools resolved: the checked list (JSON text for the prompt, None without tools),
+    the tool choice, and the constraint it puts on the answer (None: unconstrained)."""
+
+    tools: str | None
+    choice: ToolChoice
+    constraint: StructuredOutputs | None
+
+    @property
+    def parses(self) -> bool:
+        """Whether the answer is read back for tool calls: tools were given and the choice is not "none"."""
+        return self.tools is not None and self.choice.parses
+
+    def combine(self, structured: StructuredOutputs | None) -> StructuredOutputs | None:
+        """The one constraint on the answer, given the request's own structured output: a forced tool
+        call ("required" or a named function) and another structured output cannot both hold
+        (GrammarError); under "auto" an explicit one wins, and the answer is still read for calls."""
+        if structured is None:
+            return self.constraint
+        if self.choice.mode in ("required", "function"):
+            what = "required" if self.choice.mode == "required" else f"naming {self.choice.name!r}"
+            raise GrammarError(f"tool_choice {what} and a structured output ask for two kinds at once; "
+                               "give one")
+        return structured
+
+
+def plan_tools(tools: Sequence[Any] | None, tool_choice: Any,
+               parallel_tool_calls: bool | None = None) -> ToolPlan:
+    """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` (None: OpenAI's default, true) checked
+    and resolved: "required" and a named function force calls, "auto" constrains a call once the model
+    opens one, "none" leaves the answer free (and unparsed)."""
+    checked = normalize_tools(tools)
+    choice = resolve_tool_choice(tool_choice, checked)
+    tag = tool_call_tag(checked, choice, True if parallel_tool_calls is None else parallel_tool_calls)
+    constraint = None if tag is None else StructuredOutputs(structural_tag=tag)
+    return ToolPlan(tools_json(checked), choice, constraint)

@@ -9,10 +9,8 @@ allows, so the constraints are bounded (enums, fixed-length digits) to finish we
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,30 +47,10 @@ def model_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="module")
 def client(model_dir: Path) -> Iterator[PPServeClient]:
-    """A gRPC server on its own event loop thread (the tests' client blocks), stopped after the module."""
-    from ppserve.config import load_config
-    from ppserve.engine.async_engine import AsyncEngine
-    from ppserve.engine.llm_engine import LLMEngine
-    from ppserve.server.server import start_server
+    from tests.structured_helpers import grpc_client
 
-    cfg = load_config(None, [f"model.model={model_dir}", "model.dtype=float32", "parallel.executor=inproc"])
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start() -> Any:
-        return await start_server(AsyncEngine(LLMEngine(cfg)), "127.0.0.1", 0)  # starts the engine too
-
-    running = asyncio.run_coroutine_threadsafe(start(), loop).result(120)
-    try:
-        with PPServeClient(running.address) as c:
-            c.wait_ready(30)
-            yield c
-    finally:
-        asyncio.run_coroutine_threadsafe(running.stop(1.0), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
+    with grpc_client([f"model.model={model_dir}", "model.dtype=float32", "parallel.executor=inproc"]) as c:
+        yield c
 
 
 def _generate(client: PPServeClient, structured: Any, max_tokens: int = 64) -> str:

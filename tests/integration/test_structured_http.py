@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.server_helpers import ServerProcess, running_server, set_args
+from tests.structured_helpers import ASK, TOOL_TURNS, TOOLS
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -19,19 +20,6 @@ jsonschema = pytest.importorskip("jsonschema")
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
-WEATHER_PARAMS = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 16},
-    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}
-TIME_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-               "required": ["city"]}
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
-                                      "parameters": WEATHER_PARAMS}},
-    {"type": "function", "function": {"name": "get_time", "description": "The current time in a city",
-                                      "parameters": TIME_PARAMS}},
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -170,12 +158,7 @@ def test_streamed_tool_call_reassembles_to_the_same_call(client: Any):
 
 
 def test_multi_turn_with_a_tool_result(client: Any):
-    messages = [*ASK,
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather",
-                                  "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    messages = TOOL_TURNS
     r = _chat(client, messages=messages, tools=TOOLS, max_tokens=30)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > 100  # the tools and the turns reached the prompt

@@ -134,8 +134,10 @@ def test_bad_chat_and_malformed_bodies() -> None:
     async def body(c: httpx.AsyncClient) -> None:
         r = await c.post("/v1/chat/completions", json={"messages": []})
         _assert_error(r, 400, "invalid_request_error", "messages is empty")
-        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
         _assert_error(r, 400, "invalid_request_error", "messages.0.role")
+        r = await c.post("/v1/chat/completions", json={"messages": [{"role": "tool", "content": "x"}]})
+        _assert_error(r, 400, "invalid_request_error", "a tool message needs tool_call_id")
         r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                        "top_logprobs": 2})
         _assert_error(r, 400, "invalid_request_error", "top_logprobs needs logprobs")
