@@ -300,9 +300,11 @@ class StageActor:
         worker = self._on_device()
         worker.init_cache(num_blocks)
         if self._own_process and worker.grammar is not None and has_tokenizer(self.spec.model_dir):
-            # After the step-cost timing, which it must not disturb: the vocabulary index for structured
-            # outputs, built in the background (in process, the engine's cache builds it when first used).
-            worker.grammar.cache.warm()
+            # The vocabulary index for structured outputs, built now (after the step-cost timing, which it
+            # must not disturb) rather than at the first constrained request, which would stall the
+            # pipeline, or in the background, which would take the stage's cores and GIL while it serves.
+            # In process the engine's cache builds it when first used.
+            worker.grammar.cache.warm().result()
         if self.spec.tp_rank != 0 or worker.startup_cost is None:
             return None
         return worker.startup_cost.coefficients
