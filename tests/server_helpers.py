@@ -119,3 +119,15 @@ def wait_idle(client: PPServeClient, timeout: float = 30.0) -> EngineStats:
         if time.monotonic() > deadline:
             raise AssertionError(f"server did not go idle: {s}")
         time.sleep(0.2)
+
+
+def metric_samples(m: Any) -> dict[str, float]:
+    """A ServerMetrics' exposition as {"name{label=value,...}": value}, the model_name label left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(m.exposition().decode()):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ppserve.bench.harness import RunResult, replay
 from ppserve.bench.report import grammar_table, policy_table, write_json
@@ -36,6 +35,7 @@ from ppserve.structured import grammars
 from ppserve.structured.grammars import GrammarCache
 from ppserve.structured.spec import GrammarError, StructuredOutputs
 from ppserve.timeline import render, render_html, render_png, summary_text
+from tests.server_helpers import metric_samples
 
 MS = 1_000_000
 
@@ -70,15 +70,6 @@ def compile_some(c: GrammarCache) -> None:
         c.get(StructuredOutputs(regex="("))
 
 
-def samples(m: ServerMetrics) -> dict[str, float]:
-    out = {}
-    for fam in text_string_to_metric_families(m.exposition().decode()):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
-
-
 def microbatch(step: int) -> SchedulerOutput:
     return SchedulerOutput(step_id=step, order=("a",), num_scheduled_tokens=(1,), num_computed_tokens=(4,),
                            new_requests=(), cached_requests=(), sample_request_ids=("a",))
@@ -89,7 +80,7 @@ def test_grammar_series_exist_at_zero_without_any_cache(monkeypatch: pytest.Monk
     monkeypatch.setattr(grammars, "_shared", {})
     m = ServerMetrics("m")
     m.refresh(EngineStats())
-    s = samples(m)
+    s = metric_samples(m)
     for name in ("ppserve:grammar_compiles_total", "ppserve:grammar_cache_hits_total",
                  "ppserve:grammar_compile_failures_total", "ppserve:grammar_compile_seconds_count",
                  "ppserve:grammar_mask_seconds_count"):
@@ -103,7 +94,7 @@ def test_metrics_count_compiles_and_masked_microbatches(cache: GrammarCache) -> 
     m.on_step(microbatch(1), StepResult(1, {"a": 2}))  # no mask: not in the mask histogram
     m.on_step(microbatch(2), StepResult(2, {"a": 3}, grammar_mask_s=0.004))
     m.refresh(EngineStats())
-    s = samples(m)
+    s = metric_samples(m)
     assert s["ppserve:grammar_compiles_total{}"] == 2
     assert s["ppserve:grammar_cache_hits_total{}"] == 1
     assert s["ppserve:grammar_compile_failures_total{}"] == 1
@@ -112,10 +103,10 @@ def test_metrics_count_compiles_and_masked_microbatches(cache: GrammarCache) -> 
     assert s["ppserve:grammar_mask_seconds_sum{}"] == pytest.approx(0.006)
     # A second scrape adds nothing; a new compile adds one of each.
     m.refresh(EngineStats())
-    assert samples(m)["ppserve:grammar_compile_seconds_count{}"] == 2
+    assert metric_samples(m)["ppserve:grammar_compile_seconds_count{}"] == 2
     cache.get(StructuredOutputs(regex="b+"))
     m.refresh(EngineStats())
-    s = samples(m)
+    s = metric_samples(m)
     assert s["ppserve:grammar_compiles_total{}"] == 3 and s["ppserve:grammar_compile_seconds_count{}"] == 3
 
 

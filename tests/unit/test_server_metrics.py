@@ -9,23 +9,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from ppserve.engine.messages import RequestTimes, TokenDelta
 from ppserve.engine.stats import EngineStats, StageBubbles
 from ppserve.sched.output import SchedulerOutput, StepResult
 from ppserve.server.metrics import ServerMetrics
+from tests.server_helpers import metric_samples
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "launch" / "grafana" / "ppserve-dashboard.json"
-
-
-def _samples(m: ServerMetrics) -> dict[str, float]:
-    out = {}
-    for fam in text_string_to_metric_families(m.exposition().decode()):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def _stats(**kw: Any) -> EngineStats:
@@ -45,7 +35,7 @@ def test_hooks_feed_counters_and_latency_histograms() -> None:
     out = SchedulerOutput(step_id=0, order=("a",), num_scheduled_tokens=(5,), num_computed_tokens=(0,),
                           new_requests=(), cached_requests=(), sample_request_ids=("a",))
     m.on_step(out, StepResult(0, {"a": 1}, (0.01, 0.02), timed_step_id=0))
-    s = _samples(m)
+    s = metric_samples(m)
     assert s["ppserve:prompt_tokens_total{}"] == 10
     assert s["ppserve:generation_tokens_total{}"] == 3
     assert s["ppserve:request_success_total{finished_reason=stop}"] == 1
@@ -59,14 +49,14 @@ def test_hooks_feed_counters_and_latency_histograms() -> None:
 def test_refresh_sets_gauges_and_counters_only_grow() -> None:
     m = ServerMetrics("m")
     m.refresh(_stats(num_preemptions=4, num_restarts=1, total_recovery_s=2.5, last_recovery_s=2.5))
-    s = _samples(m)
+    s = metric_samples(m)
     assert s["ppserve:num_requests_running{}"] == 2 and s["ppserve:num_requests_waiting{}"] == 1
     assert s["ppserve:kv_cache_usage_perc{}"] == 0.25
     assert (s["ppserve:stage_bubble_fraction{stage=1}"] == 0.2
             and s["ppserve:stage_busy_fraction{stage=0}"] == 0.8)
     assert s["ppserve:num_preemptions_total{}"] == 4 and s["ppserve:pipeline_restarts_total{}"] == 1
     m.refresh(_stats(num_preemptions=6, num_restarts=1, total_recovery_s=2.5, last_recovery_s=2.5))
-    assert _samples(m)["ppserve:num_preemptions_total{}"] == 6  # the engine's totals, not their sum
+    assert metric_samples(m)["ppserve:num_preemptions_total{}"] == 6  # the engine's totals, not their sum
 
 
 def test_the_dashboard_plots_only_series_the_exporter_has() -> None:
