@@ -18,14 +18,19 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from ppserve.metrics.spans import SpanRecorder
+from ppserve.request import SamplingParams
 from ppserve.sched.output import SchedulerOutput
 from ppserve.structured.backend import Matcher
 from ppserve.structured.grammars import GrammarCache
 from ppserve.structured.spec import StructuredOutputs
+from ppserve.worker.host_sync import allowed_read
 from ppserve.worker.input_batch import CachedRequestState
+from ppserve.worker.sampler import greedy
 
 
 @dataclass
@@ -101,6 +106,31 @@ class GrammarMasks:
     def apply(self, logits: Tensor, mask: StepMask) -> None:
         """Disallowed tokens' logits to -inf, in place, on the rows that carry a grammar."""
         self.cache.backend.apply_bitmask(logits, mask.bitmask, mask.rows)
+
+    def greedy_tokens(self, logits: Tensor, mask: StepMask,
+                      params: Sequence[SamplingParams]) -> list[int] | None:
+        """The microbatch's tokens without masking every row, where that is exact and cheaper: on a CPU,
+        when every row is greedy with nothing else to apply (no penalties, min_tokens or logprobs). The
+        unmasked argmax (the first maximum) is the masked one wherever the grammar allows it; only the
+        rows where it does not are masked and taken again. None: mask and sample as usual (on a GPU
+        the mask is one kernel, and checking the ids first would read them back a step early)."""
+        if logits.device.type != "cpu" or not all(
+                sp.greedy and not sp.processes_logits and sp.logprobs is None for sp in params):
+            return None
+        with allowed_read():  # the step's one read of the ids (on a CPU, nothing to wait for)
+            return self._greedy_tokens(logits, mask)
+
+    def _greedy_tokens(self, logits: Tensor, mask: StepMask) -> list[int]:
+        tokens = greedy(logits)
+        words = mask.bitmask.numpy().view(np.uint32)
+        bad = [i for i in mask.rows if not (int(words[i, tokens[i] >> 5]) >> (tokens[i] & 31)) & 1]
+        if bad:
+            index = torch.tensor(bad, dtype=torch.long)
+            rows = logits.index_select(0, index)
+            self.cache.backend.apply_bitmask(rows, mask.bitmask.index_select(0, index), range(len(bad)))
+            for i, token in zip(bad, greedy(rows), strict=True):
+                tokens[i] = token
+        return tokens
 
     def accept(self, rids: Sequence[str], tokens: Sequence[int]) -> None:
         """Advance the matchers of the constrained requests among `rids` by their sampled tokens."""

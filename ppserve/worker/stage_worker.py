@@ -267,14 +267,23 @@ class StageWorker:
         mask_s = 0.0
         if logits is not None:  # TP rank 0 samples for the stage; the scheduler tells every rank the tokens
             states = inp.sample_states
+            params = [st.sampling for st in states]
+            shortcut: list[int] | None = None
             if inp.mask is not None:
                 assert self.grammar is not None
-                # Before penalties and sampling: log-probabilities are those of the constrained distribution.
-                self.grammar.apply(logits, inp.mask)
-            tokens, lps = sample(logits, [st.sampling for st in states],
-                                 [len(st.token_ids) - st.num_prompt_tokens for st in states],
-                                 histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
-                                 stop_ids=self.arch.eos_token_ids)
+                shortcut = self.grammar.greedy_tokens(logits, inp.mask, params)
+                if shortcut is None:
+                    # Before penalties and sampling: log-probabilities are those of the constrained
+                    # distribution.
+                    self.grammar.apply(logits, inp.mask)
+            lps: list[TokenLogprob | None]
+            if shortcut is not None:
+                tokens, lps = shortcut, [None] * len(states)
+            else:
+                tokens, lps = sample(logits, params,
+                                     [len(st.token_ids) - st.num_prompt_tokens for st in states],
+                                     histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
+                                     stop_ids=self.arch.eos_token_ids)
             sampled = dict(zip(inp.sample_request_ids, tokens, strict=True))
             for st, token in zip(states, tokens, strict=True):
                 # the token ring: this stage's input token for the request's next decode
