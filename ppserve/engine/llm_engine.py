@@ -98,13 +98,22 @@ class LLMEngine:
                                            self.arch.sliding_window)
 
     def init_tokenizer(self) -> None:
+        from ppserve.structured.grammars import has_tokenizer
+
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        if any((self.model_dir / f).exists()
-               for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if has_tokenizer(str(self.model_dir)):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        # model.chat_template, read once: a file that cannot be read fails the engine's start, not a request.
+        self.chat_template: str | None = None
+        path = self.config.model.chat_template
+        if path is not None:
+            try:
+                self.chat_template = Path(path).read_text()
+            except OSError as e:
+                raise ValueError(f"model.chat_template {path!r} cannot be read: {e}") from None
 
     @property
     def grammars(self) -> GrammarCache:
@@ -218,7 +227,7 @@ class LLMEngine:
         msgs = [dict(m) if isinstance(m, Mapping) else turn_dict(m) for m in messages]
         if self.tokenizer is None:
             raise ValueError("messages: this model has no tokenizer; send prompt_token_ids")
-        template = self._chat_template_file()
+        template = self.chat_template
         own = getattr(self.tokenizer, "chat_template", None)
         uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") or m.get("content") is None
                                         for m in msgs)
@@ -235,20 +244,6 @@ class LLMEngine:
         if not isinstance(text, str):  # tokenize=False renders text: anything else is the tokenizer's bug
             raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
         return text
-
-    def _chat_template_file(self) -> str | None:
-        """The text of `model.chat_template` (read once), or None where it is not set."""
-        path = self.config.model.chat_template
-        if path is None:
-            return None
-        cached: tuple[str, str] | None = getattr(self, "_chat_template_cache", None)
-        if cached is None or cached[0] != path:
-            try:
-                cached = (path, Path(path).read_text())
-            except OSError as e:
-                raise ValueError(f"model.chat_template {path!r} cannot be read: {e}") from None
-            self._chat_template_cache = cached
-        return cached[1]
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, then `overrides`."""

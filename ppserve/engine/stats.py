@@ -174,8 +174,8 @@ def process_grammar_caches() -> list[GrammarCache]:
     mod = sys.modules.get("ppserve.structured.grammars")
     if mod is None:
         return []
-    with mod._shared_lock:
-        return list(mod._shared.values())
+    found: list[GrammarCache] = mod.caches()
+    return found
 
 
 class GrammarTally:

@@ -147,6 +147,12 @@ def shared_cache(model_dir: str, vocab_size: int, stop_token_ids: Sequence[int],
         return cache
 
 
+def caches() -> list[GrammarCache]:
+    """Every cache `shared_cache` has built in this process (for the metrics)."""
+    with _shared_lock:
+        return list(_shared.values())
+
+
 def has_tokenizer(model_dir: str) -> bool:
     """Whether a model directory carries a tokenizer (structured outputs need one)."""
     from pathlib import Path

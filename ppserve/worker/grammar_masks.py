@@ -47,7 +47,6 @@ class StepMask:
 
     bitmask: Tensor
     rows: list[int]  # the sampled rows that carry a grammar
-    rids: list[str]
 
 
 class GrammarMasks:
@@ -88,18 +87,20 @@ class GrammarMasks:
             end = time.perf_counter_ns()
             self.recorder.record("grammar_mask", start, end, step_id)
         self.mask_s += (end - start) * 1e-9
-        return StepMask(bitmask, rows, list(rids))
+        return StepMask(bitmask, rows)
 
     def _matcher(self, rid: str, st: CachedRequestState) -> Matcher:
         tr = self._tracked[rid]
         if tr.matcher is None:
             tr.matcher = self.cache.backend.matcher(self.cache.get(tr.spec, count_hit=False))
-        outputs = st.token_ids[st.num_prompt_tokens:]
-        if tr.accepted != outputs[:len(tr.accepted)] or (len(outputs) > len(tr.accepted)
-                                                          and not tr.matcher.is_terminated()):
+        # In step: the matcher took every output token this stage sampled (the usual case, checked in O(1)).
+        # A terminated matcher stays as it is: a token after its end is thrown away.
+        n = len(st.token_ids) - st.num_prompt_tokens
+        in_step = n == len(tr.accepted) and (n == 0 or st.token_ids[-1] == tr.accepted[-1])
+        if not in_step and not tr.matcher.is_terminated():
             tr.matcher.reset()
             tr.accepted = []
-            for t in outputs:
+            for t in st.token_ids[st.num_prompt_tokens:]:
                 self._accept(rid, tr, t)
         return tr.matcher
 

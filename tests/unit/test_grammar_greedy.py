@@ -38,7 +38,7 @@ def test_shortcut_equals_masking_every_row(seed):
         packed[:V] = bits.long()
         words = (packed.view(-1, 32) << torch.arange(32)).sum(-1)
         bitmask[i] = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
-    mask = StepMask(bitmask, rows, [str(i) for i in range(n)])
+    mask = StepMask(bitmask, rows)
     expected = logits.clone()
     xgr.apply_token_bitmask_inplace(expected, bitmask, vocab_size=V)
     got = _masks().greedy_tokens(logits.clone(), mask, [SamplingParams()] * n)
@@ -47,7 +47,7 @@ def test_shortcut_equals_masking_every_row(seed):
 
 def test_other_rows_take_the_usual_path():
     logits = torch.zeros(2, V)
-    mask = StepMask(xgr.allocate_token_bitmask(2, V), [0], ["a", "b"])
+    mask = StepMask(xgr.allocate_token_bitmask(2, V), [0])
     for sp in (SamplingParams(temperature=0.7), SamplingParams(logprobs=1),
                SamplingParams(presence_penalty=1)):
         assert _masks().greedy_tokens(logits, mask, [SamplingParams(), sp]) is None
