@@ -183,3 +183,18 @@ def test_masks_need_no_host_read_inside_a_stage_step(model_dir, prompts, expecte
     with LLM(str(model_dir), dtype="float32", executor="inproc", pipeline_parallel_size=2, token_budget=24,
              block_size=4) as llm:
         assert [o.token_ids for o in _generate(llm, prompts, "json")] == expected["json"]
+
+
+def test_chat_template_file_replaces_the_models(model_dir, tmp_path):
+    """model.chat_template (ppserve serve --chat-template FILE): the file renders every conversation; a
+    path that cannot be read fails the engine's start with its name."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> ")
+    with LLM(str(model_dir), dtype="float32", executor="inproc",
+             overrides=[f"model.chat_template={template}"]) as llm:
+        assert llm.engine.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n> "
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert out[0].prompt_token_ids == list(b"[user] hi\n> ")
+    with pytest.raises(ValueError, match="missing.jinja"):
+        LLM(str(model_dir), dtype="float32", executor="inproc",
+            overrides=[f"model.chat_template={tmp_path / 'missing.jinja'}"])
