@@ -220,24 +220,24 @@ def _min_p(params: Sequence[SamplingParams], device: torch.device) -> Tensor | N
     return _params(params, "min_p", torch.float32, device) if any(sp.min_p > 0 for sp in params) else None
 
 
-def _sample_full(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+def _full_weights(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor | None]:
     """Rows with neither top-k nor top-p: temperature (and min-p) over the whole vocabulary."""
     inv_t = 1.0 / _params(params, "temperature", torch.float32, logits.device)
-    return draw(_min_p_mask_(_weights(logits, inv_t), _min_p(params, logits.device)), u)
+    return _min_p_mask_(_weights(logits, inv_t), _min_p(params, logits.device)), None
 
 
-def _sample_nucleus(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+def _nucleus_weights(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor | None]:
     """Rows with top-p and no top-k: the sort-free threshold over the whole vocabulary."""
     device = logits.device
     weights = _weights(logits, 1.0 / _params(params, "temperature", torch.float32, device))
     threshold = nucleus_threshold(weights, _params(params, "top_p", torch.float32, device))
     weights.masked_fill_(weights < threshold[:, None], 0.0)
-    return draw(_min_p_mask_(weights, _min_p(params, device)), u)
+    return _min_p_mask_(weights, _min_p(params, device)), None
 
 
-def _sample_top_k(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -> Tensor:
+def _top_k_weights(logits: Tensor, params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor | None]:
     """Rows with top-k (and maybe top-p): torch.topk of the batch's largest k, each row keeping its own
-    first k, then top-p over what is left (sorted already), min-p, and a draw among the survivors."""
+    first k, then top-p over what is left (sorted already) and min-p; the columns are the topk's ids."""
     device, vocab = logits.device, logits.shape[-1]
     ks = [min(sp.top_k, vocab) for sp in params]
     values, ids = logits.topk(max(ks), dim=-1)  # sorted, largest first
@@ -250,8 +250,7 @@ def _sample_top_k(logits: Tensor, params: Sequence[SamplingParams], u: Tensor) -
         probs = weights.double() / weights.sum(-1, dtype=torch.float64, keepdim=True)
         mass_before = probs.cumsum(-1) - probs
         weights.masked_fill_(mass_before >= _params(params, "top_p", torch.float64, device)[:, None], 0.0)
-    chosen = draw(_min_p_mask_(weights, _min_p(params, device)), u)
-    return ids.gather(1, chosen[:, None])[:, 0]
+    return _min_p_mask_(weights, _min_p(params, device)), ids
 
 
 def _group(sp: SamplingParams, vocab: int) -> int:
@@ -260,29 +259,61 @@ def _group(sp: SamplingParams, vocab: int) -> int:
     return 1 if sp.top_p < 1.0 else 0
 
 
-_GROUPS = (_sample_full, _sample_nucleus, _sample_top_k)
+# What each group draws from: (weights [n, m] float32 >= 0, the vocabulary id of each column [n, m], or
+# None where column j is token j). The one definition of a sampled row's distribution: `sampled_ids`
+# draws from it, `target_weights` spreads it over the vocabulary, speculative verification tests drafts
+# against it.
+GROUP_WEIGHTS = (_full_weights, _nucleus_weights, _top_k_weights)
 
 
-def _sampled_ids(logits: Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> Tensor:
+def row_groups(params: Sequence[SamplingParams], vocab: int) -> dict[int, list[int]]:
+    """The rows of each group, in order: -1 for greedy rows, else an index into GROUP_WEIGHTS."""
+    members: dict[int, list[int]] = {}
+    for i, sp in enumerate(params):
+        members.setdefault(-1 if sp.greedy else _group(sp, vocab), []).append(i)
+    return members
+
+
+def sampled_ids(logits: Tensor, params: Sequence[SamplingParams], positions: Sequence[int]) -> Tensor:
     """[N] int64 on the device: greedy rows by argmax, the others drawn by their group."""
     device, vocab = logits.device, logits.shape[-1]
     ids = torch.empty(len(params), dtype=torch.int64, device=device)
     u = _row_uniforms(params, positions, device)
-    members: dict[int, list[int]] = {}
-    for i, sp in enumerate(params):
-        members.setdefault(-1 if sp.greedy else _group(sp, vocab), []).append(i)
-    for group, rows in members.items():
+    for group, rows in row_groups(params, vocab).items():
         whole = len(rows) == len(params)
         index = None if whole else _device_tensor(rows, torch.int64, device)
         x = logits if index is None else logits.index_select(0, index)
         if group < 0:
             chosen = x.argmax(-1)
         else:
-            chosen = _GROUPS[group](x.float(), [params[i] for i in rows], u if index is None else u[index])
+            weights, columns = GROUP_WEIGHTS[group](x.float(), [params[i] for i in rows])
+            chosen = draw(weights, u if index is None else u[index])
+            if columns is not None:
+                chosen = columns.gather(1, chosen[:, None])[:, 0]
         if index is None:
             return chosen
         ids.index_copy_(0, index, chosen)
     return ids
+
+
+def target_weights(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """[N, V] float32 unnormalised weights (>= 0, zero outside top-k / top-p / min-p): for a sampled row
+    exactly what `sampled_ids` draws from, spread over the vocabulary; for a greedy row a one-hot at
+    its argmax (it is not sampled: callers take the argmax)."""
+    device, vocab = logits.device, logits.shape[-1]
+    out = torch.zeros(len(params), vocab, dtype=torch.float32, device=device)
+    for group, rows in row_groups(params, vocab).items():
+        index = _device_tensor(rows, torch.int64, device)
+        x = logits.index_select(0, index)
+        if group < 0:
+            weights = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device).scatter_(
+                1, x.argmax(-1, keepdim=True), 1.0)
+        else:
+            dense, columns = GROUP_WEIGHTS[group](x.float(), [params[i] for i in rows])
+            weights = dense if columns is None else torch.zeros(
+                len(rows), vocab, dtype=torch.float32, device=device).scatter_(1, columns, dense)
+        out.index_copy_(0, index, weights)
+    return out
 
 
 # ---- penalties and log-probabilities ---------------------------------------------------------------
@@ -333,6 +364,30 @@ def apply_penalties(logits: Tensor, params: Sequence[SamplingParams],
     return out[:, :vocab]
 
 
+def penalised_logits(logits: Tensor, params: Sequence[SamplingParams],
+                     histories: Sequence[tuple[Sequence[int], int]] | None,
+                     stop_ids: Sequence[int]) -> Tensor:
+    """Rows [N, V] as `sample` draws from them: `apply_penalties` on the rows whose params process logits,
+    with the model's stop ids plus the request's own (only its own with ignore_eos) kept out by
+    min_tokens; the same tensor where no row asks."""
+    processed = [i for i, sp in enumerate(params) if sp.processes_logits]
+    if not processed:
+        return logits
+    if histories is None:
+        raise ValueError("penalties and min_tokens need the requests' token histories")
+    stops = [(*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos else params[i].stop_token_ids
+             for i in processed]
+    whole = len(processed) == len(params)
+    index = None if whole else _device_tensor(processed, torch.int64, logits.device)
+    rows = apply_penalties(logits if index is None else logits.index_select(0, index),
+                           [params[i] for i in processed], [histories[i] for i in processed], stops)
+    if index is None:
+        return rows
+    out = logits.clone()
+    out.index_copy_(0, index, rows)
+    return out
+
+
 def top_logprobs(logits: Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprob]:
     """For rows of raw logits [N, V]: (log-probability of tokens[i], the ks[i] most likely (id, logprob))."""
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -357,21 +412,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
         raise ValueError(f"{logits.shape[0]} rows of logits and {len(output_indices)} output positions "
                          f"for {len(params)} requests")
     raw = logits
-    processed = [i for i, sp in enumerate(params) if sp.processes_logits]
-    if processed:
-        if histories is None:
-            raise ValueError("penalties and min_tokens need the requests' token histories")
-        stops = [(*stop_ids, *params[i].stop_token_ids) if not params[i].ignore_eos
-                 else params[i].stop_token_ids
-                 for i in processed]
-        rows = apply_penalties(logits if len(processed) == len(params) else
-                               logits.index_select(0, _device_tensor(processed, torch.int64, logits.device)),
-                               [params[i] for i in processed], [histories[i] for i in processed], stops)
-        if len(processed) == len(params):
-            logits = rows
-        else:
-            logits = logits.clone()
-            logits.index_copy_(0, _device_tensor(processed, torch.int64, logits.device), rows)
+    logits = penalised_logits(logits, params, histories, stop_ids)
     # The step's one read of the device: the ids (and the logprobs asked for with them) go to the engine.
     with allowed_read():
         if not params:
@@ -379,7 +420,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], output_indices: Seq
         elif all(sp.greedy for sp in params):
             tokens = greedy(logits)
         else:
-            tokens = _sampled_ids(logits, params, output_indices).tolist()
+            tokens = sampled_ids(logits, params, output_indices).tolist()
         wanted = [i for i, sp in enumerate(params) if sp.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(params)
         if wanted:

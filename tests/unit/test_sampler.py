@@ -3,46 +3,15 @@ top-k / top-p / min-p edges, the sort-free nucleus, seeded reproducibility, gree
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ppserve.request import SamplingParams
 from ppserve.worker import sampler
 from ppserve.worker.sampler import draw, nucleus_threshold, sample, seeded_uniforms
+from tests.unit.sampling_stats import chi2_p_value, reference_probs
 
 DRAWS = 20_000  # per distribution: a 3 % deviation of a 5 % token fails the test
-
-
-def _reference_probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """transformers' warpers, in its order (temperature, top-k, top-p, min-p), then a softmax."""
-    scores = TemperatureLogitsWarper(sp.temperature)(None, logits[None].clone())
-    if sp.top_k > 0:
-        scores = TopKLogitsWarper(sp.top_k)(None, scores)
-    if sp.top_p < 1.0:
-        scores = TopPLogitsWarper(sp.top_p)(None, scores)
-    if sp.min_p > 0:
-        scores = MinPLogitsWarper(sp.min_p)(None, scores)
-    return torch.softmax(scores, dim=-1)[0].double()
-
-
-def _chi2_p_value(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's chi-square goodness of fit, bins with fewer than 5 expected counts merged into one; the
-    p-value by Wilson-Hilferty's normal approximation of the chi-square tail."""
-    keep = expected >= 5
-    obs = torch.cat([observed[keep], observed[~keep].sum()[None]])
-    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    if exp[-1] < 5:  # the merged tail is itself tiny: fold it into the largest bin
-        big = int(exp[:-1].argmax())
-        obs[big] += obs[-1]
-        exp[big] += exp[-1]
-        obs, exp = obs[:-1], exp[:-1]
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    dof = len(exp) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def _counts(tokens: list[int] | torch.Tensor, vocab: int) -> torch.Tensor:
@@ -67,15 +36,15 @@ def test_draws_follow_transformers_distribution_and_match_torch_multinomial(sp):
     torch.manual_seed(0)
     vocab = 700
     logits = torch.randn(vocab) * 2.5
-    expected = _reference_probs(logits, sp)
+    expected = reference_probs(logits, sp)
     ours = _counts(_draw_many(logits, sp, DRAWS), vocab)
     assert ours[expected == 0].sum() == 0, "a filtered-out token was drawn"
-    assert _chi2_p_value(ours, expected * DRAWS) > 1e-3
+    assert chi2_p_value(ours, expected * DRAWS) > 1e-3
     # Two-sample homogeneity against torch's own sampler on the same distribution.
     theirs = _counts(torch.multinomial(expected.float(), DRAWS, replacement=True), vocab)
     pooled = (ours + theirs) / (2 * DRAWS)
     both_obs, both_exp = torch.cat([ours, theirs]), torch.cat([pooled, pooled]) * DRAWS
-    assert _chi2_p_value(both_obs, both_exp) > 1e-3
+    assert chi2_p_value(both_obs, both_exp) > 1e-3
 
 
 def test_the_full_vocabulary_draw_over_many_blocks():
@@ -87,10 +56,10 @@ def test_the_full_vocabulary_draw_over_many_blocks():
     tokens = _draw_many(logits, SamplingParams(temperature=1.0), draws, rows=500)
     expected = torch.softmax(logits.double(), -1)
     by_block = expected.view(-1, sampler.BLOCK).sum(-1)
-    assert _chi2_p_value(_counts(tokens // sampler.BLOCK, vocab // sampler.BLOCK), by_block * draws) > 1e-3
+    assert chi2_p_value(_counts(tokens // sampler.BLOCK, vocab // sampler.BLOCK), by_block * draws) > 1e-3
     top = expected.topk(30).indices
     observed = torch.stack([(tokens == t).sum() for t in top]).double()
-    assert _chi2_p_value(torch.cat([observed, draws - observed.sum()[None]]),
+    assert chi2_p_value(torch.cat([observed, draws - observed.sum()[None]]),
                          torch.cat([expected[top], 1 - expected[top].sum()[None]]) * draws) > 1e-3
 
 
@@ -201,7 +170,7 @@ def test_seeded_uniforms_are_uniform_and_distinct():
     u = seeded_uniforms(seeds, torch.zeros_like(seeds))
     assert u.min() >= 0 and u.max() < 1 and len(set(u.tolist())) == len(u)
     counts = torch.histc(u.float(), bins=20, min=0, max=1).double()
-    assert _chi2_p_value(counts, torch.full((20,), len(u) / 20.0)) > 1e-3
+    assert chi2_p_value(counts, torch.full((20,), len(u) / 20.0)) > 1e-3
     # Neighbouring (seed, position) pairs are not the same stream shifted.
     assert not torch.equal(seeded_uniforms(seeds[1:], torch.zeros_like(seeds[1:])),
                            seeded_uniforms(seeds[:-1], torch.ones_like(seeds[:-1])))
