@@ -352,6 +352,53 @@ class StructuredConfig:
             raise ValueError(f"structured.compile_timeout_s must be > 0, got {self.compile_timeout_s!r}")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (ppserve/sched/speculation.py): a model-free proposer drafts up to
+    num_speculative_tokens tokens per decode, the last stage verifies them in the microbatch, and the
+    scheduler prices the drafts and adapts their number to the pipeline's slack and each request's
+    acceptance. Output is exactly what decoding without drafts gives (greedy: token for token)."""
+
+    method: str | None = None  # None (off) | ngram (prompt lookup) | suffix (suffix decoding)
+    num_speculative_tokens: int = 4  # the most drafts per decode step
+    prompt_lookup_max: int = 4  # ngram: the longest n-gram matched against the request's own tokens
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    suffix_decoding_max_tree_depth: int = 24  # suffix: the longest suffix matched
+    suffix_decoding_max_cached_requests: int = 1000  # suffix: finished responses kept for later requests
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts per matched token at most
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop a draft at a continuation rarer than this
+    # A request's drafts follow its estimated acceptance (each draft kept while the chance that it is
+    # accepted is at least this, raised as the microbatch fills; speculation.py)
+    min_accept_prob: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {SPECULATIVE_METHODS} (or null), got "
+                             f"{self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative.num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative.prompt_lookup_min and prompt_lookup_max must satisfy "
+                             f"1 <= min <= max, got {self.prompt_lookup_min!r} and "
+                             f"{self.prompt_lookup_max!r}")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("speculative.suffix_decoding_max_tree_depth must be >= 1 and "
+                             "suffix_decoding_max_cached_requests >= 0")
+        if not self.suffix_decoding_max_spec_factor > 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative.suffix_decoding_max_spec_factor must be > 0 and "
+                             "suffix_decoding_min_token_prob in [0, 1]")
+        if not 0 < self.min_accept_prob < 1:
+            raise ValueError(f"speculative.min_accept_prob must be in (0, 1), got {self.min_accept_prob!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class TraceConfig:
     enabled: bool = True  # record spans at every stage; off costs nothing
@@ -367,6 +414,7 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 def _coerce(value: Any, annotation: Any, name: str) -> Any:
@@ -449,6 +497,8 @@ _SECTIONS: dict[str, type] = {
     "CacheConfig": CacheConfig,
     "ServerConfig": ServerConfig,
     "TraceConfig": TraceConfig,
+    "StructuredConfig": StructuredConfig,
+    "SpeculativeConfig": SpeculativeConfig,
 }
 
 

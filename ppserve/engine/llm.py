@@ -64,8 +64,15 @@ class LLM:
         kwargs["model"] = model
         extra: dict[str, dict[str, Any]] = {}
         for key, value in kwargs.items():
+            if key == "speculative_config":  # vLLM's spelling: the whole `speculative` section as a dict
+                if value is not None:
+                    if not isinstance(value, dict):
+                        raise TypeError(f"speculative_config must be a dict, got {value!r}")
+                    extra["speculative"] = dict(value)
+                continue
             if key not in _SHORTCUTS:
-                raise TypeError(f"LLM() got an unexpected keyword {key!r}; known: {sorted(_SHORTCUTS)}")
+                raise TypeError(f"LLM() got an unexpected keyword {key!r}; known: "
+                                f"{sorted([*_SHORTCUTS, 'speculative_config'])}")
             if value is None and key == "model":
                 continue
             section, name = _SHORTCUTS[key]

@@ -159,6 +159,7 @@ class LLMEngine:
             # The stages' step costs timed at start-up: time shares from the first microbatch, as in the
             # simulator, whose scheduler starts from the roofline's (worker/startup_cost.py).
             cost_prior=self.executor.startup_cost,
+            speculative=self.config.speculative,
         )
         # With the token ring the engine may wait to form a microbatch until stage 0 needs it
         # (sched/ring_clock.py): only where the stages compute on their own while it waits.
@@ -419,16 +420,23 @@ class LLMEngine:
         st = self.tracked.get(rid)
         if st is None:
             return None
-        text, hit_stop = st.advance(token_ids, reason is not None, now)
+        logprobs = u.logprobs
+        if len(token_ids) > 1 and st.request.sampling.stop:  # speculative decoding: a step of several
+            text, hit_stop, used = st.advance_each(token_ids, reason is not None, now)
+            if used < len(token_ids):  # the stop string ended before the step's last token
+                del st.request.output_token_ids[used - len(token_ids):]
+                token_ids, logprobs = token_ids[:used], logprobs[:used]
+        else:
+            text, hit_stop = st.advance(token_ids, reason is not None, now)
         if hit_stop:
             if reason is None:
                 self.scheduler.finish_request(rid, FinishReason.STOP)
             reason = FinishReason.STOP
         times = (now,) * len(token_ids)
         if reason is None:
-            return TokenDelta(rid, token_ids, text, times, False, logprobs=u.logprobs)
+            return TokenDelta(rid, token_ids, text, times, False, logprobs=logprobs)
         del self.tracked[rid]
-        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=u.logprobs,
+        return TokenDelta(rid, token_ids, text, times, True, reason.value, st.times(), logprobs=logprobs,
                           num_cached_tokens=st.request.num_cached_tokens or 0)
 
     def request_state(self, rid: str) -> OutputState | None:

@@ -34,8 +34,24 @@ class OutputState:
     emitted: int = 0  # characters of the text already streamed
     searched: int = 0  # text before this (minus a stop string's length) holds no stop string
 
-    def advance(self, token_ids: tuple[int, ...], finished: bool, now: float) -> tuple[str, bool]:
-        """Take this step's tokens; returns (text to stream now, whether a stop string was hit)."""
+    def advance_each(self, token_ids: tuple[int, ...], finished: bool, now: float) -> tuple[str, bool, int]:
+        """Several tokens of one step (speculative decoding) taken one at a time, so a stop string ends the
+        output at the token that completed it, as it would without drafts; returns (text, hit, tokens
+        used). The request's outputs already hold all of them."""
+        first = len(self.request.output_token_ids) - len(token_ids)
+        parts: list[str] = []
+        for i, t in enumerate(token_ids):
+            last = i == len(token_ids) - 1
+            text, hit = self.advance((t,), finished and last, now, num_outputs=first + i + 1)
+            parts.append(text)
+            if hit:
+                return "".join(parts), True, i + 1
+        return "".join(parts), False, len(token_ids)
+
+    def advance(self, token_ids: tuple[int, ...], finished: bool, now: float,
+                num_outputs: int | None = None) -> tuple[str, bool]:
+        """Take this step's tokens; returns (text to stream now, whether a stop string was hit).
+        `num_outputs`: the request's output count after them (default: its outputs now)."""
         self.token_times.extend([now] * len(token_ids))
         if self.detok is None:
             return "", False
@@ -46,7 +62,8 @@ class OutputState:
         text = self.detok.text
         sp = self.request.sampling
         # Before min_tokens outputs a stop string does not end the request (nor is text held back for one).
-        stops = sp.stop if len(self.request.output_token_ids) >= sp.min_tokens else ()
+        outputs = len(self.request.output_token_ids) if num_outputs is None else num_outputs
+        stops = sp.stop if outputs >= sp.min_tokens else ()
         end = len(text)
         hit = False
         if not stops:

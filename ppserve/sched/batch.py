@@ -40,7 +40,7 @@ class RunningSplit:
         self.following: list[Request] = []  # a prompt's next chunk behind its own in-flight chunk
         for req in running.values():
             left = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_computed_tokens
-            if left == 0:
+            if left <= 0:  # below 0: its drafts are in flight too
                 if req.request_id in self.ring:
                     self.decodes.append(req)
                 continue
@@ -287,6 +287,34 @@ class BatchBuilder:
             blocks.cache_full_blocks(req, filled)
         self.chosen[req.request_id] = num_tokens
         self.chosen_requests.append(req)
+
+    def prefill_left(self) -> bool:
+        """Whether prefill work in reach is left out of this microbatch (a prompt with tokens not
+        scheduled, or a request waiting): the budget it did not take is kept for balance, not drafts."""
+        if self._waiting:
+            return True
+        chosen = self.chosen
+        return any(req.num_uncomputed_tokens > chosen.get(req.request_id, 0)
+                   for req in (*self.prefills, *self.following) if req.status is _RUNNING)
+
+    def add_drafts(self, req: Request, wanted: int, cap: int,
+                   grant: Callable[[int, int, int], int] | None = None) -> int:
+        """Raise a chosen decode to 1 + drafts tokens (at most `wanted` drafts, the microbatch at most
+        `cap` tokens; `grant`: how the budget grants them, default `budget.grant_drafts`), with KV blocks
+        for them; never preempts (drafts are optional). Returns how many."""
+        rid = req.request_id
+        assert self.chosen.get(rid) == 1, f"drafts for {rid}, which is not a decode of this microbatch"
+        blocks = self._blocks
+        done = req.num_computed_tokens
+        have = len(req.block_ids) * blocks.block_size
+        wanted = min(wanted, have - done - 1 + blocks.num_free * blocks.block_size)
+        n = (grant or self.budget.grant_drafts)(wanted, done, cap) if wanted > 0 else 0
+        if n <= 0:
+            return 0
+        if done + 1 + n > have:
+            blocks.allocate(req, 1 + n)
+        self.chosen[rid] = 1 + n
+        return n
 
     def _pick_victim(self) -> Request | None:
         """The most recently admitted running request that is neither in flight nor already chosen."""

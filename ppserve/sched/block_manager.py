@@ -259,6 +259,18 @@ class BlockManager:
         req.num_blocks_keyed = 0
         return n
 
+    def truncate(self, req: Request, num_blocks: int) -> int:
+        """Give back `req`'s blocks past its first `num_blocks`: a tail only rejected drafts wrote, never
+        keyed and held by `req` alone, so free at once. Returns how many."""
+        tail = req.block_ids[num_blocks:]
+        for b in tail:
+            if self._refs.get(b) != 1 or b in self._key_of or self.writer_of.get(b) != req.request_id:
+                raise AssertionError(f"block {b} of {req.request_id} is shared or keyed: not a draft tail")
+            del self._refs[b]
+            self._free.append(b)
+        del req.block_ids[num_blocks:]
+        return len(tail)
+
     def check_writable(self, req: Request, start: int, num_tokens: int) -> None:
         """Assert that `req` writes tokens [start, start + num_tokens) only into blocks allocated to it:
         a block it shares through a cache hit is read, never written (another request filled it)."""

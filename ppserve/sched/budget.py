@@ -77,6 +77,13 @@ class TokenBudget:
         self.tokens_used += num_tokens
         self.num_seqs += 1
 
+    def grant_drafts(self, wanted: int, context: int, cap: int) -> int:
+        """Take up to `wanted` draft tokens for a decode already in the microbatch (after `context` cached
+        tokens and its own token), within `cap` tokens in all; returns how many."""
+        n = max(0, min(wanted, cap - self.tokens_used))
+        self.tokens_used += n
+        return n
+
     def limit(self, tokens: int, seconds: float | None = None) -> None:
         """Shrink this budget to a share of it (balanced formation): at most `tokens` tokens (and, for a
         time budget, `seconds` predicted). Never grows it."""
@@ -154,6 +161,22 @@ class TimeBudget(TokenBudget):
         super().spend(num_tokens, context, sampled)
         for i, stage in enumerate(self.cost.stages):
             self.stage_used_s[i] += stage.chunk_s(num_tokens, context, sampled)
+
+    def grant_drafts(self, wanted: int, context: int, cap: int) -> int:
+        """Drafts within the token cap and the predicted time: each is a sampled token more on its
+        decode's chunk (its logits are computed to verify it)."""
+        n = max(0, min(wanted, cap - self.tokens_used))
+        base = [stage.chunk_s(1, context, True) for stage in self.cost.stages]
+        while n > 0:
+            extra = [stage.chunk_s(1 + n, context, True) + stage.sample_s * n - b
+                     for stage, b in zip(self.cost.stages, base, strict=True)]
+            if all(used + e <= self.time_budget_s for used, e in zip(self.stage_used_s, extra, strict=True)):
+                for i, e in enumerate(extra):
+                    self.stage_used_s[i] += e
+                break
+            n -= 1
+        self.tokens_used += n
+        return n
 
     # A decode is most of what a busy microbatch holds, and a time budget prices each one by its
     # context: these two are `chunk(1, context) == 1` and `spend(1, context, sampled=True)` with the same

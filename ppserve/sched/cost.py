@@ -78,8 +78,9 @@ class BatchShape:
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> BatchShape:
-        return cls(tuple(out.chunks()), len(out.sample_request_ids), out.num_prefill_tokens,
-                   out.num_decode_tokens)
+        # a draft's position gets logits too (the last stage verifies it)
+        return cls(tuple(out.chunks()), len(out.sample_request_ids) + out.num_draft_tokens,
+                   out.num_prefill_tokens, out.num_decode_tokens)
 
     @classmethod
     def uniform(cls, num_prefill_tokens: int = 0, num_decode_tokens: int = 0, context: int = 0) -> BatchShape:

@@ -32,6 +32,8 @@ class CachedRequestData(NamedTuple):
     new_token_ids: tuple[int, ...]  # output tokens sampled since the workers last heard of it
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # >= 0: first cut the block table to this many blocks (a tail only rejected drafts wrote, given back)
+    num_blocks_kept: int = -1
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class SchedulerOutput:
     # from its own sample, and the stages between never read it.
     ring_request_ids: tuple[str, ...] = ()
     ring_step_id: int | None = None
+    # Speculative decoding: a decode's draft tokens, computed after its input token (its scheduled tokens
+    # are 1 + drafts) and verified by the last stage. No stage keeps them: the accepted ones come back
+    # as the next diff's new tokens.
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(d) for d in self.draft_token_ids.values())
 
     @property
     def total_tokens(self) -> int:
@@ -84,6 +94,10 @@ class StepResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     timed_step_id: int | None = None
     grammar_mask_s: float = 0.0  # the last stage's seconds filling this microbatch's grammar masks
+    # Speculative decoding: how many of a request's drafts were accepted (they come before its sampled
+    # token), and their log-probabilities where asked
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    draft_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.timed_step_id is None) != (not self.stage_seconds):

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ppserve.config import SchedulerConfig
+from ppserve.config import SchedulerConfig, SpeculativeConfig
 from ppserve.request import FinishReason, Request, RequestStatus
 from ppserve.sched.balance import BalancedFormation
 from ppserve.sched.batch import BatchBuilder, RunningSplit
@@ -31,6 +31,8 @@ from ppserve.sched.budget import BudgetMode, TokenBudget, make_budget_mode
 from ppserve.sched.cost import BatchShape, OnlinePipelineCost, PipelineCost
 from ppserve.sched.output import CachedRequestData, NewRequestData, RequestUpdate, SchedulerOutput, StepResult
 from ppserve.sched.policies import Policy, make_policy
+from ppserve.sched.proposers import Proposer
+from ppserve.sched.speculation import Speculator
 from ppserve.sched.token_ring import TokenRing
 
 _RUNNING = RequestStatus.RUNNING
@@ -57,6 +59,8 @@ class Scheduler:
         budget_mode: BudgetMode | None = None,
         cost_prior: PipelineCost | None = None,
         enable_prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.policy: Policy = make_policy(config.policy, balanced=config.balance)
@@ -94,6 +98,12 @@ class Scheduler:
                               None if at_once else config.ring_margin_ms, max_model_len,
                               always_open=at_once) if config.token_ring_on and num_stages > 1 else None
         self.max_in_flight = self.ring.max_in_flight if self.ring is not None else num_stages
+        # Speculative decoding (sched/speculation.py): drafts for decodes, priced in the budget. Only with
+        # a token budget to take them from.
+        spec_on = (speculative is not None and speculative.enabled) or proposer is not None
+        self.spec = (Speculator(speculative or SpeculativeConfig(), proposer)
+                     if spec_on and self.policy.token_budgeted else None)
+        self._blocks_kept: dict[str, int] = {}  # a request's block table cut after rejected drafts
 
     # ---- requests in and out -------------------------------------------------------------------
     def max_total_tokens(self, req: Request) -> int:
@@ -148,6 +158,9 @@ class Scheduler:
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.blocks.free(req)
+        self._blocks_kept.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.release(req, finished=reason in (FinishReason.STOP, FinishReason.LENGTH))
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req.sent_to_workers:
@@ -162,6 +175,7 @@ class Scheduler:
         assert not req.num_in_flight, "an in-flight request cannot be preempted"
         del self.running[req.request_id]
         self.blocks.free(req)
+        self._blocks_kept.pop(req.request_id, None)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -186,6 +200,7 @@ class Scheduler:
         if self.ring is not None:
             self.ring.forget()
         self._released = []  # the old workers are gone: nothing of theirs to drop
+        self._blocks_kept.clear()
         for rid, req in list(self.requests.items()):
             req.num_in_flight = 0
             if req.is_finished:  # cancelled or stopped while its microbatch was in flight
@@ -234,11 +249,21 @@ class Scheduler:
         if not self.has_room():
             return None
         ring = self.ring.candidates(self.in_flight, self.requests) if self.ring is not None else {}
+        if ring and self.spec is not None:
+            ring = self._off_ring_speculators(ring)
         if len(self.in_flight) >= self.num_stages:
             return self._form(ring) if self._ring_slot_open() else None
         if self.policy.ring_at_once:
             return self._form(ring)
         return self._form({}) or (self._form(ring) if ring else None)
+
+    def _off_ring_speculators(self, ring: dict[str, Request]) -> dict[str, Request]:
+        """The ring candidates less the decodes that speculate: one whose drafts are in the oldest
+        microbatch (its next input depends on how many are accepted), or one that would draft now."""
+        assert self.spec is not None
+        drafted = self.in_flight[0].draft_token_ids
+        spec = self.spec
+        return {rid: req for rid, req in ring.items() if rid not in drafted and not spec.wants_drafts(req)}
 
     def _ring_slot_open(self) -> bool:
         return self.ring is not None and self.ring.slot_open(len(self.waiting), len(self.running))
@@ -270,12 +295,15 @@ class Scheduler:
                 head.num_computed_tokens = 0
         if not b.chosen:
             return None
-        return self._emit(b, ring)
+        drafts = (self.spec.extend(b, ring, self.budget_mode.token_budget, self.config.budget_mode == "time")
+                  if self.spec is not None else {})
+        return self._emit(b, ring, drafts)
 
     def _calibrated_cost(self) -> PipelineCost | None:
         return self.cost.current if self.cost.calibrated else None
 
-    def _emit(self, b: BatchBuilder, ring: dict[str, Request]) -> SchedulerOutput:
+    def _emit(self, b: BatchBuilder, ring: dict[str, Request],
+              drafts: dict[str, tuple[int, ...]]) -> SchedulerOutput:
         new: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         sample: list[str] = []
@@ -304,7 +332,10 @@ class Scheduler:
                         else tuple(outputs[k:]))
                 k = req.num_blocks_sent
                 blocks = () if k == num_blocks else tuple(req.block_ids[k:])
-                cached.append(CachedRequestData(rid, toks, blocks, done))
+                if self._blocks_kept and rid in self._blocks_kept:
+                    cached.append(CachedRequestData(rid, toks, blocks, done, self._blocks_kept.pop(rid)))
+                else:
+                    cached.append(CachedRequestData(rid, toks, blocks, done))
             else:
                 new.append(NewRequestData(
                     request_id=rid, token_ids=tuple(req.all_token_ids),
@@ -324,7 +355,7 @@ class Scheduler:
             if n > 1 or writer_of.get(req.block_ids[done // block_size]) != rid:
                 kv.check_writable(req, done, n)
             req.num_computed_tokens = done + n
-            if done + n == num_tokens:
+            if done + n == num_tokens or (drafts and rid in drafts):  # a speculating decode verifies
                 sample.append(rid)
             req.num_in_flight += 1
         out = SchedulerOutput(
@@ -340,6 +371,7 @@ class Scheduler:
             num_decode_tokens=decode_tokens,
             ring_request_ids=tuple(ringed),
             ring_step_id=self.in_flight[0].step_id if ringed else None,
+            draft_token_ids=drafts,
         )
         self._released = []
         self._next_step += 1
@@ -388,6 +420,9 @@ class Scheduler:
         seq = self._next_step
         max_len = self.max_model_len
         updates: list[RequestUpdate] = []
+        drafted = out.draft_token_ids
+        if self.spec is not None:
+            self.spec.stepped(sampled)
         for rid in out.order:
             req = requests.get(rid)
             if req is None:
@@ -399,6 +434,10 @@ class Scheduler:
                 continue
             token = sampled.get(rid)
             if token is None:  # a prefill chunk that was not the prompt's last
+                continue
+            if drafted and rid in drafted:
+                updates.append(self._verified(req, drafted[rid], token, result))
+                req.ready_seq = seq
                 continue
             outputs = req.output_token_ids
             outputs.append(token)
@@ -416,6 +455,44 @@ class Scheduler:
             updates.append(RequestUpdate(rid, (token,), reason is not None, reason,
                                          () if lp is None else (lp,)))
         return updates
+
+    def _verified(self, req: Request, drafts: tuple[int, ...], token: int,
+                  result: StepResult) -> RequestUpdate:
+        """A speculating decode back: its accepted drafts and the token after them join its outputs, one
+        by one under the stop rules; the KV of rejected drafts is dropped (the computed count rolls back
+        and a block table tail only they wrote is given back)."""
+        assert self.spec is not None
+        rid = req.request_id
+        accepted = result.num_accepted.get(rid, 0)
+        if not 0 <= accepted <= len(drafts):
+            raise AssertionError(f"step {result.step_id}: {accepted} of {len(drafts)} drafts accepted for "
+                                 f"{rid}")
+        self.spec.verified(rid, len(drafts), accepted)
+        # KV holds its input token and the accepted drafts; the rejected positions are garbage.
+        req.num_computed_tokens -= len(drafts) - accepted
+        new = (*drafts[:accepted], token)
+        lps = (*result.draft_logprobs.get(rid, ()), result.logprobs[rid]) if rid in result.logprobs else ()
+        outputs = req.output_token_ids
+        sp = req.sampling
+        limit = min(sp.max_tokens or self.max_model_len, self.max_model_len - len(req.prompt_token_ids))
+        reason = None
+        for i, t in enumerate(new):
+            outputs.append(t)
+            if (t in req.eos_token_ids and not sp.ignore_eos) or t in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            elif len(outputs) >= limit:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                new, lps = new[:i + 1], lps[:i + 1]
+                break
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            keep = blocks_for(req.num_computed_tokens + 1, self.blocks.block_size)
+            if len(req.block_ids) > keep and self.blocks.truncate(req, keep):
+                self._blocks_kept[rid] = keep
+                req.num_blocks_sent = min(req.num_blocks_sent, keep)
+        return RequestUpdate(rid, new, reason is not None, reason, lps)
 
     @property
     def needs_step_feedback(self) -> bool:

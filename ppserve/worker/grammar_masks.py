@@ -48,6 +48,17 @@ class StepMask:
     bitmask: Tensor
     rows: list[int]  # the sampled rows that carry a grammar
 
+    def expanded(self, rows_per_request: Sequence[int]) -> StepMask:
+        """The mask over a step's logits rows when a request may have several (speculative decoding:
+        1 + drafts each; a request under a grammar never has drafts, so its one row keeps its mask)."""
+        first: list[int] = []
+        owner: list[int] = []
+        for i, n in enumerate(rows_per_request):
+            first.append(len(owner))
+            owner.extend([i] * n)
+        bitmask = self.bitmask.index_select(0, torch.tensor(owner, dtype=torch.long))
+        return StepMask(bitmask, [first[i] for i in self.rows])
+
 
 class GrammarMasks:
     def __init__(self, cache: GrammarCache, recorder: SpanRecorder) -> None:

@@ -41,6 +41,9 @@ class ModelInput:
     logits_indices: Tensor  # [N] int64: flat token index of each request whose next token is due
     sample_request_ids: list[str] = field(default_factory=list)
     sample_states: list[CachedRequestState] = field(default_factory=list)
+    # aligned with sample_request_ids: each one's draft tokens (speculative decoding; its logits rows are
+    # 1 + drafts, consecutive), all empty when the step has none
+    sample_drafts: list[tuple[int, ...]] = field(default_factory=list)
     prepare_s: float = 0.0  # host seconds building this input (the stage's `prepare` span)
     mask: Any = None  # the last stage's grammar masks for the sampled rows (worker/grammar_masks.py StepMask)
 
@@ -116,6 +119,8 @@ class InputBatch:
         for diff in out.cached_requests:
             st = self.requests[diff.request_id]
             st.token_ids.extend(diff.new_token_ids)
+            if diff.num_blocks_kept >= 0:  # a tail only rejected drafts wrote, given back
+                del st.block_ids[diff.num_blocks_kept:]
             if diff.new_block_ids:
                 self._table_diff.append((diff.request_id, len(st.block_ids)))
             st.block_ids.extend(diff.new_block_ids)
@@ -141,6 +146,7 @@ class InputBatch:
         ring_at: dict[str, int] = {}  # a ring decode's flat index in the step's input ids
         logits_idx: list[int] = []
         sample_ids: list[str] = []
+        drafts = out.draft_token_ids
         width = 0
         for rid, n, start in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens, strict=True):
             st = self.requests[rid]
@@ -154,6 +160,12 @@ class InputBatch:
                 ids.append(st.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+            elif drafts and rid in drafts:  # its input token, then its drafts: every position gets logits
+                ids.append(st.token_ids[start])
+                ids.extend(drafts[rid])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                logits_idx.extend(range(len(ids) - n, len(ids) - 1))
             else:
                 ids.extend(st.token_ids[start:end])
                 positions.extend(range(start, end))
@@ -192,6 +204,7 @@ class InputBatch:
         return ModelInput(
             input_ids=ids_t, positions=pos_t, meta=meta, logits_indices=logits_t,
             sample_request_ids=sample_ids, sample_states=[self.requests[r] for r in sample_ids],
+            sample_drafts=[drafts.get(r, ()) for r in sample_ids] if drafts else [],
         )
 
     def _drain_table_diff(self) -> tuple[list[int], list[int]]:

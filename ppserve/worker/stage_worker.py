@@ -36,6 +36,7 @@ from ppserve.worker.devices import current_device, kernel_settings_for, resolve_
 from ppserve.worker.grammar_masks import GrammarMasks
 from ppserve.worker.input_batch import InputBatch, ModelInput
 from ppserve.worker.memory import GiB, StageMemory
+from ppserve.worker.rejection import speculative_sample
 from ppserve.worker.sampler import sample
 from ppserve.worker.stage_times import StageTimes
 from ppserve.worker.startup_cost import measure_startup_cost
@@ -262,6 +263,8 @@ class StageWorker:
         return logits
 
     def _sample(self, out: SchedulerOutput, inp: ModelInput, logits: Tensor | None) -> StepResult:
+        if inp.sample_drafts and logits is not None:
+            return self._verify(out, inp, logits)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         mask_s = 0.0
@@ -295,6 +298,39 @@ class StageWorker:
             logprobs = {rid: lp for rid, lp in zip(inp.sample_request_ids, lps, strict=True)
                         if lp is not None}
         return StepResult(out.step_id, sampled, logprobs=logprobs, grammar_mask_s=mask_s)
+
+    def _verify(self, out: SchedulerOutput, inp: ModelInput, logits: Tensor) -> StepResult:
+        """A step with drafts (speculative decoding): each speculating request has 1 + drafts rows of
+        logits, verified so its output keeps the target distribution exactly (worker/rejection.py); a
+        request under a grammar has one row, masked as without drafts."""
+        states, rids, drafts = inp.sample_states, inp.sample_request_ids, inp.sample_drafts
+        mask_s = 0.0
+        if inp.mask is not None:
+            assert self.grammar is not None
+            self.grammar.apply(logits, inp.mask.expanded([len(d) + 1 for d in drafts]))
+        emitted, lps = speculative_sample(
+            logits, [st.sampling for st in states], drafts,
+            [len(st.token_ids) - st.num_prompt_tokens for st in states],
+            histories=[(st.token_ids, st.num_prompt_tokens) for st in states],
+            stop_ids=self.arch.eos_token_ids)
+        sampled: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        draft_logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
+        for rid, st, d, toks, lp in zip(rids, states, drafts, emitted, lps, strict=True):
+            sampled[rid] = st.last_sampled = toks[-1]
+            if d:
+                accepted[rid] = len(toks) - 1
+            if lp is not None:
+                logprobs[rid] = lp[-1]
+                if d:
+                    draft_logprobs[rid] = tuple(lp[:-1])
+        if self.grammar is not None:
+            if inp.mask is not None:
+                self.grammar.accept(rids, [toks[-1] for toks in emitted])
+            mask_s, self.grammar.mask_s = self.grammar.mask_s, 0.0
+        return StepResult(out.step_id, sampled, logprobs=logprobs, grammar_mask_s=mask_s,
+                          num_accepted=accepted, draft_logprobs=draft_logprobs)
 
     def drain_spans(self) -> list[dict[str, Any]]:
         self.timer.poll()  # the compute spans of steps the device has finished since the last step (no wait)

@@ -1,5 +1,7 @@
 """Config loading, overrides and validation messages (no torch)."""
 
+import re
+
 import pytest
 
 from ppserve.config import EngineConfig, load_config, parse_overrides
@@ -105,3 +107,34 @@ def test_context_limit_respects_positions_and_sliding_window():
         context_limit(5000, 4096, None)
     with pytest.raises(ValueError, match="sliding window of 2047"):
         context_limit(3000, 4096, 2047)
+
+
+def test_every_section_takes_overrides():
+    """Each section of EngineConfig is built from its mapping (a section missing from the table would be
+    left a dict)."""
+    import dataclasses
+
+    cfg = load_config(None, ["structured.compile_timeout_s=5", "speculative.method=ngram",
+                             "speculative.num_speculative_tokens=3"])
+    assert cfg.structured.compile_timeout_s == 5.0
+    assert cfg.speculative.method == "ngram" and cfg.speculative.num_speculative_tokens == 3
+    for f in dataclasses.fields(EngineConfig):
+        assert dataclasses.is_dataclass(getattr(cfg, f.name)), f.name
+
+
+@pytest.mark.parametrize("override,message", [
+    ("speculative.method=eagle", "speculative.method must be one of"),
+    ("speculative.num_speculative_tokens=0", "num_speculative_tokens must be >= 1"),
+    ("speculative.prompt_lookup_min=5", "1 <= min <= max"),
+    ("speculative.min_accept_prob=1.5", "min_accept_prob must be in (0, 1)"),
+])
+def test_bad_speculative_settings_are_named(override, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_llm_takes_vllms_speculative_config():
+    from ppserve.engine.llm import LLM
+
+    with pytest.raises(TypeError, match="speculative_config must be a dict"):
+        LLM(speculative_config="ngram")
