@@ -295,8 +295,8 @@ class Scheduler:
                 head.num_computed_tokens = 0
         if not b.chosen:
             return None
-        drafts = (self.spec.extend(b, ring, self.budget_mode.token_budget, self.config.budget_mode == "time")
-                  if self.spec is not None else {})
+        drafts = (self.spec.extend(b, ring, self.budget_mode.token_budget, self.config.budget_mode == "time",
+                                   self._calibrated_cost()) if self.spec is not None else {})
         return self._emit(b, ring, drafts)
 
     def _calibrated_cost(self) -> PipelineCost | None:

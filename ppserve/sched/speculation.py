@@ -5,14 +5,15 @@ short prefill chunk; the last stage verifies them (worker/rejection.py) and the 
 accepted ones and one token more: output exactly that of decoding without drafts.
 
 The rule (`Speculator.extend`, once the policy has filled the microbatch):
-- drafts are the last work placed: every decode has its token and every prefill its chunk first, so no
-  decode stalls behind a prefill and no draft displaces a prompt;
-- while prefill work waits they take only what is left of the microbatch's budget (the balanced share;
-  saturated, nothing is left); with no prefill in reach, the room up to the whole token budget;
-- per request, draft i is kept while a**i (a: its estimated per-draft acceptance, a decayed count with a
-  prior that decays back toward the prior every decode step, so a failing request tries again later) is
-  at least a threshold rising from `min_accept_prob` in an empty microbatch to 1 at a full budget:
-  full k where the stages would idle, fewer as the budget fills, none at the budget;
+- drafts are placed last: every decode has its token and every prefill its chunk first; while prefill
+  work waits they take only what the microbatch's budget has left (the balanced share; saturated,
+  nothing), with no prefill in reach the room up to the whole token budget;
+- per request, draft i is kept while a**i, its chance of acceptance (a: the request's per-draft
+  acceptance, a decayed count that drifts back to a prior, the workload's, every decode step, so a
+  failing request tries again later), is at least `min_accept_prob` and, with a margin, the draft's
+  predicted seconds over the step's seconds per token it emits (it must add tokens faster than the step
+  makes them): full k where a step costs its floor, fewer as tokens cost time, none where each token
+  costs its share (before the step cost is calibrated the bar rises with the budget's fill);
 - a decode with drafts does not ride the token ring (its next input depends on how many are accepted),
   nor one the proposer would draft for now: it waits for its tokens and speculates instead.
 """
@@ -27,13 +28,18 @@ from ppserve.config import SpeculativeConfig
 from ppserve.request import Request
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.budget import TokenBudget
+from ppserve.sched.cost import BatchShape, PipelineCost
 from ppserve.sched.proposers import Proposer, make_proposer
 
 __all__ = ["SpecCounters", "Speculator"]
 
-PRIOR_ACCEPTANCE = 0.5  # a new request's per-draft acceptance estimate
-PRIOR_WEIGHT = 2.0  # drafts' worth of evidence the prior counts for
-DECAY = 0.9  # per decode step: older verifications count less
+PRIOR_ACCEPTANCE = 0.5  # the per-draft acceptance assumed before any draft was verified
+PRIOR_WEIGHT = 2.0  # drafts' worth of evidence a prior counts for
+DECAY = 0.9  # per decode step: a request's older verifications count less
+POOL_DECAY = 0.99  # per microbatch back: the workload's acceptance (every request's) forgets slowly
+# A verification costs more than the linear step cost says (its rows take the chunk attention path, each
+# draft is sampled, the proposer runs on the host): a draft must be worth this many times its price.
+DRAFT_COST_MARGIN = 2.0
 
 
 @dataclass
@@ -85,6 +91,7 @@ class Speculator:
         self.min_accept = config.min_accept_prob
         self.proposer = proposer if proposer is not None else proposer_for(config)
         self._evidence: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, tried)
+        self._pool = (0.0, 0.0)  # every request's decayed (accepted, tried): a new request's prior
         self.counters = SpecCounters()
 
     @staticmethod
@@ -93,12 +100,34 @@ class Speculator:
         return req.sampling.structured_outputs is None
 
     def acceptance(self, request_id: str) -> float:
+        """The request's per-draft acceptance: its own verifications, with the workload's as the prior."""
+        pooled, tried_all = self._pool
+        prior = (pooled + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried_all + PRIOR_WEIGHT)
         accepted, tried = self._evidence.get(request_id, (0.0, 0.0))
-        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        return (accepted + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
-    def num_drafts(self, request_id: str, fill: float) -> int:
-        """How many drafts the request's estimate keeps at this microbatch fill (0..1 of the budget)."""
-        threshold = self.min_accept + (1.0 - self.min_accept) * min(1.0, max(0.0, fill))
+    def threshold(self, b: BatchBuilder, cost: PipelineCost | None, token_budget: int) -> float:
+        """The chance of acceptance a draft needs in this microbatch (the module's rule): its predicted
+        seconds over the step's seconds per token it emits, at least `min_accept_prob`; before the step
+        cost is calibrated, rising with the budget's fill instead."""
+        if cost is None:
+            fill = min(1.0, b.budget.tokens_used / max(1, token_budget))
+            return self.min_accept + (1.0 - self.min_accept) * fill
+        chunks = tuple(zip(b.chosen.values(), (r.num_computed_tokens for r in b.chosen_requests),
+                           strict=True))
+        sampled = sum(1 for r, n in zip(b.chosen_requests, b.chosen.values(), strict=True)
+                      if n >= r.num_uncomputed_tokens)
+        if not sampled:
+            return 1.0
+        step_s = cost.pace(BatchShape(chunks, sampled))
+        context = max((ctx for n, ctx in chunks if n == 1), default=0)
+        draft_s = max(s.token_s + s.sample_s + s.prefill_key_s * (context + 1) for s in cost.stages)
+        if step_s <= 0:
+            return 1.0
+        return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))
+
+    def num_drafts(self, request_id: str, threshold: float) -> int:
+        """How many drafts the request's estimate keeps: draft i while a**i >= threshold."""
         a = self.acceptance(request_id)
         n, chance = 0, a
         while n < self.k and chance >= threshold:
@@ -108,18 +137,19 @@ class Speculator:
 
     def wants_drafts(self, req: Request) -> bool:
         """Whether the request would carry drafts now (kept off the token ring: it speculates instead)."""
-        return self.eligible(req) and self.num_drafts(req.request_id, 0.0) > 0 and bool(
+        return self.eligible(req) and self.num_drafts(req.request_id, self.min_accept) > 0 and bool(
             self.proposer.propose(req, 1))
 
-    def propose(self, req: Request, fill: float) -> list[int]:
-        n = self.num_drafts(req.request_id, fill) if self.eligible(req) else 0
+    def propose(self, req: Request, threshold: float) -> list[int]:
+        n = self.num_drafts(req.request_id, threshold) if self.eligible(req) else 0
         return self.proposer.propose(req, n) if n else []
 
     def extend(self, b: BatchBuilder, ring: Iterable[str], token_budget: int | None,
-               timed: bool = False) -> dict[str, tuple[int, ...]]:
+               timed: bool = False, cost: PipelineCost | None = None) -> dict[str, tuple[int, ...]]:
         """Give the microbatch's decodes their drafts (the module's rule); returns them by request id.
         `token_budget`: the whole token budget (the room drafts may take with no prefill in reach);
-        `timed`: the budget mode caps time (budget_mode: time), so drafts keep to the microbatch's."""
+        `timed`: the budget mode caps time (budget_mode: time), so drafts keep to the microbatch's;
+        `cost`: the calibrated step cost (None before)."""
         budget = b.budget
         cap = budget.token_budget
         if cap is None or token_budget is None:
@@ -131,7 +161,7 @@ class Speculator:
             cap = max(cap, token_budget)
             if not timed:
                 grant = functools.partial(TokenBudget.grant_drafts, budget)
-        full = max(1, token_budget)
+        threshold = self.threshold(b, cost, token_budget)
         on_ring = set(ring)
         drafts: dict[str, tuple[int, ...]] = {}
         for req, n in zip(list(b.chosen_requests), list(b.chosen.values()), strict=True):
@@ -141,7 +171,7 @@ class Speculator:
             room = cap - budget.tokens_used
             if room <= 0:
                 break
-            proposal = self.propose(req, budget.tokens_used / full)[:room]
+            proposal = self.propose(req, threshold)[:room]
             if proposal:
                 taken = b.add_drafts(req, len(proposal), cap, grant)
                 if taken:
@@ -149,7 +179,10 @@ class Speculator:
         return drafts
 
     def stepped(self, request_ids: Iterable[str]) -> None:
-        """One decode step passed for these requests: their evidence decays toward the prior."""
+        """A microbatch is back, a decode step for these requests: their evidence and the workload's
+        decay toward the prior."""
+        a, t = self._pool
+        self._pool = (a * POOL_DECAY, t * POOL_DECAY)
         evidence = self._evidence
         for rid in request_ids:
             e = evidence.get(rid)
@@ -163,6 +196,8 @@ class Speculator:
         tried = accepted + (1 if accepted < proposed else 0)
         a, t = self._evidence.get(request_id, (0.0, 0.0))
         self._evidence[request_id] = (a + accepted, t + tried)
+        a, t = self._pool
+        self._pool = (a + accepted, t + tried)
 
     def release(self, req: Request, finished: bool) -> None:
         self._evidence.pop(req.request_id, None)

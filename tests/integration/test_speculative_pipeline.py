@@ -137,3 +137,25 @@ def test_default_is_off(tiny_llama_dir, prompts, expected):
     assert got == expected[:2]
     with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc") as llm:
         assert llm.engine.scheduler.spec is None
+
+
+def test_stop_strings_cut_where_they_do_without_drafts(tiny_llama_dir, prompts, oracle, tmp_path):
+    """A stop string completed by an accepted draft ends the output at that token: text and tokens are
+    those decoding without drafts gives."""
+    from tests.structured_helpers import add_byte_tokenizer
+
+    model = add_byte_tokenizer(tiny_llama_dir, tmp_path / "bytes")
+
+    def run(speculative, stop=()):
+        kw = {"speculative_config": speculative} if speculative else {}
+        with LLM(str(model), dtype="float32", executor="inproc", token_budget=32, block_size=4, **kw) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, stop=stop))
+            return [(o.token_ids, o.text) for o in outs]
+
+    plain = run(None)
+    # A stop string out of each output's middle: it ends the output early, in a step with drafts.
+    stops = tuple(text[8:10] for _, text in plain if len(text) > 12)
+    assert stops
+    want = run(None, stops)
+    assert want != plain
+    assert run(spec(), stops) == want

@@ -74,3 +74,25 @@ def test_stop_inside_one_token_and_earliest_of_several():
 ])
 def test_held_back(text, stops, n):
     assert held_back(text, stops) == n
+
+
+@pytest.mark.parametrize("tokens,used", [([5, 2, 3, 4, 5, 6], 4), ([5, 6, 5], 3), ([10, 5], 1)])
+def test_several_tokens_of_one_step_end_at_the_stop_strings_token(tokens, used):
+    """Speculative decoding hands a step's tokens at once: the stop string ends the output at the token
+    that completed it, with the text token-by-token streaming gives."""
+    one = state(("END",))
+    want, hit_one = stream(one, tokens)
+    many = state(("END",))
+    many.request.output_token_ids.extend(tokens)
+    text, hit, n = many.advance_each(tuple(tokens), False, 0.0)
+    assert (text, hit, n) == ("".join(want), hit_one, used)
+    assert many.detok.text == one.detok.text
+
+
+def test_min_tokens_counts_each_token_of_a_step():
+    """Before min_tokens outputs a stop string does not end the request, counted token by token."""
+    req = Request("r", [1], SamplingParams(max_tokens=20, stop=("END",), min_tokens=2))
+    st = OutputState(req, IncrementalDetokenizer(FakeTokenizer(), [1]))
+    req.output_token_ids.extend([10, 5, 10])
+    text, hit, n = st.advance_each((10, 5, 10), False, 0.0)
+    assert hit and n == 3 and text == "END world"

@@ -44,6 +44,25 @@ def verify(out: SchedulerOutput, s: Scheduler) -> StepResult:
     return StepResult(out.step_id, sampled, num_accepted=accepted)
 
 
+class OracleChain(Proposer):
+    """Drafts the oracle's own continuation, every other proposal with one wrong token: drafts accepted
+    in full, in part and not at all."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        self.calls += 1
+        seq = req.prompt_token_ids + req.output_token_ids
+        drafts: list[int] = []
+        for _ in range(k):
+            drafts.append(oracle([*seq, *drafts]))
+        if drafts and self.calls % 2:
+            i = self.calls % len(drafts)
+            drafts[i] = drafts[i] % VOCAB + 3
+        return drafts
+
+
 def run(s: Scheduler, reqs: list[Request], rng: random.Random, cancel: float = 0.0) -> dict[str, list[int]]:
     for r in reqs:
         s.add_request(r)
@@ -90,15 +109,19 @@ def test_output_identical_with_drafts(pp: int, budget: int, blocks: int) -> None
         eos = seed % 2 == 0
         ref = run(scheduler(False, pp, budget, blocks), requests(random.Random(seed), 10, eos),
                   random.Random(0))
-        s = scheduler(True, pp, budget, blocks)
-        got = run(s, requests(random.Random(seed), 10, eos), random.Random(0))
-        assert got == ref
-        assert s.spec is not None and s.spec.counters.num_accepted_tokens > 0
+        for proposer in (None, OracleChain()):  # prompt lookup, and a proposer that is often right
+            s = scheduler(True, pp, budget, blocks, proposer=proposer)
+            got = run(s, requests(random.Random(seed), 10, eos), random.Random(0))
+            assert got == ref
+            assert s.spec is not None and s.spec.counters.num_drafts > 0
+            if proposer is not None:
+                c = s.spec.counters
+                assert 0 < c.num_accepted_tokens < c.num_draft_tokens
 
 
 def test_cancels_while_speculating_lose_nothing() -> None:
     rng = random.Random(5)
-    s = scheduler(True, 2, 32, 200)
+    s = scheduler(True, 2, 32, 200, proposer=OracleChain())
     run(s, requests(rng, 12, eos=True), rng, cancel=0.05)  # drained: every block back
 
 
@@ -208,3 +231,28 @@ def test_speculating_decodes_leave_the_ring() -> None:
         done = s.in_flight[0]
         s.update_from_output(done, verify(done, s))
     assert s.spec is not None and s.spec.counters.num_drafts > 0
+
+
+@pytest.mark.parametrize("floor_s,token_s,many", [(0.02, 1e-5, True), (1e-4, 1e-3, False)])
+def test_drafts_follow_the_step_cost(floor_s, token_s, many):
+    """Where a step costs its floor, a decode gets its full k drafts; where every token costs its share of
+    the step, none (a draft would add tokens slower than the step makes them)."""
+    from ppserve.sched.cost import PipelineCost, StepCost
+
+    prior = PipelineCost((StepCost(floor_s=floor_s, token_s=token_s),))
+    s = Scheduler(SchedulerConfig(token_budget=512, max_num_seqs=64), 1000, 4, 512,
+                  speculative=SpeculativeConfig(method="ngram", min_accept_prob=0.05), proposer=Fixed([5] * 8),
+                  cost_prior=prior)
+    assert s.cost.calibrated
+    for i in range(32):
+        s.add_request(Request(f"r{i}", [3, 4], SamplingParams(max_tokens=50, ignore_eos=True)))
+    out = s.schedule()
+    assert out is not None
+    s.update_from_output(out, StepResult(out.step_id, {rid: 4 for rid in out.sample_request_ids}))
+    out = s.schedule()
+    assert out is not None
+    sizes = [len(d) for d in out.draft_token_ids.values()]
+    if many:
+        assert sizes and min(sizes) == 4 and len(sizes) == 32
+    else:
+        assert not sizes
