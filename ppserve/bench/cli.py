@@ -205,6 +205,9 @@ def run_regimes(args: argparse.Namespace) -> int:
     print(regimes.cells_table(suite))
     print()
     print(regimes.criteria_table(suite))
+    if suite.get("speculation"):
+        print()
+        print(regimes.speculation_table(suite))
     print(f"\nsuite: {suite['suite_wall_s']:.1f} s; wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 

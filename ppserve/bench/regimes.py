@@ -13,7 +13,7 @@ rates, long and sparse prompts, one long prompt, bursts, decode-heavy, shared pr
 each: docs/decisions.md#regime-suite. Per cell: bubbles (active window), throughput, TTFT p50/p99, TBT p99,
 per-request bubble p50. `criteria` checks, per regime, what the simulator can promise: balanced
 sarathi's mean bubble <= the unbalanced one's and each peer's, its throughput >= THROUGHPUT_FLOOR x and
-TTFT p50 <= TTFT_CEILING x the best formation's.
+TTFT p50 <= TTFT_CEILING x the best formation's. `SPECULATION`: cells with speculative decoding on.
 
     ppserve bench regimes [--reduced] [--only sarathi-gpt3,conv-8] [--out DIR] [--spans DIR]
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.config import SchedulerConfig
+from ppserve.metrics.latency import RequestTiming, stats
 from ppserve.metrics.spans import write_jsonl
 from ppserve.sim.cost_model import RooflineCostModel, kv_cache_blocks, load_hardware, load_model_spec
 from ppserve.sim.simulator import SimConfig, simulate
@@ -58,6 +59,8 @@ __all__ = [
     "TTFT_CEILING",
     "Formation",
     "Regime",
+    "SPECULATION",
+    "SpecCell",
     "regimes",
     "run_cell",
     "sim_setup",
@@ -65,6 +68,7 @@ __all__ = [
     "criteria",
     "cells_table",
     "criteria_table",
+    "speculation_table",
     "markdown",
     "plot_regimes",
     "write_suite",
@@ -98,6 +102,27 @@ FORMATIONS: tuple[Formation, ...] = (
 # Today's peers (vLLM v1 with and without async scheduling, SGLang): the default's bubble must be no
 # worse than each one's too.
 PEERS = ("vllm-v1", "vllm-v1-async", "sglang-pp")
+
+
+@dataclass(frozen=True)
+class SpecCell:
+    """A regime's cell rerun with speculative decoding on: at most `num_speculative_tokens` drafts a
+    decode, each accepted with probability `acceptance` (independent per position)."""
+
+    regime: str
+    formation: str = BALANCED
+    acceptance: float = 0.7
+    num_speculative_tokens: int = 4
+
+    @property
+    def name(self) -> str:
+        """The cell's formation name (also its spans file's: `<regime>--<name>.jsonl`)."""
+        return f"{self.formation}-spec-a{self.acceptance:g}-k{self.num_speculative_tokens}"
+
+
+# Idle stages (sparse), a lone prefill (one-long-prompt: one output token, nothing to draft) and a busy
+# load (conv-8): where drafts fill the pipeline, where they cannot help, and where the budget is full.
+SPECULATION: tuple[SpecCell, ...] = (SpecCell("sparse"), SpecCell("one-long-prompt"), SpecCell("conv-8"))
 
 
 @dataclass(frozen=True)
@@ -201,9 +226,10 @@ def regimes(reduced: bool = False) -> list[Regime]:
 
 
 def sim_setup(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None,
-              ) -> tuple[list[WorkloadRequest], RooflineCostModel, SimConfig]:
+              spec: SpecCell | None = None) -> tuple[list[WorkloadRequest], RooflineCostModel, SimConfig]:
     """What one cell simulates: the regime's workload (or `workload`), its roofline and the SimConfig of
-    its settings under `formation` (also for analyses of a regime: benchmarks/analysis_sim_bubble.py)."""
+    its settings under `formation` (also for analyses of a regime: benchmarks/analysis_sim_bubble.py),
+    with `spec`'s speculative decoding when given."""
     model, hw = load_model_spec(regime.model), load_hardware(regime.hardware)
     cost = RooflineCostModel(model, hw, regime.pp, regime.tp)
     blocks = kv_cache_blocks(model, hw, regime.pp, regime.tp, regime.block_size)
@@ -213,26 +239,39 @@ def sim_setup(regime: Regime, formation: Formation, workload: Sequence[WorkloadR
                             max_waiting=max(4096, len(wl)), balance=formation.balance,
                             token_ring=formation.token_ring)
     cfg = SimConfig(sched, blocks, regime.block_size, regime.max_model_len or model.max_model_len,
-                    regime.overhead_ms * 1e-3, regime.dispatch_ms * 1e-3)
+                    regime.overhead_ms * 1e-3, regime.dispatch_ms * 1e-3,
+                    spec_acceptance=spec.acceptance if spec else None,
+                    num_speculative_tokens=spec.num_speculative_tokens if spec else 4)
     return wl, cost, cfg
 
 
+def _step_gaps(timings: Mapping[str, RequestTiming]) -> list[float]:
+    """Each request's gaps between the steps that delivered its tokens (tokens of one step share a time)."""
+    gaps = []
+    for t in timings.values():
+        times = t.token_times_s
+        gaps += [b - a for a, b in zip(times[:-1], times[1:], strict=True) if b != a]
+    return gaps
+
+
 def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRequest] | None = None,
-             spans_dir: str | Path | None = None) -> dict[str, Any]:
+             spans_dir: str | Path | None = None, spec: SpecCell | None = None) -> dict[str, Any]:
     """Simulate one regime under one formation; the cell's figures (seconds, fractions). With `spans_dir`
     the cell's spans and work intervals are written there too, as `<regime>--<formation>.jsonl`
-    (`ppserve timeline` draws them)."""
-    wl, cost, cfg = sim_setup(regime, formation, workload)
+    (`ppserve timeline` draws them). With `spec`, speculative decoding on (its name is the formation's;
+    the cell adds the speculation counters)."""
+    wl, cost, cfg = sim_setup(regime, formation, workload, spec)
+    name = spec.name if spec else formation.name
     t0 = time.perf_counter()
     res = simulate(wl, cost, cfg)
     if spans_dir is not None:
-        write_jsonl(Path(spans_dir) / f"{regime.name}--{formation.name}.jsonl", res.spans, res.work_intervals)
+        write_jsonl(Path(spans_dir) / f"{regime.name}--{name}.jsonl", res.spans, res.work_intervals)
     s = res.summary("active")
     rep = res.bubble_report("active")
     lat, thr, bub = s["latency"], s["throughput"], s["bubbles"]
-    return {
+    cell: dict[str, Any] = {
         "regime": regime.name,
-        "formation": formation.name,
+        "formation": name,
         "num_requests": s["num_requests"],
         "num_rejected": s["num_rejected"],
         "num_microbatches": s["num_microbatches"],
@@ -247,10 +286,17 @@ def run_cell(regime: Regime, formation: Formation, workload: Sequence[WorkloadRe
         "ttft_p50_s": lat["ttft_s"]["p50"],
         "ttft_p99_s": lat["ttft_s"]["p99"],
         "tbt_p99_s": lat["tbt_s"]["p99"],
+        "tbt_p50_s": lat["tbt_s"]["p50"],
+        "tpot_p50_s": lat["tpot_s"]["p50"],
+        "step_gap_p50_s": stats(_step_gaps(res.timings))["p50"],
         "per_request_bubble_p50_s": bub["per_request_bubble_s"]["p50"],
         "microbatch_token_cv": bub["microbatch_token_cv"],
         "sim_wall_s": time.perf_counter() - t0,  # how long the simulation took here (not a figure)
     }
+    if spec is not None:
+        cell.update(acceptance=spec.acceptance, num_speculative_tokens=spec.num_speculative_tokens,
+                    speculation=res.speculation)
+    return cell
 
 
 def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -292,7 +338,8 @@ def criteria(cells: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
               progress: Callable[[str], None] | None = None, workers: int = 1,
               spans_dir: str | Path | None = None) -> dict[str, Any]:
-    """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria.
+    """Every formation on every regime (or the regimes named in `only`): settings, cells, criteria, and
+    the `SPECULATION` cells of those regimes (`speculation`: each with speculation off and on).
     `workers` > 1 runs the cells in that many processes; every cell is seeded, so the figures are the
     same either way (only their `sim_wall_s` moves). `spans_dir`: each cell's spans written there
     (`run_cell`)."""
@@ -306,15 +353,20 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
         if unknown:
             raise ValueError(f"unknown regime(s) {sorted(unknown)}; known: {[r.name for r in chosen]}")
         chosen = [r for r in chosen if r.name in only]
+    names = {r.name for r in chosen}
+    specs = [sc for sc in SPECULATION if sc.regime in names]
     t0 = time.perf_counter()
     out: dict[str, Any] = {"reduced": reduced, "formations": [dataclasses.asdict(f) for f in FORMATIONS],
                            "regimes": {}}
     pool = (ProcessPoolExecutor(min(workers, len(chosen) * len(FORMATIONS)),
                                 mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None)
+    by_name = {f.name: f for f in FORMATIONS}
     try:
         # Submitted all at once, read back in order: the progress lines and the cells keep the suite's order.
         pending = {(r.name, f.name): pool.submit(_cell_by_name, reduced, r.name, f.name, spans_dir)
                    for r in chosen for f in FORMATIONS} if pool else {}
+        spec_pending = [pool.submit(_cell_by_name, reduced, sc.regime, sc.formation, spans_dir, sc)
+                        for sc in specs] if pool else []
         for regime in chosen:
             wl = regime.workload()
             cells = []
@@ -329,6 +381,16 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
                 "description": regime.description, "settings": regime.settings(), "num_requests": len(wl),
                 "cells": cells, "criteria": criteria(cells),
             }
+        out["speculation"] = []
+        for i, sc in enumerate(specs):
+            regime = next(r for r in chosen if r.name == sc.regime)
+            on = (spec_pending[i].result() if pool
+                  else run_cell(regime, by_name[sc.formation], spans_dir=spans_dir, spec=sc))
+            off = next(c for c in out["regimes"][sc.regime]["cells"] if c["formation"] == sc.formation)
+            out["speculation"].append({"regime": sc.regime, "formation": sc.formation, "off": off, "on": on})
+            if progress:
+                progress(f"{sc.regime:>16} {sc.name}: bubble {100 * on['mean_bubble']:5.1f}% "
+                         f"({on['sim_wall_s']:.1f} s)")
     finally:
         if pool:
             pool.shutdown(cancel_futures=True)
@@ -337,11 +399,12 @@ def run_suite(reduced: bool = False, only: Sequence[str] | None = None,
 
 
 def _cell_by_name(reduced: bool, regime_name: str, formation_name: str,
-                  spans_dir: str | Path | None = None) -> dict[str, Any]:
+                  spans_dir: str | Path | None = None, spec: SpecCell | None = None) -> dict[str, Any]:
     """`run_cell` in a worker process: a regime's workload is a closure, so the names cross, not the
     objects."""
     regime = next(r for r in regimes(reduced) if r.name == regime_name)
-    return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name), spans_dir=spans_dir)
+    return run_cell(regime, next(f for f in FORMATIONS if f.name == formation_name), spans_dir=spans_dir,
+                    spec=spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +436,28 @@ def cells_table(suite: Mapping[str, Any]) -> str:
                 f"| {_pct(c.get('short_handed_bubble'))} | {stages} "
                 f"| {c['requests_per_s']:.3f} | {c['output_tokens_per_s']:.0f} | {_ms(c['ttft_p50_s'])} "
                 f"| {_ms(c['ttft_p99_s'])} | {_ms(c['tbt_p99_s'])} | {_ms(c['per_request_bubble_p50_s'])} |"
+            )
+    return "\n".join(lines)
+
+
+def speculation_table(suite: Mapping[str, Any]) -> str:
+    """Two rows per speculation cell: the formation with speculation off, then on. Several tokens of one
+    step share a time, so TBT p50 counts the gaps inside a step (zero) too; TPOT p50 and the step gap
+    p50 (between the steps that deliver a request's tokens) say what a token and a step cost."""
+    head = ("| regime | formation | speculation | bubble mean | out tok/s | TBT p50 (ms) | TPOT p50 (ms) | "
+            "step gap p50 (ms) | TBT p99 (ms) | mean acceptance length |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in suite.get("speculation", ()):
+        for label, c in (("off", row["off"]), ("on", row["on"])):
+            spec = c.get("speculation") or {}
+            if label == "on":
+                label = f"a={c['acceptance']:g}, k={c['num_speculative_tokens']}"
+            mal = spec.get("mean_acceptance_length")
+            accepted = "-" if mal is None else f"{mal:.2f}"
+            lines.append(
+                f"| {row['regime']} | {row['formation']} | {label} | {_pct(c['mean_bubble'])} "
+                f"| {c['output_tokens_per_s']:.0f} | {_ms(c['tbt_p50_s'])} | {_ms(c['tpot_p50_s'])} "
+                f"| {_ms(c['step_gap_p50_s'])} | {_ms(c['tbt_p99_s'])} | {accepted} |"
             )
     return "\n".join(lines)
 
@@ -441,6 +526,9 @@ def markdown(suite: Mapping[str, Any], command: str = "") -> str:
         parts += [f"`{command}`", ""]
     parts += ["Bubbles: active window. Per-stage bubble in %, stage 0 first.", "", cells_table(suite), "",
               criteria_table(suite), ""]
+    if suite.get("speculation"):
+        parts += ["Speculative decoding (simulated acceptance), off and on:", "", speculation_table(suite),
+                  ""]
     return "\n".join(parts)
 
 

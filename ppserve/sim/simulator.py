@@ -14,7 +14,8 @@ its clock is the simulated one.
 Output is the same data the real pipeline records — spans (compute / recv_wait / send on tp rank 0,
 schedule on the engine track), work intervals, per-request token times — so `bubble_report`, the
 Chrome trace and the timeline tool work on a simulated run unchanged. Times are integer nanoseconds
-internally so hand-computed timelines (and the GPipe oracle) come out exactly.
+internally so hand-computed timelines (and the GPipe oracle) come out exactly. Speculative decoding
+(`SimConfig.spec_acceptance`) is the scheduler's own, drafts accepted at that rate (sim/speculation.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ppserve.config import SchedulerConfig
+from ppserve.config import SchedulerConfig, SpeculativeConfig
 from ppserve.engine.core import EngineCore
 from ppserve.metrics.bubbles import (
     BubbleReport,
@@ -44,6 +45,7 @@ from ppserve.sched.budget import BudgetMode
 from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import CostModel, PlacedCostModel, PricedCostModel
 from ppserve.sim.slo_watch import SloStop, SloWatch
+from ppserve.sim.speculation import AcceptanceModel, SimProposer
 from ppserve.sim.workload import WorkloadRequest
 
 __all__ = ["SimConfig", "SimResult", "simulate"]
@@ -84,8 +86,18 @@ class SimConfig:
     # Stop as soon as the run is certain to fail this SLO (capacity searches: sim/slo_watch.py); the
     # result then holds the requests admitted so far and says why in `stopped_early`.
     stop_on_slo_fail: SloStop | None = None
+    # Speculative decoding: None is off; else each draft is accepted with this probability (independent
+    # per position, the first rejection ends the run; drawn with `spec_seed`), at most
+    # `num_speculative_tokens` drafts a decode, the scheduler choosing how many (sched/speculation.py).
+    spec_acceptance: float | None = None
+    num_speculative_tokens: int = 4
+    spec_seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.spec_acceptance is not None and not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1] or None, got {self.spec_acceptance!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens!r}")
         if self.schedule_overhead_s < 0:
             raise ValueError(f"schedule_overhead_s must be >= 0, got {self.schedule_overhead_s!r}")
         if self.dispatch_latency_s < 0:
@@ -107,6 +119,8 @@ class SimResult:
     budget_mode: BudgetMode | None = None  # the scheduler's budget mode after the run (what it learned)
     # why the run stopped before every request finished (SimConfig.stop_on_slo_fail)
     stopped_early: str | None = None
+    # speculative decoding's counters (SpecCounters.as_dict) when the run speculated, else None
+    speculation: dict[str, Any] | None = None
 
     def bubble_report(self, window: Window = "active") -> BubbleReport:
         return bubble_report(self.spans, self.work_intervals, window)
@@ -230,11 +244,14 @@ class SimClock:
 
 class SimExecutor:
     """The cost model's pipeline behind the engine's executor interface: `submit` works out when every
-    stage runs the microbatch, `collect` moves the clock to when the last stage finishes the oldest."""
+    stage runs the microbatch, `collect` moves the clock to when the last stage finishes the oldest; with
+    an `acceptance` model it verifies each speculating decode's drafts too (`StepResult.num_accepted`)."""
 
     def __init__(self, pipe: _Pipeline, clock: SimClock, max_microbatches: int,
-                 on_submit: Callable[[], None] | None = None) -> None:
+                 on_submit: Callable[[], None] | None = None,
+                 acceptance: AcceptanceModel | None = None) -> None:
         self.pipe = pipe
+        self.acceptance = acceptance
         self.clock = clock
         self.max_microbatches = max_microbatches
         self.on_submit = on_submit
@@ -255,8 +272,15 @@ class SimExecutor:
         out, done_ns, stage_s = self.in_flight.popleft()
         self.clock.now_ns = max(self.clock.now_ns, done_ns)
         self.just_collected = True
+        accepted: dict[str, int] = {}
+        if out.draft_token_ids:
+            if self.acceptance is None:
+                raise RuntimeError(f"step {out.step_id} carries drafts but the executor has no acceptance "
+                                   "model")
+            accepted = {rid: self.acceptance.accepted(len(d)) for rid, d in out.draft_token_ids.items()}
         return StepResult(out.step_id, {rid: SIM_TOKEN for rid in out.sample_request_ids}, tuple(stage_s),
-                          timed_step_id=out.step_id if stage_s else None)  # a simulated step times itself
+                          timed_step_id=out.step_id if stage_s else None,  # a simulated step times itself
+                          num_accepted=accepted)
 
 
 def simulate(workload: Sequence[WorkloadRequest], cost: CostModel,
@@ -272,12 +296,18 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel,
     # The scheduler learns each stage's cost from the stage times, as in the engine, starting from
     # what the cost model says it charges where it can say so (the roofline's linearization).
     prior = cost.pipeline_cost() if isinstance(cost, PricedCostModel) else None
+    speculating = cfg.spec_acceptance is not None
     sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
                       num_stages=num_stages, clock=clock.seconds, cost_prior=prior,
-                      enable_prefix_caching=cfg.enable_prefix_caching)
+                      enable_prefix_caching=cfg.enable_prefix_caching,
+                      speculative=SpeculativeConfig(num_speculative_tokens=cfg.num_speculative_tokens)
+                      if speculating else None,
+                      proposer=SimProposer(SIM_TOKEN) if speculating else None)
     pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
     check = sched.check_invariants if cfg.check_invariants else None
-    executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check)
+    acceptance = (AcceptanceModel(cfg.spec_acceptance, cfg.spec_seed) if cfg.spec_acceptance is not None
+                  else None)
+    executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check, acceptance=acceptance)
     arrivals = sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)), key=lambda x: (x[0], x[1]))
     next_arrival = 0
     requests: dict[str, Request] = {}
@@ -362,4 +392,5 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel,
         rejected=rejected,
         budget_mode=sched.budget_mode,
         stopped_early=stopped_early,
+        speculation=sched.spec.counters.as_dict() if sched.spec is not None else None,
     )

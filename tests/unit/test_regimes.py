@@ -154,7 +154,9 @@ def test_cells_write_their_spans_for_the_timeline(tmp_path):
     spans = tmp_path / "spans"
     assert main(["--reduced", "--only", "one-long-prompt", "--out", str(tmp_path / "out"), "--no-progress",
                  "--no-plot", "--workers", "2", "--spans", str(spans)], "regimes") == 0
-    assert {p.name for p in spans.iterdir()} == {f"one-long-prompt--{f.name}.jsonl" for f in rg.FORMATIONS}
+    names = [f.name for f in rg.FORMATIONS]
+    names += [sc.name for sc in rg.SPECULATION if sc.regime == "one-long-prompt"]  # the speculation cells
+    assert {p.name for p in spans.iterdir()} == {f"one-long-prompt--{n}.jsonl" for n in names}
     regimes = json.loads((tmp_path / "out" / "regimes.json").read_text())["regimes"]
     cell = regimes["one-long-prompt"]["cells"][0]
     run = load_run(spans / f"one-long-prompt--{cell['formation']}.jsonl")
