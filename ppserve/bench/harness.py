@@ -13,9 +13,9 @@ gRPC mode (`replay_grpc`) starts `ppserve serve` in a subprocess and sends the s
 shutdown.
 
 Both produce a `RunResult`; `summarize_run` turns spans + work intervals + per-request timings into
-the figures every report uses (and works unchanged on a simulated run). An offline run that used
-structured outputs also carries its grammar figures (`meta["grammar"]`, engine/stats.py GrammarStats:
-compiles, cache hits, compile and mask seconds), only when there were any.
+the figures every report uses (and works unchanged on a simulated run). An offline run carries its
+grammar figures (`meta["grammar"]`, engine/stats.py GrammarStats) and its speculation figures
+(`meta["spec_decode"]`, `spec_decode_since`), only when there were any.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def replay(
     With `max_duration_s`, requests still unfinished at that time are cancelled and left out of the
     timings, and the result is marked `aborted` (an overloaded capacity probe fails fast that way).
     """
-    from ppserve.engine.stats import GrammarTally
+    from ppserve.engine.stats import GrammarTally, spec_decode_since
     from ppserve.request import SamplingParams
 
     if engine.has_unfinished:
@@ -222,7 +222,7 @@ def replay(
     if len(prompts) != len(requests):
         raise ValueError(f"{len(prompts)} prompts for {len(requests)} requests")
     reset_observations(engine)
-    before = engine.stats()  # the prefix cache's counters at the start: the run's own are the difference
+    before = engine.stats()  # prefix cache and speculation totals at the start: the run's own are the gain
     grammar = GrammarTally()  # the run's mask time, from its microbatches' results
     grammar_before = grammar.stats()  # the grammar caches' totals at the start, likewise
     order = sorted(range(len(requests)), key=lambda k: requests[k].arrival_s)
@@ -298,6 +298,9 @@ def replay(
     run_grammar = grammar.stats().since(grammar_before)
     if run_grammar.nonzero:
         meta["grammar"] = run_grammar.to_dict()
+    run_spec = spec_decode_since(before, after)
+    if run_spec is not None:
+        meta["spec_decode"] = run_spec
     return RunResult(
         name=name, timings=timings, spans=spans, work_intervals=work,
         num_stages=engine.config.parallel.pipeline_parallel_size,

@@ -3,7 +3,8 @@
 Tables and plots are derived from run summaries (`harness.RunResult.summary()`); the JSON holds the
 summaries, the settings and the workload, so every figure can be recomputed. Runs that used structured
 outputs carry a `grammar` record (harness.py); the policy table is then followed by a grammar table, and
-only then: a run without grammars has nothing to show there.
+only then: a run without grammars has nothing to show there. Likewise runs whose microbatches carried
+drafts carry a `spec_decode` record, shown in a speculative decoding table after it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "write_json",
     "policy_table",
     "grammar_table",
+    "spec_decode_table",
     "ratio_lines",
     "sweep_table",
     "capacity_table",
@@ -95,8 +97,8 @@ def policy_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"{bub.get('num_microbatches', '-')} | {s.get('num_preemptions', '-')} | "
             f"{_pct(s.get('prefix_cache_hit_rate'))} |"
         )
-    grammar = grammar_table(summaries)
-    return "\n".join(lines) + (f"\n\n{grammar}" if grammar else "")
+    extra = [t for t in (grammar_table(summaries), spec_decode_table(summaries)) if t]
+    return "\n\n".join(["\n".join(lines), *extra])
 
 
 def grammar_table(summaries: Sequence[Mapping[str, Any]]) -> str:
@@ -114,6 +116,26 @@ def grammar_table(summaries: Sequence[Mapping[str, Any]]) -> str:
             f"| {s['name']} | {g.get('compiles', 0)} | {g.get('cache_hits', 0)} | "
             f"{g.get('compile_failures', 0)} | {_f(g.get('compile_s'), 1, 3)} | {g.get('masked_steps', 0)} | "
             f"{_f(g.get('mask_s'), 1e3, 2)} | {_f(g.get('mask_mean_s'), 1e3, 3)} |"
+        )
+    return "\n".join(lines)
+
+
+def spec_decode_table(summaries: Sequence[Mapping[str, Any]]) -> str:
+    """One row per run whose microbatches carried drafts: verifications with drafts, draft and accepted
+    tokens, acceptance rate, mean acceptance length and the accepted count per position; "" when none did."""
+    rows = [s for s in summaries if s.get("spec_decode")]
+    if not rows:
+        return ""
+    head = ("| run | drafts | draft tokens | accepted | acceptance rate | mean acceptance length "
+            "| accepted per position |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for s in rows:
+        d = s["spec_decode"]
+        per_pos = " / ".join(str(n) for n in d.get("num_accepted_tokens_per_pos", [])) or "-"
+        lines.append(
+            f"| {s['name']} | {d.get('num_drafts', 0)} | {d.get('num_draft_tokens', 0)} | "
+            f"{d.get('num_accepted_tokens', 0)} | {_pct(d.get('acceptance_rate'))} | "
+            f"{_f(d.get('mean_acceptance_length'), 1, 2)} | {per_pos} |"
         )
     return "\n".join(lines)
 

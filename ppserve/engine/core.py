@@ -18,6 +18,7 @@ Pure Python: no torch, Ray or grpc.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -107,6 +108,8 @@ class EngineCore:
         timed = self.timed_output(done, result)
         outcome = sched.step_done(done, result, timed,
                                   self.dispatch_s if self.wait_until is not None else None)
+        if done.draft_token_ids:
+            self.mark_accepted(done.step_id, sum(result.num_accepted.values()))
         for observe in self.step_observers:
             observe(done, result)
         if timed is not None:
@@ -156,9 +159,21 @@ class EngineCore:
                 return
             self.engine_spans.append(
                 Span("schedule", t0, self.clock_ns(), ENGINE_STAGE, 0, out.step_id,
-                     out.num_prefill_tokens, out.num_decode_tokens, out.order)
+                     out.num_prefill_tokens, out.num_decode_tokens, out.order,
+                     num_draft_tokens=out.num_draft_tokens)
             )
             self.executor.submit(out)
+
+    def mark_accepted(self, step_id: int, accepted: int) -> None:
+        """Put a speculated microbatch's accepted drafts on its schedule span, if not drained yet (a drain
+        between its schedule and its result leaves that span with draft tokens only). Step ids rise in
+        schedule order, so the scan from the newest stops within the microbatches in flight."""
+        spans = self.engine_spans
+        for k in range(len(spans) - 1, -1, -1):
+            if spans[k].step_id <= step_id:
+                if spans[k].step_id == step_id:
+                    spans[k] = dataclasses.replace(spans[k], num_accepted_tokens=accepted)
+                return
 
     def drain_engine_spans(self) -> list[Span]:
         spans, self.engine_spans = self.engine_spans, []

@@ -30,11 +30,12 @@ from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
 from ppserve.engine.messages import PromptInput, TokenDelta, Turn, turn_dict
 from ppserve.engine.output import OutputState
-from ppserve.engine.stats import EngineCounts
+from ppserve.engine.stats import EngineCounts, acceptance_fields
 from ppserve.metrics.spans import Span, WorkTracker
 from ppserve.request import FinishReason, Request, SamplingParams, choice_params
 from ppserve.sched.output import RequestUpdate
 from ppserve.sched.scheduler import Scheduler
+from ppserve.sched.speculation import SpecCounters
 
 if TYPE_CHECKING:  # the executors and transformers are imported when the engine builds them
     from transformers import PreTrainedTokenizerBase
@@ -457,6 +458,7 @@ class LLMEngine:
 
     def stats(self) -> EngineCounts:
         s = self.scheduler
+        spec = s.spec.counters if s.spec is not None else SpecCounters()
         return EngineCounts(
             running=len(s.running),
             waiting=len(s.waiting),
@@ -471,6 +473,11 @@ class LLMEngine:
             num_restarts=self.num_restarts,
             last_recovery_s=self.last_recovery_s or 0.0,  # None before the first rebuild
             total_recovery_s=sum(self.recovery_times_s),
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos),
+            **acceptance_fields(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens),
         )
 
     def shutdown(self) -> None:

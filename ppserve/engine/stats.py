@@ -3,8 +3,8 @@
 GetStats (server/servicer.py, converted in server/convert.py), Prometheus `/metrics`
 (server/metrics.py) and `ppserve stats` (server/cli.py, through the client) all read `EngineStats`;
 its field names are those of the ppserve.v1 `Stats` message, so the conversion is field for field.
-`EngineCounts` is the part LLMEngine knows itself (queue, KV blocks, restarts); `StatsWindow`, owned by
-the AsyncEngine and fed on the engine thread only, adds the recent window: output tokens per second
+`EngineCounts` is the part LLMEngine knows itself (queue, KV blocks, restarts, speculation); `StatsWindow`,
+owned by the AsyncEngine and fed on the engine thread only, adds the recent window: output tokens per second
 and each stage's bubble figures (ARCHITECTURE.md#measuring-bubbles) over the last `window_s` seconds.
 
 Readers never run on the engine thread: it publishes an immutable `StatsSnapshot` after every step
@@ -92,7 +92,8 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class EngineCounts:
-    """What LLMEngine.stats() knows now: its queue, in-flight microbatches, KV blocks and restarts."""
+    """What LLMEngine.stats() knows now: its queue, in-flight microbatches, KV blocks, restarts and the
+    speculative decoding counters (vLLM's `spec_decode_*`; zeros and no positions with speculation off)."""
 
     running: int = 0
     waiting: int = 0
@@ -107,6 +108,43 @@ class EngineCounts:
     num_restarts: int = 0
     last_recovery_s: float = 0.0  # failure detected -> serving again, latest rebuild; 0 before any
     total_recovery_s: float = 0.0
+    spec_decode_num_drafts: int = 0  # verifications that carried drafts, since start
+    spec_decode_num_draft_tokens: int = 0  # drafts proposed
+    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()  # accepted at each position (0: first)
+    spec_decode_acceptance_rate: float = 0.0  # accepted / draft tokens (0 before any draft)
+    spec_decode_mean_acceptance_length: float = 0.0  # 1 + accepted / drafts: tokens per verification
+
+    @property
+    def speculated(self) -> bool:
+        """Whether any verification carried drafts (readers show the speculation figures only then)."""
+        return self.spec_decode_num_drafts > 0
+
+
+def acceptance_fields(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, float]:
+    """vLLM's derived speculation figures: the acceptance rate (accepted / draft tokens) and the mean
+    acceptance length (1 + accepted / drafts: tokens each verification yields); zeros without drafts."""
+    rate = num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0
+    length = 1 + num_accepted_tokens / num_drafts if num_drafts else 0.0
+    return {"spec_decode_acceptance_rate": rate, "spec_decode_mean_acceptance_length": length}
+
+
+def spec_decode_since(before: EngineCounts, after: EngineCounts) -> dict[str, object] | None:
+    """The speculation figures of what happened between two stats readings (a benchmark run's own), named
+    as in EngineCounts without the `spec_decode_` prefix; None when no verification carried drafts."""
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    if drafts <= 0:
+        return None
+    tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    was = before.spec_decode_num_accepted_tokens_per_pos
+    per_pos = [n - (was[i] if i < len(was) else 0)
+               for i, n in enumerate(after.spec_decode_num_accepted_tokens_per_pos)]
+    derived = acceptance_fields(drafts, tokens, accepted)
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos,
+            "acceptance_rate": derived["spec_decode_acceptance_rate"],
+            "mean_acceptance_length": derived["spec_decode_mean_acceptance_length"]}
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,17 @@ ENGINE_STAGE = -1
 # Half-open [start_ns, end_ns) on the engine clock during which the engine had work.
 WorkInterval = tuple[int, int]
 
-_TAG_NAMES = ("num_prefill_tokens", "num_decode_tokens", "request_ids")
+_TAG_NAMES = ("num_prefill_tokens", "num_decode_tokens", "request_ids", "num_draft_tokens")
 
 
 @dataclass(frozen=True)
 class Span:
-    """One timed activity of one (stage, tp rank) for one microbatch; times in engine-clock ns."""
+    """One timed activity of one (stage, tp rank) for one microbatch; times in engine-clock ns.
+
+    A speculated microbatch's spans carry its draft tokens (compute and the engine's schedule span); the
+    schedule span also the drafts accepted, once its result is back (None before, or without drafts).
+    `to_dict` writes each only when set, so other spans' dicts stay as they were.
+    """
 
     kind: str
     start_ns: int
@@ -67,6 +72,8 @@ class Span:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     request_ids: tuple[str, ...] = ()
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,7 +94,7 @@ class Span:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of builtins; `from_dict` inverts it exactly."""
-        return {
+        d: dict[str, Any] = {
             "kind": self.kind,
             "start_ns": self.start_ns,
             "end_ns": self.end_ns,
@@ -98,6 +105,11 @@ class Span:
             "num_decode_tokens": self.num_decode_tokens,
             "request_ids": list(self.request_ids),
         }
+        if self.num_draft_tokens:
+            d["num_draft_tokens"] = self.num_draft_tokens
+        if self.num_accepted_tokens is not None:
+            d["num_accepted_tokens"] = self.num_accepted_tokens
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Span:
@@ -111,6 +123,9 @@ class Span:
             num_prefill_tokens=int(d.get("num_prefill_tokens", 0)),
             num_decode_tokens=int(d.get("num_decode_tokens", 0)),
             request_ids=tuple(str(r) for r in d.get("request_ids", ())),
+            num_draft_tokens=int(d.get("num_draft_tokens", 0)),
+            num_accepted_tokens=None if d.get("num_accepted_tokens") is None
+            else int(d["num_accepted_tokens"]),
         )
 
 

@@ -11,7 +11,7 @@ Layout: one process "pipeline" (pid 1). Tracks (threads), in this order:
   If spans of one track still overlap without nesting, the later ones go to overflow tracks
   "... (overlap k)" rather than being clipped, so nothing is hidden.
 Flow arrows ("s"/"f", one id per hop) follow each microbatch's compute from stage s to s+1.
-Counters ("C") come from the caller, e.g. queue depth, in-flight microbatches, KV blocks.
+Counters ("C") come from the caller. Speculated microbatches' slices carry `num_draft_tokens` in args.
 
 Round trip: each span slice carries its raw span dict in `args["span"]` and the work intervals sit
 in `otherData["ppserve"]`, so `load_chrome_trace` recovers the exact inputs of the bubble math.
@@ -219,25 +219,22 @@ def _lay_out_tracks(
     return slices
 
 
+# A span slice's args: these fields of its span (drafts only where it speculated), then the raw span.
+_ARG_KEYS = ("step_id", "num_prefill_tokens", "num_decode_tokens", "request_ids", "num_draft_tokens",
+             "num_accepted_tokens")
+
+
+def _span_args(s: Span) -> dict[str, Any]:
+    raw = s.to_dict()
+    args: dict[str, Any] = {k: raw[k] for k in _ARG_KEYS if k in raw}
+    args["span"] = raw
+    return args
+
+
 def _span_slices(spans: Sequence[Span], span_tid: dict[int, int]) -> list[dict[str, Any]]:
     """One slice per span, in span order, carrying the raw span so `load_chrome_trace` gets it back."""
-    return [
-        _slice(
-            s.kind,
-            s.kind,
-            s.start_ns,
-            s.end_ns,
-            span_tid[idx],
-            {
-                "step_id": s.step_id,
-                "num_prefill_tokens": s.num_prefill_tokens,
-                "num_decode_tokens": s.num_decode_tokens,
-                "request_ids": list(s.request_ids),
-                "span": s.to_dict(),
-            },
-        )
-        for idx, s in enumerate(spans)
-    ]
+    return [_slice(s.kind, s.kind, s.start_ns, s.end_ns, span_tid[idx], _span_args(s))
+            for idx, s in enumerate(spans)]
 
 
 def _first_rank_compute(spans: Sequence[Span]) -> dict[int, dict[int, int]]:

@@ -156,6 +156,11 @@ def format_stats(s: EngineStats) -> str:
         f"kv blocks    {s.kv_blocks_used} / {s.kv_blocks_total} used   preemptions {s.num_preemptions}",
         f"prefix cache {s.prefix_cache_hit_rate * 100:.1f}% hit ({s.prefix_cache_hits} of "
         f"{s.prefix_cache_queries} prompt tokens)   {s.kv_blocks_cached} blocks cached",
+        *([f"speculation  {s.spec_decode_num_drafts} drafts: {s.spec_decode_num_accepted_tokens} of "
+           f"{s.spec_decode_num_draft_tokens} draft tokens accepted "
+           f"({s.spec_decode_acceptance_rate * 100:.1f}%), "
+           f"mean acceptance length {s.spec_decode_mean_acceptance_length:.2f}; per position "
+           + " / ".join(str(n) for n in s.spec_decode_num_accepted_tokens_per_pos)] if s.speculated else []),
         f"throughput   {s.tokens_per_s:.1f} tok/s over the last {s.window_s:.1f} s   "
         f"({s.tokens_generated} tokens since start, up {s.uptime_s:.0f} s)",
         f"recovery     {s.num_restarts} pipeline restart(s)"

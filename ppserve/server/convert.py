@@ -419,6 +419,7 @@ def error_to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 # EngineStats and its parts carry the wire messages' field names, so both directions go field for field;
 # a name on one side only fails loudly here (and in tests/unit/test_proto.py), never drifts.
 _NESTED = ("stages", "workers", "config")
+_REPEATED = ("spec_decode_num_accepted_tokens_per_pos",)  # repeated scalars: a tuple on the Python side
 
 
 def _fields(obj: object, cls: type[Any], skip: Sequence[str] = ()) -> dict[str, Any]:
@@ -437,8 +438,10 @@ def stats_to_proto(s: EngineStats) -> pb.Stats:
 
 def stats_from_proto(msg: pb.Stats) -> EngineStats:
     """The wire message back to EngineStats (the client hands typed stats, not protobuf, to callers)."""
+    repeated: dict[str, Any] = {name: tuple(getattr(msg, name)) for name in _REPEATED}
     return EngineStats(
-        **_fields(msg, EngineStats, _NESTED),
+        **_fields(msg, EngineStats, (*_NESTED, *_REPEATED)),
+        **repeated,
         stages=tuple(StageBubbles(**_fields(st, StageBubbles)) for st in msg.stages),
         workers=tuple(WorkerInfo(**_fields(w, WorkerInfo)) for w in msg.workers),
         config=ServingConfig(**_fields(msg.config, ServingConfig)),

@@ -8,7 +8,8 @@ published (AsyncEngine.stats(), which does not ask that thread: a scrape never d
 
 The series: vLLM's (requests running and waiting, KV cache usage, preemptions, prefix-cache queries and
 hits, prompt and generation tokens, finished requests by reason, TTFT, inter-token and end-to-end latency
-histograms), with vLLM's meaning where vLLM has one; and the pipeline's: each stage's busy, bubble and
+histograms, speculative decoding's drafts, draft tokens and accepted tokens in all and per draft position),
+with vLLM's meaning where vLLM has one; and the pipeline's: each stage's busy, bubble and
 starvation fractions over the stats window (ARCHITECTURE.md#measuring-bubbles definitions) and their mean,
 tokens and each stage's compute seconds per microbatch (TP rank 0's), pipeline restarts and recovery time;
 and structured outputs': grammar compiles, cache hits and failures, each compile's seconds (from the process's
@@ -59,6 +60,12 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Recompute preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications that carried drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted at each draft position (0: the first).",
+                                             ["position"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests added.")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.success = counter("request_success", "Finished requests by finish reason.", ["finished_reason"])
@@ -91,7 +98,8 @@ class ServerMetrics:
                                         "token masks, per microbatch that had one.", _MASK)
         # Every series exists from the start (at 0), so dashboards and rate() see it before its first event.
         for metric in (self.running, self.waiting, self.kv_usage, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.prompt_tokens,
+                       self.prefix_hits, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                       self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.mean_bubble,
                        self.mb_tokens, self.restarts, self.recovery_total, self.last_recovery,
                        self.grammar_compiles, self.grammar_hits, self.grammar_failures,
@@ -102,6 +110,10 @@ class ServerMetrics:
         self._preemptions_seen = 0
         self._prefix_queries_seen = 0
         self._prefix_hits_seen = 0
+        self._spec_drafts_seen = 0
+        self._spec_draft_tokens_seen = 0
+        self._spec_accepted_seen = 0
+        self._spec_per_pos_seen: list[int] = []  # per position, as _advance's seen values
         self._restarts_seen = 0
         self._recovery_seen = 0.0
         self._grammar_seen = GrammarStats()
@@ -142,6 +154,10 @@ class ServerMetrics:
         self._advance(self.preemptions, "_preemptions_seen", stats.num_preemptions)
         self._advance(self.prefix_queries, "_prefix_queries_seen", stats.prefix_cache_queries)
         self._advance(self.prefix_hits, "_prefix_hits_seen", stats.prefix_cache_hits)
+        self._advance(self.spec_drafts, "_spec_drafts_seen", stats.spec_decode_num_drafts)
+        self._advance(self.spec_draft_tokens, "_spec_draft_tokens_seen", stats.spec_decode_num_draft_tokens)
+        self._advance(self.spec_accepted, "_spec_accepted_seen", stats.spec_decode_num_accepted_tokens)
+        self._advance_per_pos(stats.spec_decode_num_accepted_tokens_per_pos)
         self._advance(self.restarts, "_restarts_seen", stats.num_restarts)
         self._advance(self.recovery_total, "_recovery_seen", stats.total_recovery_s)
         self.last_recovery.labels(**lab).set(stats.last_recovery_s)
@@ -179,6 +195,18 @@ class ServerMetrics:
         if value > seen:
             counter.labels(**self._label).inc(value - seen)
             setattr(self, seen_attr, value)
+
+    def _advance_per_pos(self, totals: Sequence[int]) -> None:
+        """The per-position counter like `_advance`, each position its own series (made when first seen,
+        as the positions are as many as the longest draft)."""
+        seen = self._spec_per_pos_seen
+        for pos, value in enumerate(totals):
+            if pos == len(seen):
+                seen.append(0)
+                self.spec_accepted_per_pos.labels(**self._label, position=str(pos))
+            if value > seen[pos]:
+                self.spec_accepted_per_pos.labels(**self._label, position=str(pos)).inc(value - seen[pos])
+                seen[pos] = value
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

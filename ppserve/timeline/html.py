@@ -5,6 +5,7 @@ compute spans by composition, bubbles and starvation as hatched spans. Hovering 
 its microbatch id, stage, times, token counts and request ids; hovering a bubble shows its length.
 Grammar masks (`grammar_mask` spans) are a thin purple bar along the foot of their lane, at least
 `MIN_MARK_PX` wide (they are short beside compute); hovering one shows its microbatch and length.
+Speculated microbatches' compute boxes are outlined in magenta, their tips giving drafts and accepted.
 The text summary sits under the picture.
 """
 
@@ -18,11 +19,13 @@ from ppserve.metrics.bubbles import Window, idle_intervals, resolve_window
 from ppserve.timeline.render import (
     BUBBLE_COLOR,
     GRAMMAR_MASK_COLOR,
+    SPEC_COLOR,
     STARVATION_COLOR,
     composition,
     grammar_masks,
     load_run,
     parse_window,
+    speculated_steps,
     summary_of,
 )
 from ppserve.timeline.render import _shade as shade
@@ -93,20 +96,27 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
                        f"for {(b - a) * 1e-6:.3f} ms")
                 parts.append(f'<rect x="{x(a):.2f}" y="{y}" width="{max(x(b) - x(a), 0.5):.2f}" '
                              f'height="{LANE_H - 4}" fill="{fill}" data-tip="{html.escape(tip)}"/>')
+    speculated = speculated_steps(run.spans)
     for s in compute:
         y = TOP + lane[(s.stage, s.tp_rank)] * LANE_H + 2
+        drafts, accepted = speculated.get(s.step_id, (0, None))
         rids = list(s.request_ids[:MAX_REQUEST_IDS])
         more = len(s.request_ids) - len(rids)
         tip = (f"microbatch {s.step_id} ({composition(s)}) on stage {s.stage} tp {s.tp_rank}: "
                f"{(s.start_ns - origin) * 1e-6:.3f} .. {(s.end_ns - origin) * 1e-6:.3f} ms; "
                f"tokens {s.num_tokens} (prefill {s.num_prefill_tokens}, decode {s.num_decode_tokens}); "
                f"requests {', '.join(rids)}" + (f" and {more} more" if more > 0 else ""))
+        if drafts:
+            tip += f"; speculated: {drafts} draft tokens" + (f", {accepted} accepted" if accepted is not None
+                                                             else "")
+        stroke = (f'stroke="{_rgb(SPEC_COLOR)}" stroke-width="1.5" data-kind="speculated" ' if drafts
+                  else 'stroke="white" stroke-width="0.3" ')
         w = max(x(s.end_ns) - x(s.start_ns), 0.5)
         parts.append(
             f'<rect x="{x(s.start_ns):.2f}" y="{y}" width="{w:.2f}" height="{LANE_H - 4}" '
             f'fill="{_rgb(shade(composition(s), s.num_tokens, max_tokens))}" '
-            'stroke="white" stroke-width="0.3" '
-            f'data-step="{s.step_id}" data-tip="{html.escape(tip)}"/>'
+            + stroke
+            + f'data-step="{s.step_id}" data-tip="{html.escape(tip)}"/>'
         )
         if w > 7 * (len(str(s.step_id)) + 1):
             parts.append(f'<text x="{x(s.start_ns) + w / 2:.2f}" y="{y + LANE_H * 0.55:.1f}" '
@@ -137,6 +147,7 @@ def render_html(trace_path: str | os.PathLike[str], html_path: str | os.PathLike
         "<p>blue: prefill-only, green: decode-only, orange: hybrid (darker = more tokens); "
         "red hatch: bubble; grey dots: starvation"
         + ("; purple foot bar: grammar mask" if masks else "")
+        + ("; magenta outline: speculated" if speculated else "")
         + ". Hover for details.</p>"
         + "".join(parts)
         + f"<pre>{html.escape(summary_of(run, win))}</pre><div id=\"tip\"></div>"

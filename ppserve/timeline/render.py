@@ -5,7 +5,8 @@ loads, lays out and draws them. One lane per (stage, tp rank): compute spans col
 composition (prefill-only blue, decode-only green, hybrid orange; darker = more tokens), bubbles as
 hatched red spans, starvation as dotted grey spans, microbatch ids written where they fit; the last
 stage's grammar masks (`grammar_mask` spans, inside its prepare) as a thin purple bar along the foot of
-its lane, at least `MIN_MARK_FRACTION` of the window wide, as they are short beside compute. A lower
+its lane, at least `MIN_MARK_FRACTION` of the window wide, as they are short beside compute; speculated
+microbatches' compute (those whose spans carry draft tokens) outlined in magenta. A lower
 panel shows the tokens of each microbatch when it entered the pipeline. Matplotlib (Agg) only here.
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "parse_window",
     "composition",
     "grammar_masks",
+    "speculated_steps",
     "summary_text",
     "render_png",
     "render_compare",
@@ -44,6 +46,7 @@ PALETTE: dict[str, tuple[tuple[float, float, float], tuple[float, float, float]]
 BUBBLE_COLOR = (0.90, 0.30, 0.30)
 STARVATION_COLOR = (0.60, 0.60, 0.60)
 GRAMMAR_MASK_COLOR = (0.55, 0.18, 0.72)
+SPEC_COLOR = (0.85, 0.0, 0.55)  # the outline of a speculated microbatch's compute boxes
 MIN_MARK_FRACTION = 0.002  # of the window: the narrowest a grammar mask is drawn, so it stays visible
 MARK_HEIGHT = 0.22  # of a lane: grammar mask bars run along its foot, below the compute ids
 NAMED_WINDOWS = ("all", "active", "steady")
@@ -131,6 +134,16 @@ def grammar_masks(spans: Sequence[Span], w0: int | None = None, w1: int | None =
             and (w0 is None or s.end_ns >= w0) and (w1 is None or s.start_ns <= w1)]
 
 
+def speculated_steps(spans: Sequence[Span]) -> dict[int, tuple[int, int | None]]:
+    """step id -> (draft tokens, accepted drafts or None when unknown) of each microbatch that carried
+    drafts: its schedule span says both, its compute spans the drafts (a trace without engine spans)."""
+    steps: dict[int, tuple[int, int | None]] = {}
+    for s in spans:
+        if s.num_draft_tokens and (s.num_accepted_tokens is not None or s.step_id not in steps):
+            steps[s.step_id] = (s.num_draft_tokens, s.num_accepted_tokens)
+    return steps
+
+
 def _microbatches(spans: Sequence[Span]) -> dict[int, Span]:
     """step id -> its compute span on the first stage (lowest tp rank): when it entered the pipeline."""
     first: dict[int, Span] = {}
@@ -182,6 +195,14 @@ def summary_of(run: Run, window: Window = "active") -> str:
         lines.append("compute ms per microbatch by stage (mean / max): " + ", ".join(
             f"{st}: {statistics.fmean(d) * 1e-6:.3f} / {max(d) * 1e-6:.3f}"
             for st, d in sorted(durs.items())))
+    spec = speculated_steps(run.spans)
+    if spec:
+        drafts = sum(d for d, _ in spec.values())
+        known = [(d, a) for d, a in spec.values() if a is not None]
+        accepted = (f"; of the {sum(d for d, _ in known)} whose results are in, {sum(a for _, a in known)} "
+                    "accepted" if known else "")
+        lines.append(f"speculated microbatches: {len(spec)} of {len(mbs) or len(spec)}, "
+                     f"{drafts} draft tokens{accepted}")
     masks = grammar_masks(run.spans)
     if masks:
         ms_each = [s.duration_ns * 1e-6 for s in masks]
@@ -243,6 +264,15 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
     for i, (xr, colors) in by_lane.items():
         ax.broken_barh(xr, (i - height / 2, height), facecolors=colors, edgecolor=(1, 1, 1, 0.6),
                        linewidth=0.3)
+    speculated = speculated_steps(run.spans)
+    spec_lanes: dict[int, list[tuple[float, float]]] = {}
+    for s in compute:
+        if s.step_id in speculated:
+            spec_lanes.setdefault(lane[(s.stage, s.tp_rank)], []).append(
+                (ms(s.start_ns), s.duration_ns * 1e-6))
+    for i, xr in spec_lanes.items():
+        ax.broken_barh(xr, (i - height / 2, height), facecolors="none", edgecolor=SPEC_COLOR, linewidth=1.2,
+                       zorder=2.5)
 
     for key, (bubbles, starved) in idle_intervals(run.spans, run.work, window).items():
         y = lane[key] - height / 2
@@ -298,6 +328,8 @@ def _draw_run(ax: Any, tok_ax: Any | None, run: Run, window: Window, title: str)
             Patch(facecolor=(*STARVATION_COLOR, 0.15), edgecolor=STARVATION_COLOR, hatch="..",
                   label="starvation"),
             *([Patch(facecolor=GRAMMAR_MASK_COLOR, label="grammar mask")] if masks else []),
+            *([Patch(facecolor="none", edgecolor=SPEC_COLOR, linewidth=1.2, label="speculated")]
+              if spec_lanes else []),
         ],
         loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
         title="darker = more tokens", title_fontsize=7,

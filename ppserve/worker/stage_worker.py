@@ -241,7 +241,8 @@ class StageWorker:
             result = self._sample(out, inp, logits) if self.model.is_last else None
         finally:
             timer.finish(inp.prepare_s, num_prefill_tokens=out.num_prefill_tokens,
-                         num_decode_tokens=out.num_decode_tokens, request_ids=out.order)
+                         num_decode_tokens=out.num_decode_tokens, request_ids=out.order,
+                         num_draft_tokens=out.num_draft_tokens)
         return StageOutput(None if self.model.is_last else hidden, result)
 
     def _forward(self, inp: ModelInput, hidden_in: Tensor | None) -> Tensor:

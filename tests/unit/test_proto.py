@@ -126,6 +126,12 @@ def test_stats_round_trip() -> None:
         num_restarts=2,
         last_recovery_s=1.5,
         total_recovery_s=4.0,
+        spec_decode_num_drafts=4,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=6,
+        spec_decode_num_accepted_tokens_per_pos=(3, 2, 1),
+        spec_decode_acceptance_rate=0.5,
+        spec_decode_mean_acceptance_length=2.5,
         stages=(StageBubbles(stage=0, busy_fraction=0.7, bubble_fraction=0.2, starvation_fraction=0.1),),
         workers=(
             WorkerInfo(stage=0, tp_rank=0, layer_start=0, layer_end=15, node_ip="10.0.0.1", node_id="abc",
@@ -162,6 +168,10 @@ def test_stats_round_trip() -> None:
     from ppserve.server.cli import format_stats
 
     assert "2 pipeline restart(s), last took 1.50 s, 4.00 s in all" in format_stats(back)
+    assert back.spec_decode_num_accepted_tokens_per_pos == (3, 2, 1)  # a tuple again, not a proto container
+    assert ("speculation  4 drafts: 6 of 12 draft tokens accepted (50.0%), mean acceptance length 2.50; "
+            "per position 3 / 2 / 1") in format_stats(back)
+    assert "speculation" not in format_stats(EngineStats())  # shown only when drafts happened
     # Before any rebuild the engine reports last_recovery_s=0: zero on the wire.
     fresh = convert.stats_from_proto(convert.stats_to_proto(dataclasses.replace(
         s, num_restarts=0, last_recovery_s=0.0, total_recovery_s=0.0)))

@@ -67,3 +67,20 @@ def test_the_dashboard_plots_only_series_the_exporter_has() -> None:
             for n in re.findall(r"ppserve:[a-z0-9_]+", e)}
     assert used and used <= names, used - names
     assert {"ppserve:stage_bubble_fraction", "ppserve:time_to_first_token_seconds"} <= used
+
+
+def test_speculation_counters_follow_the_engine_totals_per_position() -> None:
+    m = ServerMetrics("m")
+    s = metric_samples(m)
+    assert s["ppserve:spec_decode_num_drafts_total{}"] == 0  # the series exist before any draft
+    assert s["ppserve:spec_decode_num_accepted_tokens_total{}"] == 0
+    assert not any(k.startswith("ppserve:spec_decode_num_accepted_tokens_per_pos_total") for k in s)
+    m.refresh(_stats(spec_decode_num_drafts=3, spec_decode_num_draft_tokens=9,
+                     spec_decode_num_accepted_tokens=4, spec_decode_num_accepted_tokens_per_pos=(3, 1, 0)))
+    m.refresh(_stats(spec_decode_num_drafts=5, spec_decode_num_draft_tokens=15,
+                     spec_decode_num_accepted_tokens=7, spec_decode_num_accepted_tokens_per_pos=(4, 2, 1, 0)))
+    s = metric_samples(m)
+    assert (s["ppserve:spec_decode_num_drafts_total{}"], s["ppserve:spec_decode_num_draft_tokens_total{}"],
+            s["ppserve:spec_decode_num_accepted_tokens_total{}"]) == (5, 15, 7)
+    per_pos = [s[f"ppserve:spec_decode_num_accepted_tokens_per_pos_total{{position={p}}}"] for p in range(4)]
+    assert per_pos == [4, 2, 1, 0]  # the engine's totals, each position its own series

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 import pytest
@@ -124,3 +125,32 @@ def test_ppserve_cli_error_on_bad_window(gpipe_trace, capsys):
     assert main(["timeline", str(gpipe_trace), "--window", "nope", "--no-png"]) == 2
     assert "window 'nope'" in capsys.readouterr().err
     assert main(["timeline", "/nonexistent/trace.json", "--no-png"]) == 2
+
+
+def test_speculated_microbatches_are_outlined_and_summarized(tmp_path):
+    from ppserve.timeline import render
+
+    spans = gpipe(2, 3)
+    spans += [Span("schedule", 0, 1, -1, 0, 1, 0, 4, (), num_draft_tokens=6, num_accepted_tokens=4)]
+    spans = [dataclasses.replace(s, num_draft_tokens=6) if s.kind == "compute" and s.step_id == 1 else s
+             for s in spans]
+    path = tmp_path / "spec.json"
+    save_chrome_trace(path, spans)
+    assert render.speculated_steps(load_run(path).spans) == {1: (6, 4)}
+    assert "speculated microbatches: 1 of 3, 6 draft tokens; of the 6 whose results are in, 4 accepted" in (
+        summary_text(path, "all"))
+    page = render_html(path, tmp_path / "t.html").read_text()
+    assert page.count('data-kind="speculated"') == 2 and "6 draft tokens, 4 accepted" in page
+
+    def legend(run):
+        fig, axes = render._figure(1, [2])
+        render._draw_run(axes[0][0], axes[0][1], run, "all", "t")
+        texts = [t.get_text() for t in axes[0][0].get_legend().get_texts()]
+        render._plt().close(fig)
+        return texts
+
+    assert "speculated" in legend(load_run(path))
+    plain = tmp_path / "plain.json"
+    save_chrome_trace(plain, gpipe(2, 3))
+    assert "speculated" not in legend(load_run(plain))
+    assert "speculated micro" not in summary_text(plain, "all")

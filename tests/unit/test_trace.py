@@ -98,6 +98,22 @@ def test_span_events_carry_args_and_microseconds():
     assert (e["args"]["num_prefill_tokens"], e["args"]["num_decode_tokens"]) == (4, 1)
 
 
+def test_speculated_spans_carry_drafts_and_accepted_and_round_trip(tmp_path):
+    spans = [Span("schedule", 0, 1000, -1, 0, 3, 0, 2, ("a", "b"), num_draft_tokens=5,
+                  num_accepted_tokens=2),
+             Span("compute", 2000, 7000, 0, 0, 3, 0, 7, ("a", "b"), num_draft_tokens=5),
+             Span("compute", 8000, 9000, 0, 0, 4, 0, 2, ("a", "b"))]
+    trace = to_chrome_trace(spans)
+    by_span = {json.dumps(e["args"]["span"]): e for e in events(trace, ph="X") if "span" in e["args"]}
+    sched, drafted, plain = (by_span[json.dumps(s.to_dict())] for s in spans)
+    assert (sched["args"]["num_draft_tokens"], sched["args"]["num_accepted_tokens"]) == (5, 2)
+    assert drafted["args"]["num_draft_tokens"] == 5 and "num_accepted_tokens" not in drafted["args"]
+    assert "num_draft_tokens" not in plain["args"] and "num_draft_tokens" not in spans[2].to_dict()
+    path = tmp_path / "t.json"
+    save_chrome_trace(path, spans)
+    assert load_chrome_trace(path)[0] == spans
+
+
 def test_flows_link_consecutive_stages():
     p, m = 3, 4
     trace = to_chrome_trace(pipeline_spans(p=p, m=m))

@@ -267,7 +267,7 @@ class ServingConfig(_message.Message):
     def __init__(self, model: _Optional[str] = ..., pipeline_parallel_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., policy: _Optional[str] = ..., token_budget: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., config_json: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s", "num_restarts", "last_recovery_s", "total_recovery_s", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate")
+    __slots__ = ("running", "waiting", "in_flight_microbatches", "kv_blocks_used", "kv_blocks_total", "tokens_per_s", "window_s", "stages", "mean_bubble_fraction", "workers", "config", "num_preemptions", "requests_finished", "tokens_generated", "uptime_s", "num_restarts", "last_recovery_s", "total_recovery_s", "kv_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "spec_decode_acceptance_rate", "spec_decode_mean_acceptance_length")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,12 @@ class Stats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     in_flight_microbatches: int
@@ -312,4 +318,10 @@ class Stats(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_restarts: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., total_recovery_s: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    spec_decode_acceptance_rate: float
+    spec_decode_mean_acceptance_length: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_microbatches: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., window_s: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageBubbles, _Mapping]]] = ..., mean_bubble_fraction: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., config: _Optional[_Union[ServingConfig, _Mapping]] = ..., num_preemptions: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_restarts: _Optional[int] = ..., last_recovery_s: _Optional[float] = ..., total_recovery_s: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., spec_decode_acceptance_rate: _Optional[float] = ..., spec_decode_mean_acceptance_length: _Optional[float] = ...) -> None: ...
