@@ -370,9 +370,12 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000  # suffix: finished responses kept for later requests
     suffix_decoding_max_spec_factor: float = 1.0  # suffix: drafts per matched token at most
     suffix_decoding_min_token_prob: float = 0.1  # suffix: stop a draft at a continuation rarer than this
-    # A request's drafts follow its estimated acceptance (each draft kept while the chance that it is
-    # accepted is at least this, raised as the microbatch fills; speculation.py)
+    # A request's drafts follow its estimated acceptance and the step cost (ppserve/sched/speculation.py):
+    # each draft kept while its chance of acceptance is at least this and pays for its time
     min_accept_prob: float = 0.15
+    # false: every decode with a proposal gets up to num_speculative_tokens drafts, whatever the
+    # acceptance and the load (vLLM's rule; the budget still bounds them)
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:

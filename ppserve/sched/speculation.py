@@ -9,8 +9,8 @@ The rule (`Speculator.extend`, once the policy has filled the microbatch):
   work waits they take only what the microbatch's budget has left (the balanced share; saturated,
   nothing), with no prefill in reach the room up to the whole token budget;
 - per request, draft i is kept while a**i, its chance of acceptance (a: the request's per-draft
-  acceptance, a decayed count that drifts back to a prior, the workload's, every decode step, so a
-  failing request tries again later), is at least `min_accept_prob` and, with a margin, the draft's
+  acceptance, a decayed count that drifts back to a prior every decode step, so a failing request
+  tries again later), is at least `min_accept_prob` and, with a margin, the draft's
   predicted seconds over the step's seconds per token it emits (it must add tokens faster than the step
   makes them): full k where a step costs its floor, fewer as tokens cost time, none where each token
   costs its share (before the step cost is calibrated the bar rises with the budget's fill);
@@ -33,10 +33,9 @@ from ppserve.sched.proposers import Proposer, make_proposer
 
 __all__ = ["SpecCounters", "Speculator"]
 
-PRIOR_ACCEPTANCE = 0.5  # the per-draft acceptance assumed before any draft was verified
-PRIOR_WEIGHT = 2.0  # drafts' worth of evidence a prior counts for
+PRIOR_ACCEPTANCE = 0.5  # a request's per-draft acceptance before any of its drafts was verified
+PRIOR_WEIGHT = 2.0  # drafts' worth of evidence the prior counts for
 DECAY = 0.9  # per decode step: a request's older verifications count less
-POOL_DECAY = 0.99  # per microbatch back: the workload's acceptance (every request's) forgets slowly
 # A verification costs more than the linear step cost says (its rows take the chunk attention path, each
 # draft is sampled, the proposer runs on the host): a draft must be worth this many times its price.
 DRAFT_COST_MARGIN = 2.0
@@ -89,9 +88,9 @@ class Speculator:
         assert config.method is not None or proposer is not None, "speculation needs a method"
         self.k = config.num_speculative_tokens
         self.min_accept = config.min_accept_prob
+        self.adaptive = config.adaptive
         self.proposer = proposer if proposer is not None else proposer_for(config)
         self._evidence: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, tried)
-        self._pool = (0.0, 0.0)  # every request's decayed (accepted, tried): a new request's prior
         self.counters = SpecCounters()
 
     @staticmethod
@@ -100,11 +99,9 @@ class Speculator:
         return req.sampling.structured_outputs is None
 
     def acceptance(self, request_id: str) -> float:
-        """The request's per-draft acceptance: its own verifications, with the workload's as the prior."""
-        pooled, tried_all = self._pool
-        prior = (pooled + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried_all + PRIOR_WEIGHT)
+        """The request's per-draft acceptance: its decayed verifications and the prior."""
         accepted, tried = self._evidence.get(request_id, (0.0, 0.0))
-        return (accepted + prior * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
+        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (tried + PRIOR_WEIGHT)
 
     def threshold(self, b: BatchBuilder, cost: PipelineCost | None, token_budget: int) -> float:
         """The chance of acceptance a draft needs in this microbatch (the module's rule): its predicted
@@ -127,7 +124,10 @@ class Speculator:
         return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))
 
     def num_drafts(self, request_id: str, threshold: float) -> int:
-        """How many drafts the request's estimate keeps: draft i while a**i >= threshold."""
+        """How many drafts the request's estimate keeps: draft i while a**i >= threshold (all k when
+        not adaptive)."""
+        if not self.adaptive:
+            return self.k
         a = self.acceptance(request_id)
         n, chance = 0, a
         while n < self.k and chance >= threshold:
@@ -179,10 +179,8 @@ class Speculator:
         return drafts
 
     def stepped(self, request_ids: Iterable[str]) -> None:
-        """A microbatch is back, a decode step for these requests: their evidence and the workload's
-        decay toward the prior."""
-        a, t = self._pool
-        self._pool = (a * POOL_DECAY, t * POOL_DECAY)
+        """A microbatch is back, a decode step for these requests: their evidence decays toward the
+        prior."""
         evidence = self._evidence
         for rid in request_ids:
             e = evidence.get(rid)
@@ -196,8 +194,6 @@ class Speculator:
         tried = accepted + (1 if accepted < proposed else 0)
         a, t = self._evidence.get(request_id, (0.0, 0.0))
         self._evidence[request_id] = (a + accepted, t + tried)
-        a, t = self._pool
-        self._pool = (a + accepted, t + tried)
 
     def release(self, req: Request, finished: bool) -> None:
         self._evidence.pop(req.request_id, None)

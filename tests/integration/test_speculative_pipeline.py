@@ -53,8 +53,9 @@ def oracle(monkeypatch, prompts, expected):
     return proposer
 
 
-def spec(method: str = "ngram", k: int = 4) -> dict:
-    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1}
+def spec(method: str = "ngram", k: int = 4, adaptive: bool = False) -> dict:
+    """Not adaptive unless asked: a test needs drafts whatever the step cost timed at start-up says."""
+    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1, "adaptive": adaptive}
 
 
 def generate(model_dir, prompts, **kwargs):
@@ -81,12 +82,41 @@ def test_greedy_with_drafts_equals_transformers(tiny_llama_dir, prompts, expecte
     assert drafted_every_way(counters)
 
 
-@pytest.mark.parametrize("method,pp", [("ngram", 1), ("suffix", 2)])
-def test_model_free_proposers_equal_transformers(tiny_llama_dir, prompts, expected, method, pp):
-    got, counters, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=pp,
-                                token_budget=32, block_size=4, speculative_config=spec(method))
+def test_prompt_lookup_equals_transformers(tiny_llama_dir, prompts, expected):
+    got, counters, _ = generate(tiny_llama_dir, prompts, executor="inproc", token_budget=32, block_size=4,
+                                speculative_config=spec("ngram"))
     assert got == expected
     assert counters.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_suffix_decoding_drafts_from_earlier_responses(tiny_llama_dir, prompts, expected, pp):
+    """The same prompts twice: the second time the suffix cache holds the first answers, so their drafts
+    are accepted; output equals transformers' both times."""
+    with LLM(str(tiny_llama_dir), dtype="float32", executor="inproc", pipeline_parallel_size=pp,
+             token_budget=32, block_size=4,
+             speculative_config=spec("suffix")) as llm:
+        sp = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+        before = llm.engine.scheduler.spec.counters.num_accepted_tokens
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == expected
+        assert llm.engine.scheduler.spec.counters.num_accepted_tokens > before
+
+
+def test_adaptive_drafts_equal_transformers(tiny_llama_dir, prompts, expected, oracle):
+    """The adaptive rule (the default) on a pipeline: what it drafts changes no token."""
+    got, counters, _ = generate(tiny_llama_dir, prompts, executor="inproc", pipeline_parallel_size=2,
+                                token_budget=24, block_size=4, speculative_config=spec(adaptive=True))
+    assert got == expected
+    assert counters.num_drafts > 0
+
+
+def test_process_stages_with_drafts(tiny_llama_dir, prompts, expected, oracle):
+    """Stages in processes (the multi-process executor, the token ring over sockets), pp 3."""
+    got, counters, _ = generate(tiny_llama_dir, prompts, executor="mp", pipeline_parallel_size=3,
+                                token_budget=24, block_size=4, speculative_config=spec())
+    assert got == expected
+    assert drafted_every_way(counters)
 
 
 def test_ray_tp_and_preemption_with_drafts(ray_session, tiny_llama_dir, prompts, expected, oracle):

@@ -20,7 +20,7 @@ from ppserve.sim.workload import WorkloadRequest
 from tests.oracle import random_prompts
 from tests.server_helpers import metric_samples
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
 class ContinuationProposer(Proposer):

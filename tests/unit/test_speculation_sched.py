@@ -241,8 +241,8 @@ def test_drafts_follow_the_step_cost(floor_s, token_s, many):
 
     prior = PipelineCost((StepCost(floor_s=floor_s, token_s=token_s),))
     s = Scheduler(SchedulerConfig(token_budget=512, max_num_seqs=64), 1000, 4, 512,
-                  speculative=SpeculativeConfig(method="ngram", min_accept_prob=0.05), proposer=Fixed([5] * 8),
-                  cost_prior=prior)
+                  speculative=SpeculativeConfig(method="ngram", min_accept_prob=0.05),
+                  proposer=Fixed([5] * 8), cost_prior=prior)
     assert s.cost.calibrated
     for i in range(32):
         s.add_request(Request(f"r{i}", [3, 4], SamplingParams(max_tokens=50, ignore_eos=True)))
@@ -256,3 +256,18 @@ def test_drafts_follow_the_step_cost(floor_s, token_s, many):
         assert sizes and min(sizes) == 4 and len(sizes) == 32
     else:
         assert not sizes
+
+
+def test_not_adaptive_drafts_k_whatever_the_acceptance():
+    cfg = SchedulerConfig(token_budget=64, max_num_seqs=16)
+    s = Scheduler(cfg, 1000, 4, 512, speculative=SpeculativeConfig(method="ngram", adaptive=False),
+                  proposer=Fixed([5] * 8))
+    s.add_request(Request("a", [3, 4], SamplingParams(max_tokens=200, ignore_eos=True)))
+    sizes = []
+    for _ in range(12):
+        out = s.schedule()
+        assert out is not None
+        sizes.append(len(out.draft_token_ids.get("a", ())))
+        acc = {"a": 0} if out.draft_token_ids else {}
+        s.update_from_output(out, StepResult(out.step_id, {"a": 6}, num_accepted=acc))
+    assert sizes[1:] == [4] * 11
