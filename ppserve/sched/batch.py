@@ -307,7 +307,9 @@ class BatchBuilder:
         blocks = self._blocks
         done = req.num_computed_tokens
         have = len(req.block_ids) * blocks.block_size
-        wanted = min(wanted, have - done - 1 + blocks.num_free * blocks.block_size)
+        # No draft past the request's last possible token: all accepted, the step ends it there.
+        wanted = min(wanted, have - done - 1 + blocks.num_free * blocks.block_size,
+                     self._max_total_tokens(req) - req.num_tokens - 1)
         n = (grant or self.budget.grant_drafts)(wanted, done, cap) if wanted > 0 else 0
         if n <= 0:
             return 0

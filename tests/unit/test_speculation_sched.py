@@ -173,7 +173,7 @@ def test_a_stop_token_among_accepted_drafts_ends_the_output_there() -> None:
     assert s.blocks.num_used == 0
 
 
-def test_max_tokens_cuts_accepted_drafts() -> None:
+def test_max_tokens_bounds_the_drafts():
     s = scheduler(True, 1, 64, 100, proposer=Fixed([5, 5, 5]), k=3, min_accept=0.01)
     r = Request("a", [3, 4], SamplingParams(max_tokens=3, ignore_eos=True))
     s.add_request(r)
@@ -181,9 +181,9 @@ def test_max_tokens_cuts_accepted_drafts() -> None:
     assert first is not None
     s.update_from_output(first, StepResult(first.step_id, {"a": 4}))
     out = s.schedule()
-    assert out is not None
-    (u,) = s.update_from_output(out, StepResult(out.step_id, {"a": 9}, num_accepted={"a": 3}))
-    assert u.new_token_ids == (5, 5) and u.finished and r.output_token_ids == [4, 5, 5]
+    assert out is not None and out.draft_token_ids["a"] == (5,)
+    (u,) = s.update_from_output(out, StepResult(out.step_id, {"a": 9}, num_accepted={"a": 1}))
+    assert u.new_token_ids == (5, 9) and u.finished and r.output_token_ids == [4, 5, 9]
 
 
 def test_drafts_take_no_budget_a_prompt_could_use() -> None:
@@ -271,3 +271,25 @@ def test_not_adaptive_drafts_k_whatever_the_acceptance():
         acc = {"a": 0} if out.draft_token_ids else {}
         s.update_from_output(out, StepResult(out.step_id, {"a": 6}, num_accepted=acc))
     assert sizes[1:] == [4] * 11
+
+
+def test_no_draft_past_the_last_token_a_request_may_get():
+    """max_tokens and the context bound the drafts: every draft accepted ends the request exactly there."""
+    cfg = SchedulerConfig(token_budget=64, max_num_seqs=16)
+    s = Scheduler(cfg, 1000, 4, 12, speculative=SpeculativeConfig(method="ngram", adaptive=False,
+                                                                  num_speculative_tokens=8),
+                  proposer=Fixed([5] * 8))
+    a = Request("a", [3, 4], SamplingParams(max_tokens=4, ignore_eos=True))
+    b = Request("b", [3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=None, ignore_eos=True))
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert out is not None
+    s.update_from_output(out, StepResult(out.step_id, {"a": 6, "b": 6}))
+    out = s.schedule()
+    assert out is not None
+    assert len(out.draft_token_ids["a"]) == 2  # 1 output, at most 3 more: the step's token and 2 drafts
+    assert len(out.draft_token_ids["b"]) == 3  # 8 tokens of a context of 12: at most 4 more
+    updates = s.update_from_output(out, StepResult(out.step_id, {"a": 6, "b": 6},
+                                                   num_accepted={"a": 2, "b": 3}))
+    assert all(u.finished for u in updates) and len(a.output_token_ids) == 4 and b.num_tokens == 12
