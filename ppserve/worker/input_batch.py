@@ -95,6 +95,9 @@ class InputBatch:
         self.staging = StepStaging(torch.device(device))
         # Block-table entries not yet on the device: (request id, first new column), per apply().
         self._table_diff: list[tuple[str, int]] = []
+        # Tables cut since the last step (rejected drafts' tail): request id -> its width before, whose
+        # columns past the table's end are zeroed, as padding reads.
+        self._table_cut: dict[str, int] = {}
         self._ring_tokens: Tensor | None = None  # stage 0: this step's ring decodes' input ids, on the device
 
     def apply(self, out: SchedulerOutput, ring_tokens: Tensor | None = None) -> None:
@@ -120,6 +123,8 @@ class InputBatch:
             st = self.requests[diff.request_id]
             st.token_ids.extend(diff.new_token_ids)
             if diff.num_blocks_kept >= 0:  # a tail only rejected drafts wrote, given back
+                self._table_cut[diff.request_id] = max(len(st.block_ids),
+                                                       self._table_cut.get(diff.request_id, 0))
                 del st.block_ids[diff.num_blocks_kept:]
             if diff.new_block_ids:
                 self._table_diff.append((diff.request_id, len(st.block_ids)))
@@ -233,4 +238,11 @@ class InputBatch:
         for row, first, blocks in live:
             index.extend(range(row * width + first, row * width + len(blocks)))
             values.extend(blocks[first:])
+        for rid, before in self._table_cut.items():
+            st = self.requests.get(rid)
+            if st is not None and rid in self.tables.row_of and before > len(st.block_ids):
+                row = self.tables.row_of[rid]
+                index.extend(range(row * width + len(st.block_ids), row * width + before))
+                values.extend([0] * (before - len(st.block_ids)))
+        self._table_cut.clear()
         return index, values

@@ -66,3 +66,55 @@ def test_block_table_rows_and_columns_grow_and_rows_come_back() -> None:
     assert t.table[rows[4], 8] == 77
     t.release("r4")
     assert t.table[rows[4]].abs().sum() == 0 and t.assign("r9") == rows[4]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_drafts_are_decodes_over_the_kv_before_them(seed: int) -> None:
+    """With speculation, each of a decode's 1 + d positions is a decode row of its own (context up to it,
+    its request's block table), every position gets logits, and block tables cut after rejected drafts
+    match the scheduler's, step after step."""
+    from ppserve.config import SchedulerConfig, SpeculativeConfig
+    from ppserve.request import Request, SamplingParams
+    from ppserve.sched import Scheduler, StepResult
+    from ppserve.sched.proposers import Proposer
+
+    class Random(Proposer):
+        def propose(self, req: Request, k: int) -> list[int]:
+            return [rng.randrange(3, 50) for _ in range(rng.randrange(0, k + 1))]
+
+    rng = random.Random(seed)
+    s = Scheduler(SchedulerConfig(token_budget=48, max_num_seqs=8), 60, 4, 256,
+                  speculative=SpeculativeConfig(method="ngram", adaptive=False, num_speculative_tokens=5),
+                  proposer=Random())
+    for i in range(10):
+        s.add_request(Request(f"r{i}", [rng.randrange(3, 50) for _ in range(rng.randrange(2, 30))],
+                              SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True)))
+    batch = InputBatch(s.blocks.block_size)
+    drafted = 0
+    while s.has_unfinished:
+        out = s.schedule()
+        assert out is not None
+        batch.apply(out)
+        inp = batch.prepare(out)
+        q: list[int] = []
+        ctx: list[int] = []
+        tables: list[list[int]] = []
+        logits = 0
+        for rid, n, c in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens, strict=True):
+            assert batch.requests[rid].block_ids == s.requests[rid].block_ids
+            rows = n if rid in out.draft_token_ids else 1
+            q += [1] * n if rows > 1 else [n]
+            ctx += list(range(c + 1, c + n + 1)) if rows > 1 else [c + n]
+            tables += [batch.requests[rid].block_ids] * rows
+            logits += (n if rows > 1 else 1) if rid in out.sample_request_ids else 0
+        want = AttentionMetadata.build(q, ctx, tables, s.blocks.block_size)
+        assert inp.meta.query_lens == want.query_lens and inp.meta.context_lens == want.context_lens
+        assert torch.equal(inp.meta.decode_block_tables, want.decode_block_tables)
+        assert torch.equal(inp.meta.slot_mapping, want.slot_mapping)
+        assert inp.logits_indices.numel() == logits
+        drafted += len(out.draft_token_ids)
+        sampled = {rid: rng.randrange(3, 50) for rid in out.sample_request_ids}
+        accepted = {rid: rng.randrange(0, len(d) + 1) for rid, d in out.draft_token_ids.items()}
+        s.update_from_output(out, StepResult(out.step_id, sampled, num_accepted=accepted))
+        s.check_invariants()
+    assert drafted > 10
