@@ -163,12 +163,13 @@ class TimeBudget(TokenBudget):
             self.stage_used_s[i] += stage.chunk_s(num_tokens, context, sampled)
 
     def grant_drafts(self, wanted: int, context: int, cap: int) -> int:
-        """Drafts within the token cap and the predicted time: each is a decode more, after its
-        predecessors, that gets logits (the stages attend to a draft as a decode: worker/input_batch.py)."""
+        """Drafts within the token cap and the predicted time: each is a sampled token more on its
+        decode's chunk (its logits are computed to verify it)."""
         n = max(0, min(wanted, cap - self.tokens_used))
+        base = [stage.chunk_s(1, context, True) for stage in self.cost.stages]
         while n > 0:
-            extra = [sum(stage.chunk_s(1, context + j, True) for j in range(1, n + 1))
-                     for stage in self.cost.stages]
+            extra = [stage.chunk_s(1 + n, context, True) + stage.sample_s * n - b
+                     for stage, b in zip(self.cost.stages, base, strict=True)]
             if all(used + e <= self.time_budget_s for used, e in zip(self.stage_used_s, extra, strict=True)):
                 for i, e in enumerate(extra):
                     self.stage_used_s[i] += e

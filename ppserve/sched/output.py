@@ -76,18 +76,8 @@ class SchedulerOutput:
 
     def chunks(self) -> list[tuple[int, int]]:
         """(tokens computed this step, tokens already in the KV cache) per request, in batch order: what a
-        step-cost model prices. A speculating decode is its 1 + drafts positions, each a decode over the
-        KV before it (the stages attend to them so: worker/input_batch.py)."""
-        pairs = list(zip(self.num_scheduled_tokens, self.num_computed_tokens, strict=True))
-        if not self.draft_token_ids:
-            return pairs
-        out: list[tuple[int, int]] = []
-        for rid, (n, ctx) in zip(self.order, pairs, strict=True):
-            if rid in self.draft_token_ids:
-                out.extend((1, ctx + j) for j in range(n))
-            else:
-                out.append((n, ctx))
-        return out
+        step-cost model prices."""
+        return list(zip(self.num_scheduled_tokens, self.num_computed_tokens, strict=True))
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,7 @@ class Speculator:
             return 1.0
         step_s = cost.pace(BatchShape(chunks, sampled))
         context = max((ctx for n, ctx in chunks if n == 1), default=0)
-        # A draft is a decode more that gets logits (the stages attend to it as one).
-        draft_s = max(s.chunk_s(1, context + 1, True) for s in cost.decode_stages or cost.stages)
+        draft_s = max(s.token_s + s.sample_s + s.prefill_key_s * (context + 1) for s in cost.stages)
         if step_s <= 0:
             return 1.0
         return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))

@@ -165,24 +165,12 @@ class InputBatch:
                 ids.append(st.token_ids[start])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
-            elif drafts and rid in drafts:
-                # Its input token, then its drafts, each attended as a decode of its own over the KV up to
-                # it (every position's KV is written before attention reads): the paged decode path, not a
-                # chunk's. Every position gets logits.
-                row = self.tables.row_of[rid]
+            elif drafts and rid in drafts:  # its input token, then its drafts: every position gets logits
                 ids.append(st.token_ids[start])
                 ids.extend(drafts[rid])
-                for p in range(start, end):
-                    positions.append(p)
-                    slots.append(table[p // bs] * bs + p % bs)
-                    query_lens.append(1)
-                    context_lens.append(p + 1)
-                    rows.append(row)
-                logits_idx.extend(range(len(ids) - n, len(ids)))
-                width = max(width, len(table))
-                st.num_computed_tokens = end
-                sample_ids.append(rid)
-                continue
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                logits_idx.extend(range(len(ids) - n, len(ids) - 1))
             else:
                 ids.extend(st.token_ids[start:end])
                 positions.extend(range(start, end))
