@@ -497,7 +497,7 @@ class Scheduler:
     @property
     def needs_step_feedback(self) -> bool:
         """Whether `observe_step` does anything: callers may skip measuring stage times when not."""
-        return self.balanced or self.budget_mode.needs_feedback
+        return self.balanced or self.budget_mode.needs_feedback or self.spec is not None
 
     def observe_step(self, out: SchedulerOutput, stage_seconds: Sequence[float] = (),
                      timed: SchedulerOutput | None = None) -> None:
@@ -510,6 +510,8 @@ class Scheduler:
             return
         measured = out if timed is None else timed
         if stage_seconds and not measured.is_empty:
+            if self.spec is not None and measured.draft_token_ids and self.cost.calibrated:
+                self.spec.observe_cost(measured, stage_seconds, self.cost.current)  # before the fit moves
             self.cost.observe(BatchShape.of(measured), stage_seconds)
         if not self.budget_mode.needs_feedback:
             return

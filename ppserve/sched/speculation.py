@@ -10,10 +10,10 @@ The rule (`Speculator.extend`, once the policy has filled the microbatch):
   nothing), with no prefill in reach the room up to the whole token budget;
 - per request, draft i is kept while a**i, its chance of acceptance (a: the request's per-draft
   acceptance, a decayed count that drifts back to a prior every decode step, so a failing request
-  tries again later), is at least `min_accept_prob` and, with a margin, the draft's
-  predicted seconds over the step's seconds per token it emits (it must add tokens faster than the step
-  makes them): full k where a step costs its floor, fewer as tokens cost time, none where each token
-  costs its share (before the step cost is calibrated the bar rises with the budget's fill);
+  tries again later), is at least `min_accept_prob` and, with a margin, the draft's seconds (the step
+  cost's, or what speculated microbatches measured where more) over the step's seconds per token it
+  emits: full k where a step costs its floor, fewer as tokens cost time, none where each token costs
+  its share (before the step cost is calibrated the bar rises with the budget's fill);
 - a decode with drafts does not ride the token ring (its next input depends on how many are accepted),
   nor one the proposer would draft for now: it waits for its tokens and speculates instead.
 """
@@ -21,7 +21,7 @@ The rule (`Speculator.extend`, once the policy has filled the microbatch):
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ppserve.config import SpeculativeConfig
@@ -29,6 +29,7 @@ from ppserve.request import Request
 from ppserve.sched.batch import BatchBuilder
 from ppserve.sched.budget import TokenBudget
 from ppserve.sched.cost import BatchShape, PipelineCost
+from ppserve.sched.output import SchedulerOutput
 from ppserve.sched.proposers import Proposer, make_proposer
 
 __all__ = ["SpecCounters", "Speculator"]
@@ -39,6 +40,7 @@ DECAY = 0.9  # per decode step: a request's older verifications count less
 # A verification costs more than the linear step cost says (its rows take the chunk attention path, each
 # draft is sampled, the proposer runs on the host): a draft must be worth this many times its price.
 DRAFT_COST_MARGIN = 2.0
+DRAFT_COST_SMOOTHING = 0.2  # weight of each microbatch's measured draft cost in its running estimate
 
 
 @dataclass
@@ -92,6 +94,9 @@ class Speculator:
         self.proposer = proposer if proposer is not None else proposer_for(config)
         self._evidence: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, tried)
         self.counters = SpecCounters()
+        # Seconds a draft adds to a step, measured: a speculated microbatch's slowest stage less the
+        # predicted time of the same microbatch without its drafts, per draft (None before any).
+        self.draft_cost_s: float | None = None
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -119,9 +124,23 @@ class Speculator:
         step_s = cost.pace(BatchShape(chunks, sampled))
         context = max((ctx for n, ctx in chunks if n == 1), default=0)
         draft_s = max(s.token_s + s.sample_s + s.prefill_key_s * (context + 1) for s in cost.stages)
+        if self.draft_cost_s is not None:  # what drafts cost here, measured, where the fit says less
+            draft_s = max(draft_s, self.draft_cost_s)
         if step_s <= 0:
             return 1.0
         return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))
+
+    def observe_cost(self, out: SchedulerOutput, stage_seconds: Sequence[float], cost: PipelineCost) -> None:
+        """Learn what a draft costs from a speculated microbatch's measured stage times: the slowest stage's
+        seconds less the predicted seconds of the microbatch without its drafts, per draft."""
+        drafts = out.draft_token_ids
+        chunks = tuple((1, ctx) if rid in drafts else (n, ctx)
+                       for rid, n, ctx in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens,
+                                              strict=True))
+        without = cost.pace(BatchShape(chunks, len(out.sample_request_ids)))
+        per_draft = max(0.0, (max(stage_seconds) - without) / max(1, out.num_draft_tokens))
+        old = self.draft_cost_s
+        self.draft_cost_s = per_draft if old is None else old + DRAFT_COST_SMOOTHING * (per_draft - old)
 
     def num_drafts(self, request_id: str, threshold: float) -> int:
         """How many drafts the request's estimate keeps: draft i while a**i >= threshold (all k when

@@ -69,10 +69,10 @@ def test_block_table_rows_and_columns_grow_and_rows_come_back() -> None:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_drafts_are_decodes_over_the_kv_before_them(seed: int) -> None:
-    """With speculation, each of a decode's 1 + d positions is a decode row of its own (context up to it,
-    its request's block table), every position gets logits, and block tables cut after rejected drafts
-    match the scheduler's, step after step."""
+def test_drafts_ride_as_a_chunk_of_their_decode(seed: int) -> None:
+    """With speculation, a decode's 1 + d positions are one chunk over its KV, every position gets logits,
+    and block tables cut after rejected drafts match the scheduler's (the cut columns zeroed), step after
+    step."""
     from ppserve.config import SchedulerConfig, SpeculativeConfig
     from ppserve.request import Request, SamplingParams
     from ppserve.sched import Scheduler, StepResult
@@ -102,15 +102,14 @@ def test_drafts_are_decodes_over_the_kv_before_them(seed: int) -> None:
         logits = 0
         for rid, n, c in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens, strict=True):
             assert batch.requests[rid].block_ids == s.requests[rid].block_ids
-            rows = n if rid in out.draft_token_ids else 1
-            q += [1] * n if rows > 1 else [n]
-            ctx += list(range(c + 1, c + n + 1)) if rows > 1 else [c + n]
-            tables += [batch.requests[rid].block_ids] * rows
-            logits += (n if rows > 1 else 1) if rid in out.sample_request_ids else 0
+            q.append(n)
+            ctx.append(c + n)
+            tables.append(batch.requests[rid].block_ids)
+            logits += (n if rid in out.draft_token_ids else 1) if rid in out.sample_request_ids else 0
         want = AttentionMetadata.build(q, ctx, tables, s.blocks.block_size)
         assert inp.meta.query_lens == want.query_lens and inp.meta.context_lens == want.context_lens
-        assert torch.equal(inp.meta.decode_block_tables, want.decode_block_tables)
-        assert torch.equal(inp.meta.slot_mapping, want.slot_mapping)
+        for name in ("block_tables", "decode_block_tables", "slot_mapping"):
+            assert torch.equal(getattr(inp.meta, name), getattr(want, name)), name
         assert inp.logits_indices.numel() == logits
         drafted += len(out.draft_token_ids)
         sampled = {rid: rng.randrange(3, 50) for rid in out.sample_request_ids}

@@ -293,3 +293,27 @@ def test_no_draft_past_the_last_token_a_request_may_get():
     updates = s.update_from_output(out, StepResult(out.step_id, {"a": 6, "b": 6},
                                                    num_accepted={"a": 2, "b": 3}))
     assert all(u.finished for u in updates) and len(a.output_token_ids) == 4 and b.num_tokens == 12
+
+
+def test_drafts_stop_where_their_measured_cost_is_high():
+    """The step cost says drafts are cheap; the stage times say each costs as much as a whole step: the
+    scheduler learns it from the speculated microbatches and stops drafting, though every draft is
+    accepted."""
+    from ppserve.sched.cost import PipelineCost, StepCost
+
+    prior = PipelineCost((StepCost(floor_s=0.01, token_s=1e-5),))
+    s = Scheduler(SchedulerConfig(token_budget=512, max_num_seqs=64), 1000, 4, 512,
+                  speculative=SpeculativeConfig(method="ngram"), proposer=Fixed([5] * 8), cost_prior=prior)
+    for i in range(8):
+        s.add_request(Request(f"r{i}", [3, 4], SamplingParams(max_tokens=100, ignore_eos=True)))
+    sizes = []
+    for _ in range(12):
+        out = s.schedule()
+        assert out is not None
+        sizes.append(out.num_draft_tokens)
+        result = StepResult(out.step_id, {rid: 4 for rid in out.sample_request_ids},
+                            num_accepted={rid: len(d) for rid, d in out.draft_token_ids.items()},
+                            stage_seconds=(0.01 + 0.01 * out.num_draft_tokens,), timed_step_id=out.step_id)
+        s.step_done(out, result, timed=out)
+    assert sizes[1] > 0 and sizes[-1] == 0
+    assert s.spec is not None and s.spec.draft_cost_s is not None and s.spec.draft_cost_s > 0.005
