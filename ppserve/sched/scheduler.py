@@ -510,9 +510,10 @@ class Scheduler:
             return
         measured = out if timed is None else timed
         if stage_seconds and not measured.is_empty:
-            if self.spec is not None and measured.draft_token_ids and self.cost.calibrated:
+            if self.spec is not None and self.cost.calibrated:
                 self.spec.observe_cost(measured, stage_seconds, self.cost.current)  # before the fit moves
-            self.cost.observe(BatchShape.of(measured), stage_seconds)
+            if self.balanced or self.budget_mode.needs_feedback:
+                self.cost.observe(BatchShape.of(measured), stage_seconds)
         if not self.budget_mode.needs_feedback:
             return
         finished = [rid for rid in out.order if rid not in self.requests]

@@ -97,6 +97,7 @@ class Speculator:
         # Seconds a draft adds to a step, measured: a speculated microbatch's slowest stage less the
         # predicted time of the same microbatch without its drafts, per draft (None before any).
         self.draft_cost_s: float | None = None
+        self._plain_residual_s = 0.0  # measured less predicted seconds of microbatches without drafts
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -131,14 +132,18 @@ class Speculator:
         return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))
 
     def observe_cost(self, out: SchedulerOutput, stage_seconds: Sequence[float], cost: PipelineCost) -> None:
-        """Learn what a draft costs from a speculated microbatch's measured stage times: the slowest stage's
-        seconds less the predicted seconds of the microbatch without its drafts, per draft."""
+        """Learn what a draft costs from the measured stage times: a speculated microbatch's slowest stage
+        less the predicted seconds of it without its drafts, per draft, less the error the prediction
+        makes on microbatches without drafts (learned from those)."""
         drafts = out.draft_token_ids
         chunks = tuple((1, ctx) if rid in drafts else (n, ctx)
                        for rid, n, ctx in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens,
                                               strict=True))
-        without = cost.pace(BatchShape(chunks, len(out.sample_request_ids)))
-        per_draft = max(0.0, (max(stage_seconds) - without) / max(1, out.num_draft_tokens))
+        residual = max(stage_seconds) - cost.pace(BatchShape(chunks, len(out.sample_request_ids)))
+        if not drafts:
+            self._plain_residual_s += DRAFT_COST_SMOOTHING * (residual - self._plain_residual_s)
+            return
+        per_draft = max(0.0, (residual - self._plain_residual_s) / out.num_draft_tokens)
         old = self.draft_cost_s
         self.draft_cost_s = per_draft if old is None else old + DRAFT_COST_SMOOTHING * (per_draft - old)
 
@@ -180,16 +185,18 @@ class Speculator:
             cap = max(cap, token_budget)
             if not timed:
                 grant = functools.partial(TokenBudget.grant_drafts, budget)
-        threshold = self.threshold(b, cost, token_budget)
+        threshold: float | None = None  # priced once, at the first decode that may draft
         on_ring = set(ring)
         drafts: dict[str, tuple[int, ...]] = {}
         for req, n in zip(list(b.chosen_requests), list(b.chosen.values()), strict=True):
             rid = req.request_id
-            if n != 1 or rid in on_ring or req.num_uncomputed_tokens != 1:
+            if n != 1 or rid in on_ring or req.num_uncomputed_tokens != 1 or not self.eligible(req):
                 continue
             room = cap - budget.tokens_used
             if room <= 0:
                 break
+            if threshold is None:
+                threshold = self.threshold(b, cost, token_budget)
             proposal = self.propose(req, threshold)[:room]
             if proposal:
                 taken = b.add_drafts(req, len(proposal), cap, grant)
