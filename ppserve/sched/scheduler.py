@@ -101,7 +101,8 @@ class Scheduler:
         # Speculative decoding (sched/speculation.py): drafts for decodes, priced in the budget. Only with
         # a token budget to take them from.
         spec_on = (speculative is not None and speculative.enabled) or proposer is not None
-        self.spec = (Speculator(speculative or SpeculativeConfig(), proposer)
+        ringed = self.ring is not None
+        self.spec = (Speculator(speculative or SpeculativeConfig(), proposer, token_ring=ringed)
                      if spec_on and self.policy.token_budgeted else None)
         self._blocks_kept: dict[str, int] = {}  # a request's block table cut after rejected drafts
 

@@ -1,8 +1,7 @@
 """Speculative decoding's scheduling side: which decodes carry drafts, and how many.
 
-A speculating decode computes its last token and its k drafts as k + 1 query tokens over its KV, like a
-short prefill chunk; the last stage verifies them (worker/rejection.py) and the request keeps the
-accepted ones and one token more: output exactly that of decoding without drafts.
+A speculating decode computes its last token and its k drafts as k + 1 query tokens over its KV, a short
+prefill chunk; the last stage verifies them (worker/rejection.py): output exactly as without drafts.
 
 The rule (`Speculator.extend`, once the policy has filled the microbatch):
 - drafts are placed last: every decode has its token and every prefill its chunk first; while prefill
@@ -15,7 +14,8 @@ The rule (`Speculator.extend`, once the policy has filled the microbatch):
   emits: full k where a step costs its floor, fewer as tokens cost time, none where each token costs
   its share (before the step cost is calibrated the bar rises with the budget's fill);
 - a decode with drafts does not ride the token ring (its next input depends on how many are accepted),
-  nor one the proposer would draft for now: it waits for its tokens and speculates instead.
+  nor one the proposer would draft for now: it waits for its tokens, a trip through the engine, so
+  with a ring a decode drafts only while it expects at least `RING_GAIN` accepted drafts a step.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ DECAY = 0.9  # per decode step: a request's older verifications count less
 # draft is sampled, the proposer runs on the host): a draft must be worth this many times its price.
 DRAFT_COST_MARGIN = 2.0
 DRAFT_COST_SMOOTHING = 0.2  # weight of each microbatch's measured draft cost in its running estimate
+# With the token ring a decode that drafts leaves it, and its next token waits for the trip through the
+# engine: it drafts only while it expects at least this many accepted drafts a step.
+RING_GAIN = 0.5
 
 
 @dataclass
@@ -86,11 +89,13 @@ def proposer_for(config: SpeculativeConfig) -> Proposer:
 class Speculator:
     """The scheduler's speculation state: the proposer, each request's acceptance estimate, counters."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
+                 token_ring: bool = False) -> None:
         assert config.method is not None or proposer is not None, "speculation needs a method"
         self.k = config.num_speculative_tokens
         self.min_accept = config.min_accept_prob
         self.adaptive = config.adaptive
+        self.token_ring = token_ring  # the pipeline has a token ring that a drafting decode leaves
         self.proposer = proposer if proposer is not None else proposer_for(config)
         self._evidence: dict[str, tuple[float, float]] = {}  # request id -> decayed (accepted, tried)
         self.counters = SpecCounters()
@@ -153,11 +158,12 @@ class Speculator:
         if not self.adaptive:
             return self.k
         a = self.acceptance(request_id)
-        n, chance = 0, a
+        n, chance, expected = 0, a, 0.0
         while n < self.k and chance >= threshold:
             n += 1
+            expected += chance
             chance *= a
-        return n
+        return 0 if self.token_ring and expected < RING_GAIN else n
 
     def wants_drafts(self, req: Request) -> bool:
         """Whether the request would carry drafts now (kept off the token ring: it speculates instead)."""

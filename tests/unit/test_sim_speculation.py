@@ -104,8 +104,7 @@ def test_regime_speculation_cells():
         assert row["on"]["acceptance"] == 0.7 and row["on"]["num_speculative_tokens"] == 4
         assert row["on"]["num_requests"] == base["num_requests"]
     sparse = rows["sparse"]
-    assert sparse["on"]["tbt_p50_s"] < sparse["off"]["tbt_p50_s"]
-    assert sparse["on"]["tpot_p50_s"] < sparse["off"]["tpot_p50_s"]
+    assert sparse["on"]["tpot_p50_s"] < 0.6 * sparse["off"]["tpot_p50_s"]
     assert sparse["on"]["speculation"]["num_accepted_tokens"] > 0
     # one output token: nothing to draft, the same cell
     lone = rows["one-long-prompt"]
