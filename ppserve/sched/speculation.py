@@ -103,6 +103,7 @@ class Speculator:
         # predicted time of the same microbatch without its drafts, per draft (None before any).
         self.draft_cost_s: float | None = None
         self._plain_residual_s = 0.0  # measured less predicted seconds of microbatches without drafts
+        self._last_threshold = self.min_accept  # the bar of the last decode-only microbatch
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -166,8 +167,9 @@ class Speculator:
         return 0 if self.token_ring and expected < RING_GAIN else n
 
     def wants_drafts(self, req: Request) -> bool:
-        """Whether the request would carry drafts now (kept off the token ring: it speculates instead)."""
-        return self.eligible(req) and self.num_drafts(req.request_id, self.min_accept) > 0 and bool(
+        """Whether the request would carry drafts now, at the bar the last decode-only microbatch set (kept
+        off the token ring: it speculates instead; where the load leaves drafts no room it stays on it)."""
+        return self.eligible(req) and self.num_drafts(req.request_id, self._last_threshold) > 0 and bool(
             self.proposer.propose(req, 1))
 
     def propose(self, req: Request, threshold: float) -> list[int]:
@@ -192,6 +194,9 @@ class Speculator:
             if not timed:
                 grant = functools.partial(TokenBudget.grant_drafts, budget)
         threshold: float | None = None  # priced once, at the first decode that may draft
+        if all(n == 1 for n in b.chosen.values()):
+            # A decode-only microbatch sets the bar the token ring's decodes are judged by (wants_drafts).
+            threshold = self._last_threshold = self.threshold(b, cost, token_budget)
         on_ring = set(ring)
         drafts: dict[str, tuple[int, ...]] = {}
         for req, n in zip(list(b.chosen_requests), list(b.chosen.values()), strict=True):
