@@ -41,6 +41,7 @@ DECAY = 0.9  # per decode step: a request's older verifications count less
 # draft is sampled, the proposer runs on the host): a draft must be worth this many times its price.
 DRAFT_COST_MARGIN = 2.0
 DRAFT_COST_SMOOTHING = 0.2  # weight of each microbatch's measured draft cost in its running estimate
+DRAFT_COST_DECAY = 0.98  # per microbatch back: the measured draft cost fades unless measured again
 # With the token ring a decode that drafts leaves it, and its next token waits for the trip through the
 # engine: it drafts only while it expects at least this many accepted drafts a step.
 RING_GAIN = 0.5
@@ -138,10 +139,12 @@ class Speculator:
         return min(1.0, max(self.min_accept, DRAFT_COST_MARGIN * draft_s * sampled / step_s))
 
     def observe_cost(self, out: SchedulerOutput, stage_seconds: Sequence[float], cost: PipelineCost) -> None:
-        """Learn what a draft costs from the measured stage times: a speculated microbatch's slowest stage
-        less the predicted seconds of it without its drafts, per draft, less the error the prediction
-        makes on microbatches without drafts (learned from those)."""
+        """Learn what a draft costs from the measured stage times of decode-only microbatches: a speculated
+        one's slowest stage less the predicted seconds of it without its drafts, per draft, less the error
+        the prediction makes on those without drafts (learned from them)."""
         drafts = out.draft_token_ids
+        if out.num_prefill_tokens:  # a prefill's error would drown the drafts' cost
+            return
         chunks = tuple((1, ctx) if rid in drafts else (n, ctx)
                        for rid, n, ctx in zip(out.order, out.num_scheduled_tokens, out.num_computed_tokens,
                                               strict=True))
@@ -218,6 +221,8 @@ class Speculator:
     def stepped(self, request_ids: Iterable[str]) -> None:
         """A microbatch is back, a decode step for these requests: their evidence decays toward the
         prior."""
+        if self.draft_cost_s is not None:  # forgets toward the prediction, so drafts priced out try again
+            self.draft_cost_s *= DRAFT_COST_DECAY
         evidence = self._evidence
         for rid in request_ids:
             e = evidence.get(rid)
