@@ -56,6 +56,13 @@ def architecture_of(hf_config: dict[str, Any]) -> str:
 
 def describe_model(hf_config: dict[str, Any]) -> ModelArch:
     """The model's description from its config.json (ValueError naming what is not supported)."""
+    quant = hf_config.get("quantization_config")
+    if quant is not None:
+        # Its tensors are not plain floating-point weights: read as such they would load wrong, silently.
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ValueError(f"the checkpoint is quantized (quantization_config.quant_method={method!r}); "
+                         "ppserve loads floating-point checkpoints only (bf16, fp16, fp32, or a GGUF file, "
+                         "which it dequantizes)")
     name = architecture_of(hf_config)
     return REGISTRY[name].parse(hf_config, name)
 
