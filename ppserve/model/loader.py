@@ -21,6 +21,8 @@ from ppserve.cache import cache_root
 from ppserve.model.attention import AttentionBackend
 from ppserve.model.checkpoint_tensor import CheckpointTensor
 from ppserve.model.parallel import TPContext
+from ppserve.model.quant.config import parse_quantization
+from ppserve.model.quant.reader import group_quantized
 from ppserve.model.registry import build_stage_model, describe_model
 from ppserve.model.stage_model import LAYER_NAME, StageModel
 
@@ -201,9 +203,19 @@ def iter_weights(model_dir: Path, layer_start: int, layer_end: int, num_layers: 
     handles = [cast(_SafetensorsFile, safe_open(str(path), framework="pt")) for path in files]
     all_names = {name for h in handles for name in h.keys()}
     head_is_embed = "lm_head.weight" not in all_names
+
+    def wanted(name: str) -> bool:
+        return _wanted(name, layer_start, layer_end, need_embed, need_head, head_is_embed)
+
+    quant = parse_quantization(read_hf_config(model_dir))
+    if quant is not None:
+        # A quantized layer's tensors may lie in different files: group them over all of them.
+        slices = {name: h.get_slice(name) for h in handles for name in h.keys()}
+        yield from group_quantized(quant, slices, wanted)
+        return
     for handle in handles:
         for name in handle.keys():
-            if _wanted(name, layer_start, layer_end, need_embed, need_head, head_is_embed):
+            if wanted(name):
                 yield name, CheckpointTensor(handle.get_slice(name))
 
 

@@ -19,6 +19,7 @@ from ppserve.model.llama import LlamaForCausalLM, parse_llama
 from ppserve.model.mixtral import MixtralForCausalLM, parse_mixtral
 from ppserve.model.parallel import TPContext
 from ppserve.model.phi3 import Phi3ForCausalLM, parse_phi3
+from ppserve.model.quant.config import parse_quantization
 from ppserve.model.qwen3 import Qwen3ForCausalLM, parse_qwen3
 from ppserve.model.qwen3_moe import Qwen3MoeForCausalLM, parse_qwen3_moe
 from ppserve.model.stage_model import StageModel
@@ -56,13 +57,7 @@ def architecture_of(hf_config: dict[str, Any]) -> str:
 
 def describe_model(hf_config: dict[str, Any]) -> ModelArch:
     """The model's description from its config.json (ValueError naming what is not supported)."""
-    quant = hf_config.get("quantization_config")
-    if quant is not None:
-        # Its tensors are not plain floating-point weights: read as such they would load wrong, silently.
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise ValueError(f"the checkpoint is quantized (quantization_config.quant_method={method!r}); "
-                         "ppserve loads floating-point checkpoints only (bf16, fp16, fp32, or a GGUF file, "
-                         "which it dequantizes)")
+    parse_quantization(hf_config)  # an unsupported quantization fails here, before any worker starts
     name = architecture_of(hf_config)
     return REGISTRY[name].parse(hf_config, name)
 

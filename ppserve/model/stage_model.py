@@ -246,8 +246,12 @@ class StageModel(nn.Module):
             rows = shard.rows(self.arch)
             if sum(rows) != tensor.shape[0]:
                 raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {' + '.join(map(str, rows))}")
-            for shard_id, part in zip(shard.shards, tensor.split(list(rows), dim=0), strict=True):
-                module.weight_loader(param, part.to(param.dtype), shard_id)
+            parts = list(zip(shard.shards, tensor.split(list(rows), dim=0), strict=True))
         else:
-            module.weight_loader(param, tensor.to(param.dtype), shard)
+            parts = [(shard, tensor)]
+        for shard_id, part in parts:
+            try:
+                module.weight_loader(param, part.to(param.dtype), shard_id)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
         return True

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.metrics.capacity import ProbeSize
+from ppserve.model.quant.config import stored_weight_bytes
 from ppserve.plan.space import Cluster
 from ppserve.sim.cost_model import ModelSpec, load_hardware, load_model_spec
 from ppserve.sim.lengths import LENGTH_DISTRIBUTIONS
@@ -20,7 +21,8 @@ _GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 
 
 def model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
-    """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen, Falcon-style names)."""
+    """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen, Falcon-style names); a
+    quantized checkpoint's linear weights count at their stored bytes."""
     def get(*keys: str, default: Any = None) -> Any:
         for k in keys:
             if cfg.get(k) is not None:
@@ -44,6 +46,7 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
         max_model_len=int(get("max_position_embeddings", "max_seq_len", default=4096)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=int(cfg.get("head_dim") or 0),
+        linear_weight_bytes=stored_weight_bytes(cfg) or 0.0,
     )
 
 

@@ -217,6 +217,10 @@ class ModelSpec:
     mlp: str = "swiglu"  # swiglu (3 matrices) | gelu (2 matrices)
     max_model_len: int = 4096
     dtype_bytes: int = 2
+    # Bytes per decoder-layer matmul weight as stored (0: dtype_bytes): 1 for FP8 or INT8, about 0.56 for
+    # INT4 in groups of 128 with their scales. Embeddings, norms, activations and the KV cache keep
+    # dtype_bytes.
+    linear_weight_bytes: float = 0.0
     tied_embeddings: bool = False
     # 0: hidden_size // num_heads. Set it where heads are not a split of the hidden size (Qwen3-32B:
     # hidden 5120, 64 heads of 128, so the query projection is 8192 wide).
@@ -232,6 +236,9 @@ class ModelSpec:
                                      and self.expert_intermediate_size > 0 and self.mlp == "swiglu"):
             raise ValueError(f"model {self.name}: an MoE needs 1 <= experts_per_token <= num_experts, "
                              "expert_intermediate_size > 0 and a swiglu mlp")
+        if self.linear_weight_bytes < 0:
+            raise ValueError(f"model {self.name}: linear_weight_bytes must be >= 0, got "
+                             f"{self.linear_weight_bytes}")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -245,6 +252,11 @@ class ModelSpec:
                 raise ValueError(f"model {self.name}: num_heads {self.num_heads} does not divide hidden_size "
                                  f"{self.hidden_size}; give head_dim explicitly")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    @property
+    def matmul_bytes(self) -> float:
+        """Bytes one decoder-layer matmul weight occupies and a step reads."""
+        return self.linear_weight_bytes or float(self.dtype_bytes)
 
     @property
     def q_dim(self) -> int:
@@ -336,7 +348,7 @@ def stage_weight_bytes(model: ModelSpec, layers: int, first: bool, last: bool, t
     first stage, the LM head on the last (a tied head is one matrix when one stage holds both ends)."""
     table = model.vocab_size * model.hidden_size / tp
     ends = (table if first else 0.0) + (table if last and not (first and model.tied_embeddings) else 0.0)
-    return (layers * model.layer_params_per_rank(tp) + ends) * model.dtype_bytes
+    return layers * model.layer_params_per_rank(tp) * model.matmul_bytes + ends * model.dtype_bytes
 
 
 def kv_cache_blocks(model: ModelSpec, hw: HardwareSpec, num_stages: int, tp: int, block_size: int,
@@ -422,7 +434,7 @@ class RooflineCostModel:
         flops = 2.0 * num_tokens * per_token
         # Weights dominate the bytes; activations in and out of each matmul matter only for huge chunks.
         act = 4.0 * num_tokens * (m.hidden_size + m.intermediate_size / self.tp) * m.dtype_bytes
-        nbytes = read * m.dtype_bytes + act
+        nbytes = read * m.matmul_bytes + act
         return _roofline(flops, nbytes, hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
 
     def attention_time(self, chunks: Sequence[tuple[int, int]]) -> float:

@@ -162,12 +162,3 @@ def test_conversion_race_loser_keeps_winners_directory(tmp_path: Path,
     assert loader.convert_gguf(fake, tmp_path / "cache") == first
     assert json.loads((first / "config.json").read_text()) == {"who": "winner"}
     assert not list((tmp_path / "cache").glob(".converting-*"))
-
-
-def test_quantized_checkpoint_is_refused_with_its_method(model_dir: Path) -> None:
-    """A config.json with a quantization_config fails at load, naming its method, instead of reading
-    packed or scaled tensors as plain weights."""
-    config = read_hf_config(model_dir)
-    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
-    with pytest.raises(ValueError, match="quant_method='compressed-tensors'"):
-        describe_model(config)

@@ -1,0 +1,140 @@
+"""Quantized checkpoints load and compute what transformers computes from the same checkpoint.
+
+compressed-tensors checkpoints are compared with transformers' own decompression of them; GPTQ and AWQ
+(which transformers reads only through libraries not installed here) with transformers on the float
+weights their codes encode. Weights are dequantized at load, so in float32 the logits are the reference's
+to float32 rounding, at every pipeline cut and at TP 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.model_helpers import (
+    TP_PROMPTS,
+    PagedRunner,
+    hf_logits,
+    hf_model,
+    load_stages,
+    make_tiny_llama_dir,
+    tp_scenario,
+    tp_worker,
+)
+from tests.quant_helpers import awq_copy, compressed_tensors_copy, gptq_copy, hf_dequantized
+
+pytest.importorskip("compressed_tensors")
+
+PROMPT = [5, 17, 99, 3, 250, 42, 8, 61, 77, 12, 200, 31, 4, 4, 9]
+# (preset, format, group size): every weight layout ppserve reads from compressed-tensors.
+CT_SCHEMES = [("W4A16", "pack-quantized", 32), ("W4A16_ASYM", "pack-quantized", 32),
+              ("W8A16", "pack-quantized", 32), ("W8A8", "int-quantized", None),
+              ("FP8", "float-quantized", None), ("FP8_DYNAMIC", "float-quantized", None)]
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("quant") / "float", num_layers=3)
+
+
+def _pp_logits(model_dir: Path, cuts: list[int]) -> torch.Tensor:
+    return PagedRunner(load_stages(model_dir, cuts)).run_chunked(0, PROMPT, 6)
+
+
+@pytest.mark.parametrize("preset,fmt,group", CT_SCHEMES, ids=[s[0] for s in CT_SCHEMES])
+def test_compressed_tensors_match_transformers(float_dir: Path, tmp_path: Path, preset: str, fmt: str,
+                                               group: int | None) -> None:
+    qdir = compressed_tensors_copy(float_dir, tmp_path / preset, preset, fmt, group)
+    expected = hf_logits(hf_dequantized(qdir), PROMPT)
+    assert not torch.allclose(expected, hf_logits(hf_model(float_dir), PROMPT), atol=1e-3), \
+        "quantization changed nothing: the test would not see a float load"
+    for cuts in ([0, 3], [0, 1, 3], [0, 1, 2, 3]):  # pp 1, 2, 3
+        torch.testing.assert_close(_pp_logits(qdir, cuts), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits,sym,desc_act", [(4, True, True), (4, False, False), (8, True, False)])
+def test_gptq_matches_its_dequantized_weights(float_dir: Path, tmp_path: Path, bits: int, sym: bool,
+                                              desc_act: bool) -> None:
+    qdir, ref = gptq_copy(float_dir, tmp_path / "gptq", tmp_path / "ref", bits, 32, sym, desc_act)
+    expected = hf_logits(hf_model(ref), PROMPT)
+    torch.testing.assert_close(_pp_logits(qdir, [0, 3]), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_pp_logits(qdir, [0, 2, 3]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_awq_matches_its_dequantized_weights(float_dir: Path, tmp_path: Path) -> None:
+    qdir, ref = awq_copy(float_dir, tmp_path / "awq", tmp_path / "ref", 32)
+    expected = hf_logits(hf_model(ref), PROMPT)
+    torch.testing.assert_close(_pp_logits(qdir, [0, 1, 3]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path) -> None:
+    """Two gloo ranks each load their shard of a W4A16 checkpoint: the same logits as one rank."""
+    qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16_ASYM", "pack-quantized", 32)
+    single = tp_scenario(load_stages(qdir, [0, 3])[0])
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(qdir), TP_PROMPTS, str(tmp_path)), nprocs=2,
+             join=True)
+    for got, want in zip(torch.load(tmp_path / "logits.pt"), single, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_output_equals_transformers_through_the_engine(float_dir: Path, tmp_path: Path) -> None:
+    """The whole engine at pp 2 on a W4A16 checkpoint: greedy tokens equal transformers' on it."""
+    from tests.oracle import greedy_continuations, ppserve_greedy, random_prompts
+
+    qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16", "pack-quantized", 32)
+    prompts = random_prompts(3, [9, 23, 4])
+    expected = greedy_continuations(hf_dequantized(qdir), prompts, 12)
+    got, _ = ppserve_greedy(qdir, prompts, 12, executor="inproc", pipeline_parallel_size=2,
+                            token_budget=16)
+    assert got == expected
+
+
+def _with_quant(float_dir: Path, dst: Path, quantization_config: dict) -> Path:
+    import shutil
+
+    shutil.copytree(float_dir, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("quantization_config,message", [
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'.*compressed-tensors, gptq, awq"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "quantization_config is not valid"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ 4-bit 'gemv'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "type": "float", "group_size": 16, "strategy": "group"}}}},
+     "format 'nvfp4-pack-quantized'"),
+])
+def test_unsupported_quantization_fails_before_loading(float_dir: Path, tmp_path: Path,
+                                                       quantization_config: dict, message: str) -> None:
+    from ppserve.model.loader import read_hf_config
+    from ppserve.model.registry import describe_model
+
+    qdir = _with_quant(float_dir, tmp_path / "bad", quantization_config)
+    with pytest.raises(ValueError, match=message):
+        describe_model(read_hf_config(qdir))
+
+
+def test_broken_quantized_tensors_name_the_layer(float_dir: Path, tmp_path: Path) -> None:
+    """A missing scale tensor and a weight_shape that disagrees with the config fail naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16", "pack-quantized", 32)
+    state = load_file(qdir / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight_shape"] = torch.tensor([128, 32])
+    save_file(state, qdir / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.1.mlp.up_proj|up_proj|shape"):
+        load_stages(qdir, [0, 3])
+    state.pop("model.layers.1.mlp.up_proj.weight_shape")
+    state.pop("model.layers.0.self_attn.o_proj.weight_packed")
+    save_file(state, qdir / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.0.self_attn.o_proj"):
+        load_stages(qdir, [0, 3])
