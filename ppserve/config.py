@@ -53,6 +53,9 @@ class ModelConfig:
     kernel_cache_dir: str | None = None  # built kernels; None = <cache root>/kernels (PPSERVE_KERNEL_CACHE)
     # MoE experts: auto (Triton on CUDA, else grouped) | grouped | triton (PPSERVE_MOE_KERNEL)
     moe_kernel: str = "auto"
+    # None: the checkpoint's weights as stored (a quantized checkpoint stays quantized) | int8: a
+    # floating-point checkpoint's linear weights made weight-only int8 at load (half bf16's memory)
+    quantization: str | None = None
     # A Jinja chat template file that replaces the model's (vLLM's --chat-template); None: the model's
     # own, or ppserve's tool-aware one where tools are used and the model's template knows none
     chat_template: str | None = None
@@ -72,6 +75,8 @@ class ModelConfig:
             raise ValueError(f"model.linear_path must be auto, packed or plain, got {self.linear_path!r}")
         if self.moe_kernel not in ("auto", "grouped", "triton"):
             raise ValueError(f"model.moe_kernel must be auto, grouped or triton, got {self.moe_kernel!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"model.quantization must be null or int8, got {self.quantization!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"model.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch!r}")
 

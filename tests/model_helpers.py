@@ -81,11 +81,11 @@ class PagedRunner:
     """
 
     def __init__(self, stages: Sequence[StageModel], num_blocks: int = 128, block_size: int = 4,
-                 seed: int = 0) -> None:
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.stages = list(stages)
         self.block_size = block_size
         self.caches = [allocate_kv_cache(s.num_local_layers, num_blocks, block_size, s.num_kv_heads_local,
-                                         s.arch.head_dim, torch.float32, "cpu") for s in self.stages]
+                                         s.arch.head_dim, dtype, "cpu") for s in self.stages]
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
@@ -145,16 +145,17 @@ def load_stages(model_dir: Path, cuts: Sequence[int], tp: TPContext = TPContext(
 
 
 def tp_worker(rank: int, size: int, init_file: str, model_dir: str, prompts: list[list[int]],
-              out_dir: str) -> None:
-    """One TP rank (spawned process): load its shards, run a chunked prefill and a mixed batch, save
-    logits."""
+              out_dir: str, dtype: str = "float32") -> None:
+    """One TP rank (spawned process): load its shards in `dtype`, run a chunked prefill and a mixed batch,
+    save logits."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
     try:
         tp = TPContext(rank=rank, size=size, group=dist.group.WORLD)
-        stage = load_stage_model(Path(model_dir), 0, load_num_layers(Path(model_dir)), tp)
+        stage = load_stage_model(Path(model_dir), 0, load_num_layers(Path(model_dir)), tp,
+                                 dtype=getattr(torch, dtype))
         results = tp_scenario(stage)
         if rank == 0:
             torch.save(results, Path(out_dir) / "logits.pt")
@@ -173,7 +174,7 @@ TP_PROMPTS = [[5, 17, 99, 3, 250, 42, 8, 61, 77, 12, 200, 31], [9, 8, 7, 6, 5]]
 
 def tp_scenario(stage: StageModel) -> list[Tensor]:
     """The fixed workload the TP test runs on every rank and at tp=1: chunked prefills, then a mixed step."""
-    runner = PagedRunner([stage])
+    runner = PagedRunner([stage], dtype=next(stage.parameters()).dtype)
     a = runner.run_chunked(0, TP_PROMPTS[0], 5)
     b = runner.run_chunked(1, TP_PROMPTS[1][:3], 3)
     mixed = runner.step([(0, [4]), (1, TP_PROMPTS[1][3:]), (2, [11, 22, 33])])

@@ -1,10 +1,10 @@
-"""Quantized copies of a tiny float checkpoint: compressed-tensors by the library's own compressors, GPTQ and
-AWQ by a small packer written from their format definitions (no library here writes them), each with the
-float checkpoint of the weights they encode where transformers cannot read the format itself."""
+"""Quantized copies of a tiny float checkpoint: compressed-tensors by the library's own compressors
+(ppserve/model/quant/rtn.py), GPTQ and AWQ by a small packer written from their format definitions (no
+library here writes them), each with the float checkpoint of the weights they encode, since transformers
+reads those formats only through libraries not installed here."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -12,60 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from ppserve.model.quant.rtn import compressed_tensors_copy, copy_config, linear_names
 
-
-def _linear_names(state: dict[str, Tensor]) -> list[str]:
-    return [n[: -len(".weight")] for n in state
-            if n.endswith(".weight") and n.split(".")[-2] in LINEAR_SUFFIXES]
-
-
-def _copy_config(src: Path, dst: Path, quantization_config: dict) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config, default=str))
-    for extra in ("generation_config.json",):
-        if (src / extra).is_file():
-            shutil.copy(src / extra, dst / extra)
-
-
-def compressed_tensors_copy(src: Path, dst: Path, preset: str, fmt: str, group_size: int | None = None,
-                            scale_dtype: torch.dtype = torch.float32) -> Path:
-    """`src` quantized with a compressed-tensors preset scheme (W4A16, W4A16_ASYM, W8A16, W8A8, FP8,
-    FP8_DYNAMIC), scales from each weight's own min and max, stored in format `fmt`."""
-    from compressed_tensors.compressors.base import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    args = scheme.weights
-    assert args is not None
-    if group_size is not None:
-        args.group_size = group_size
-    compressor = BaseCompressor.get_value_from_registry(fmt)
-    state = load_file(src / "model.safetensors")
-    for name in _linear_names(state):
-        w = state.pop(f"{name}.weight")
-        if args.strategy == "group":
-            grouped = w.reshape(w.shape[0], -1, args.group_size)
-            lo, hi = grouped.amin(-1), grouped.amax(-1)
-        elif args.strategy == "channel":
-            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        else:
-            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
-        scale, zero = calculate_qparams(lo, hi, args)
-        local = {"weight": w, "weight_scale": scale.to(scale_dtype)}
-        if not args.symmetric:
-            local["weight_zero_point"] = zero
-        for key, value in compressor.compress(local, scheme).items():
-            state[f"{name}.{key}"] = value.contiguous()
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, ignore=["lm_head"],
-                                quantization_status=QuantizationStatus.COMPRESSED)
-    _copy_config(src, dst, config.model_dump(mode="json"))
-    return dst
+__all__ = ["awq_copy", "compressed_tensors_copy", "gptq_copy", "hf_dequantized"]
 
 
 def _quantize_groups(w: Tensor, bits: int, group: int, sym: bool, g_idx: Tensor,
@@ -112,7 +61,7 @@ def gptq_copy(src: Path, dst: Path, ref: Path, bits: int, group_size: int, sym: 
     state = load_file(src / "model.safetensors")
     reference = dict(state)
     gen = torch.Generator().manual_seed(0)
-    for name in _linear_names(state):
+    for name in linear_names(state):
         w = state.pop(f"{name}.weight")
         in_features = w.shape[1]
         g_idx = torch.arange(in_features, dtype=torch.int32) // group_size
@@ -135,7 +84,7 @@ def awq_copy(src: Path, dst: Path, ref: Path, group_size: int) -> tuple[Path, Pa
     state = load_file(src / "model.safetensors")
     reference = dict(state)
     order = (0, 2, 4, 6, 1, 3, 5, 7)
-    for name in _linear_names(state):
+    for name in linear_names(state):
         w = state.pop(f"{name}.weight")
         g_idx = torch.arange(w.shape[1], dtype=torch.int32) // group_size
         q, scales, zeros = _quantize_groups(w, 4, group_size, False, g_idx)
@@ -150,7 +99,7 @@ def awq_copy(src: Path, dst: Path, ref: Path, group_size: int) -> tuple[Path, Pa
 
 def _write_pair(src: Path, dst: Path, ref: Path, state: dict[str, Tensor], reference: dict[str, Tensor],
                 quantization_config: dict) -> tuple[Path, Path]:
-    _copy_config(src, dst, quantization_config)
+    copy_config(src, dst, quantization_config)
     save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
     shutil.copytree(src, ref, dirs_exist_ok=True)
     save_file(reference, ref / "model.safetensors", metadata={"format": "pt"})
@@ -159,9 +108,13 @@ def _write_pair(src: Path, dst: Path, ref: Path, state: dict[str, Tensor], refer
 
 def hf_dequantized(model_dir: Path) -> torch.nn.Module:
     """transformers' own reading of a compressed-tensors checkpoint, decompressed to float32 weights."""
+    import warnings
+
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    with warnings.catch_warnings():  # that the checkpoint's own quantization_config is the one used
+        warnings.simplefilter("ignore", UserWarning)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     model.generation_config.eos_token_id = None
     return model.eval()

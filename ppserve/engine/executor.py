@@ -73,7 +73,8 @@ def stage_spec(config: EngineConfig, model_dir: str, arch: ModelArch, stage: int
     start, end = ranges[stage]
     m = cfg.model
     kernels = KernelSettings(native=m.native_kernels, amx=m.amx_kernels, linear_path=m.linear_path,
-                             cache_dir=m.kernel_cache_dir, moe_kernel=m.moe_kernel)
+                             cache_dir=m.kernel_cache_dir, moe_kernel=m.moe_kernel,
+                             quantization=m.quantization)
     return StageSpec(
         model_dir=model_dir, arch=arch, stage=stage, num_stages=len(ranges), layer_start=start,
         layer_end=end, tp_rank=tp_rank, tp_size=par.tensor_parallel_size, dtype=cfg.model.dtype,

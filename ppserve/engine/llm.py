@@ -28,6 +28,7 @@ Conversation: TypeAlias = "list[dict[str, Any]]"
 _SHORTCUTS = {
     "model": ("model", "model"),
     "dtype": ("model", "dtype"),
+    "quantization": ("model", "quantization"),
     "attention_backend": ("model", "attention_backend"),
     "cuda_graphs": ("model", "cuda_graphs"),
     "cuda_graph_max_batch": ("model", "cuda_graph_max_batch"),

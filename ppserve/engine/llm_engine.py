@@ -89,7 +89,12 @@ class LLMEngine:
         from ppserve.model.registry import describe_model
 
         self.model_dir = resolve_model(self.config.model.model, self.config.model.cache_dir)
-        arch = describe_model(read_hf_config(self.model_dir))
+        hf_config = read_hf_config(self.model_dir)
+        arch = describe_model(hf_config)
+        if self.config.model.quantization is not None and "quantization_config" in hf_config:
+            raise ValueError(f"model.quantization={self.config.model.quantization} quantizes a "
+                             "floating-point checkpoint at load; this one is already quantized (its "
+                             "quantization_config is used as it is)")
         # generation_config.json's end-of-sequence ids end a request too (transformers' generate stops
         # on them), and its sampling fields are the defaults the front doors offer.
         self.sampling_defaults, gen_eos = read_generation_defaults(self.model_dir)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppserve.model.quant.codes import attach, codes_of
+
 
 class CheckpointTensor:
     """A window of rows [row_start, row_start + rows) of a safetensors tensor, read on indexing."""
@@ -63,7 +65,9 @@ class CheckpointTensor:
 
     def _read(self, index: tuple[slice, ...]) -> Tensor:
         t: Tensor = self._source[index] if index else self._source[:]
-        return t if self._dtype is None else t.to(self._dtype)
+        if self._dtype is None:
+            return t
+        return attach(t.to(self._dtype), codes_of(t))  # a quantized window's codes stay with it
 
 
 def as_tensor(x: Tensor | CheckpointTensor) -> Tensor:

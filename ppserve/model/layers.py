@@ -24,7 +24,10 @@ from ppserve.model import ops
 from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
 from ppserve.model.ops import native
 from ppserve.model.ops.gemm import PackedWeight, can_prepack
+from ppserve.model.ops.quant_gemm import QuantizedLinear, int8_codes, join_rows
+from ppserve.model.ops.settings import current
 from ppserve.model.parallel import TPContext
+from ppserve.model.quant.codes import CODE_PARTS, QuantCodes, codes_of
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -35,8 +38,38 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 def _copy_checked(param: nn.Parameter, shard: Tensor | CheckpointTensor, what: str) -> None:
     if param.shape != shard.shape:
         raise ValueError(f"{what}: expected shape {tuple(param.shape)}, got {tuple(shard.shape)}")
+    window = as_tensor(shard)
     with torch.no_grad():
-        param.copy_(as_tensor(shard))
+        param.copy_(window)
+    _keep_codes(param, 0, window)
+
+
+def _keep_codes(param: nn.Parameter, row_offset: int, window: Tensor) -> None:
+    """Remember the integer codes a quantized checkpoint's window carries, at the rows it fills, for the
+    layer's `prepack` (ppserve/model/quant/codes.py)."""
+    codes = codes_of(window)
+    if codes is not None:
+        parts: list[tuple[int, QuantCodes]] = getattr(param, CODE_PARTS, [])
+        parts.append((row_offset, codes))
+        setattr(param, CODE_PARTS, parts)
+
+
+def _quantized(weight: nn.Parameter) -> QuantizedLinear | None:
+    """The layer's weight packed for an integer kernel: the checkpoint's own codes where it loaded a
+    quantized layer, int8 codes made here under `model.quantization: int8`, else None (the float weight
+    serves). Once packed, the float copy is released (a one-element stand-in keeps its shape)."""
+    parts: list[tuple[int, QuantCodes]] | None = getattr(weight, CODE_PARTS, None)
+    if parts is not None:
+        delattr(weight, CODE_PARTS)
+        codes = join_rows(parts, weight.shape[0])
+        packed = None if codes is None else QuantizedLinear.build(codes, weight.dtype, weight.device)
+    elif current().quantization == "int8":
+        packed = QuantizedLinear.build(int8_codes(weight), weight.dtype, weight.device, float32_ok=True)
+    else:
+        return None
+    if packed is not None:
+        weight.data = weight.data.new_empty(1).expand(weight.shape)
+    return packed
 
 
 class RMSNorm(nn.Module):
@@ -148,11 +181,16 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _empty((self.out_end - self.out_start, in_features), dtype, device)
         self.bias = _empty((self.out_end - self.out_start,), dtype, device) if bias else None
         self.fast = PackedWeight()
+        self.quant: QuantizedLinear | None = None  # set by prepack() where an integer kernel serves
 
     def prepack(self) -> None:
-        self.fast.pack(self.weight)
+        self.quant = self.quant or _quantized(self.weight)
+        if self.quant is None:
+            self.fast.pack(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x, self.bias)
         return self.fast.linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
@@ -181,7 +219,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             tp.shard_range(s)  # validates divisibility of each part
 
     def prepack(self) -> None:
-        kernel = native.panel_gemm() if can_prepack(self.weight) else None
+        self.quant = self.quant or _quantized(self.weight)
+        kernel = native.panel_gemm() if self.quant is None and can_prepack(self.weight) else None
         if (kernel is not None and kernel.accepts(self.weight) and self.bias is None
                 and len(self.local_sizes) == 2 and self.local_sizes[0] == self.local_sizes[1]
                 and self.local_sizes[0] % 16 == 0):
@@ -190,7 +229,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             self.fast = PackedWeight()
         else:
             self.gate_up_panels = self.gate_up_kernel = None
-            super().prepack()
+            if self.quant is None:
+                self.fast.pack(self.weight)
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """silu(gate) * up [T, I_local] in one pass over the GEMM's output, or None where not available."""
@@ -215,6 +255,7 @@ def _copy_checked_slice(param: nn.Parameter, offset: int, shard: Tensor, what: s
         raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(shard.shape)}")
     with torch.no_grad():
         dst.copy_(shard)
+    _keep_codes(param, offset, shard)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -282,12 +323,15 @@ class RowParallelLinear(nn.Module):
         # The bias is replicated and added once, after the reduction.
         self.bias = _empty((out_features,), dtype, device) if bias else None
         self.fast = PackedWeight()
+        self.quant: QuantizedLinear | None = None  # set by prepack() where an integer kernel serves
 
     def prepack(self) -> None:
-        self.fast.pack(self.weight)
+        self.quant = self.quant or _quantized(self.weight)
+        if self.quant is None:
+            self.fast.pack(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.fast.linear(x, self.weight, None)
+        y = self.quant.linear(x, None) if self.quant is not None else self.fast.linear(x, self.weight, None)
         y = self.tp.all_reduce(y)  # the one collective inside a decoder layer's forward
         if self.bias is not None:
             y = y + self.bias

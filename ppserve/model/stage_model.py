@@ -25,6 +25,7 @@ from ppserve.model.attention import AttentionBackend, AttentionMetadata, SdpaBac
 from ppserve.model.checkpoint_tensor import CheckpointTensor
 from ppserve.model.layers import ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from ppserve.model.parallel import TPContext
+from ppserve.model.quant.codes import CODE_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,14 @@ class StageModel(nn.Module):
         return self.lm_head.logits_on_first_rank(hidden)
 
     # ---- weights ---------------------------------------------------------------------------------
+    def weight_bytes(self) -> int:
+        """Bytes this stage's weights hold: every parameter's storage once (a tied head shares the
+        embedding's; a linear layer served by an integer kernel keeps only a stand-in), plus the packed
+        integer weights."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.parameters()}
+        packed: int = sum(q.nbytes for m in self.modules() if (q := getattr(m, "quant", None)) is not None)
+        return sum(storages.values()) + packed
+
     def hf_names_needed(self) -> list[str]:
         """The checkpoint tensor names this stage must receive (used to report missing ones)."""
         names = [EMBED] if self.is_first else []
@@ -204,10 +213,14 @@ class StageModel(nn.Module):
         self.prepack()
 
     def prepack(self) -> None:
-        """Rebuild every linear layer's fast-path weight layout from its (just loaded) weight."""
+        """Rebuild every linear layer's fast-path weight layout from its (just loaded) weight; integer codes
+        no layer packed (a quantized tensor loaded into a float-only module) are dropped."""
         for module in self.modules():
             if module is not self and hasattr(module, "prepack"):
                 cast(_Prepacks, module).prepack()  # nn.Module types the attribute Tensor | Module
+        for param in self.parameters():
+            if hasattr(param, CODE_PARTS):
+                delattr(param, CODE_PARTS)
 
     def _load_one(self, name: str, tensor: Tensor | CheckpointTensor) -> bool:
         """Load one tensor if this stage needs it; returns whether it was used."""
@@ -253,5 +266,6 @@ class StageModel(nn.Module):
             try:
                 module.weight_loader(param, part.to(param.dtype), shard_id)
             except ValueError as e:
-                raise ValueError(f"{name}: {e}") from e
+                where = f" (TP rank {self.tp.rank} of {self.tp.size})" if self.tp.size > 1 else ""
+                raise ValueError(f"{name}{where}: {e}") from e
         return True

@@ -147,7 +147,7 @@ class StageWorker:
 
     # ---- KV cache ------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.model.weight_bytes()
 
     def graphs_mode(self) -> str:
         """'capture', 'eager' or 'off' for decode-only microbatches (see decode_graphs.py)."""

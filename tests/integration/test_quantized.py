@@ -71,14 +71,31 @@ def test_awq_matches_its_dequantized_weights(float_dir: Path, tmp_path: Path) ->
     torch.testing.assert_close(_pp_logits(qdir, [0, 1, 3]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path) -> None:
-    """Two gloo ranks each load their shard of a W4A16 checkpoint: the same logits as one rank."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, dtype: str) -> None:
+    """Two gloo ranks each load their shard of a W4A16 checkpoint (in bf16, their shard of the codes, on
+    the int4 kernel): the same logits as one rank, to float32 rounding or bf16 tolerance."""
+    from ppserve.model.loader import load_stage_model
+
     qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16_ASYM", "pack-quantized", 32)
-    single = tp_scenario(load_stages(qdir, [0, 3])[0])
-    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(qdir), TP_PROMPTS, str(tmp_path)), nprocs=2,
-             join=True)
+    single = tp_scenario(load_stage_model(qdir, 0, 3, dtype=getattr(torch, dtype)))
+    mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(qdir), TP_PROMPTS, str(tmp_path), dtype),
+             nprocs=2, join=True)
     for got, want in zip(torch.load(tmp_path / "logits.pt"), single, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            _agrees(got.float(), want.float())
+
+
+def test_group_that_splits_a_tp_shard_names_the_layer(float_dir: Path, tmp_path: Path) -> None:
+    """Groups of 64 over o_proj's 64 input columns cannot be split over 2 ranks: the load says where."""
+    from ppserve.model.loader import load_stage_model
+    from ppserve.model.parallel import TPContext
+
+    qdir = compressed_tensors_copy(float_dir, tmp_path / "g64", "W4A16", "pack-quantized", 64)
+    with pytest.raises(ValueError, match=r"o_proj.weight \(TP rank 1 of 2\).*group size 64"):
+        load_stage_model(qdir, 0, 3, TPContext(rank=1, size=2, group=object()))
 
 
 def test_greedy_output_equals_transformers_through_the_engine(float_dir: Path, tmp_path: Path) -> None:
@@ -138,3 +155,105 @@ def test_broken_quantized_tensors_name_the_layer(float_dir: Path, tmp_path: Path
     save_file(state, qdir / "model.safetensors")
     with pytest.raises(ValueError, match="layers.0.self_attn.o_proj"):
         load_stages(qdir, [0, 3])
+
+
+# ---- bf16: the integer kernels ----------------------------------------------------------------------
+
+def _bf16_stage(model_dir: Path):
+    from ppserve.model.loader import iter_weights, read_hf_config
+    from ppserve.model.registry import build_stage_model, describe_model
+
+    arch = describe_model(read_hf_config(model_dir))
+    model = build_stage_model(arch, 0, arch.num_layers, dtype=torch.bfloat16)
+    model.load_weights(iter_weights(model_dir, 0, arch.num_layers, arch.num_layers, need_embed=True,
+                                    need_head=True))
+    return model.eval()
+
+
+def _bf16_logits(model) -> torch.Tensor:
+    return PagedRunner([model], dtype=torch.bfloat16).run_chunked(0, PROMPT, 6).float()
+
+
+def _linear_kinds(model) -> set[str | None]:
+    from ppserve.model.layers import ColumnParallelLinear, RowParallelLinear
+
+    return {m.quant.kind if m.quant is not None else None for m in model.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 tolerance: within 5 % of the largest logit, the same top token at 80 % of positions or more."""
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.8
+
+
+@pytest.mark.parametrize("preset,fmt,kind,bytes_ratio", [
+    ("W4A16", "pack-quantized", "int4", 0.35), ("W4A16_ASYM", "pack-quantized", "int4", 0.35),
+    ("W8A8", "int-quantized", "int8", 0.55)])
+def test_bf16_serves_on_the_integer_kernels(float_dir: Path, tmp_path: Path, preset: str, fmt: str, kind: str,
+                                            bytes_ratio: float) -> None:
+    """In bf16 every linear layer keeps the checkpoint's codes packed for torch's kernel (its float copy
+    released) and agrees with transformers' float32 reading of the checkpoint to bf16 tolerance."""
+    qdir = compressed_tensors_copy(float_dir, tmp_path / preset, preset, fmt, 32)
+    model, plain = _bf16_stage(qdir), _bf16_stage(float_dir)
+    assert _linear_kinds(model) == {kind}
+    ends = sum(p.numel() * 2 for n, p in plain.named_parameters() if "layers." not in n)
+    assert model.weight_bytes() - ends <= bytes_ratio * (plain.weight_bytes() - ends)
+    _agrees(_bf16_logits(model), hf_logits(hf_dequantized(qdir), PROMPT))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_bf16_gptq_and_awq_run_the_int4_kernel(float_dir: Path, tmp_path: Path, method: str) -> None:
+    if method == "gptq":
+        qdir, ref = gptq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 4, 32, sym=False)
+    else:
+        qdir, ref = awq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 32)
+    model = _bf16_stage(qdir)
+    assert _linear_kinds(model) == {"int4"}
+    _agrees(_bf16_logits(model), hf_logits(hf_model(ref), PROMPT))
+
+
+def test_codes_dequantize_to_the_librarys_weights(float_dir: Path, tmp_path: Path) -> None:
+    """The codes kept for the kernels encode exactly the weight the library decompresses, per format."""
+    from ppserve.model.loader import iter_weights
+    from ppserve.model.quant.codes import codes_of
+
+    for preset, fmt in (("W4A16_ASYM", "pack-quantized"), ("W4A16", "pack-quantized"),
+                        ("W8A8", "int-quantized")):
+        qdir = compressed_tensors_copy(float_dir, tmp_path / preset, preset, fmt, 32)
+        for name, tensor in iter_weights(qdir, 0, 3, 3, need_embed=False, need_head=False):
+            if not name.endswith("proj.weight"):
+                continue
+            window = tensor[:]
+            codes = codes_of(window)
+            assert codes is not None, name
+            g = codes.group_size
+            scales = codes.scales.float().repeat_interleave(g, 1)
+            zeros = codes.zeros.float().repeat_interleave(g, 1)
+            torch.testing.assert_close((codes.q.float() - zeros) * scales, window.float(), rtol=0, atol=0)
+
+
+def test_on_the_fly_int8_halves_the_linear_weights(float_dir: Path) -> None:
+    """`model.quantization: int8` on a float checkpoint: int8 kernels, about half bf16's bytes, and
+    transformers' float32 logits to int8-and-bf16 tolerance."""
+    from ppserve.model.ops import settings
+
+    before = settings.current()
+    plain = _bf16_stage(float_dir)
+    settings.configure(settings.KernelSettings(quantization="int8"))
+    try:
+        model = _bf16_stage(float_dir)
+    finally:
+        settings.configure(before)
+    assert _linear_kinds(model) == {"int8"} and _linear_kinds(plain) == {None}
+    ends = sum(p.numel() * 2 for n, p in plain.named_parameters() if "layers." not in n)
+    assert model.weight_bytes() - ends <= 0.55 * (plain.weight_bytes() - ends)
+    _agrees(_bf16_logits(model), hf_logits(hf_model(float_dir), PROMPT))
+
+
+def test_int8_of_a_quantized_checkpoint_is_refused(float_dir: Path, tmp_path: Path) -> None:
+    from ppserve import LLM
+
+    qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16", "pack-quantized", 32)
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(str(qdir), quantization="int8", executor="inproc")

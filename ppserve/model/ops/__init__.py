@@ -20,6 +20,9 @@ so float32 output stays identical to transformers. Which kernels a process may u
 #   sort, searchsorted, index ops
 # - linear (`gemm.PackedWeight`) | gemm_amx.c (bf16, AMX) | oneDNN prepacked or plain `F.linear`, timed per
 #   shape
+# - quantized linear (`quant_gemm.QuantizedLinear`, a quantized checkpoint's codes or `model.quantization:
+#   int8`) | none: torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` (CUDA: int4 tinygemm) |
+#   the dequantized weight on the linear path above
 # - attention (`model/attention.py`) | paged_attention.c (decode), prefill_attention_amx.c (bf16 chunks, AMX)
 #   | SDPA; flash-attn on CUDA
 

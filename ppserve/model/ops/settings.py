@@ -16,6 +16,7 @@ from ppserve.cache import cache_root
 
 LINEAR_PATHS = ("auto", "packed", "plain")
 MOE_KERNELS = ("auto", "grouped", "triton")
+QUANTIZATIONS = (None, "int8")
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,16 @@ class KernelSettings:
     # model.kernel_cache_dir: where built kernels are kept (<cache root>/kernels, ppserve/cache.py)
     cache_dir: str | None = None
     moe_kernel: str = "auto"  # model.moe_kernel: the MoE experts' path (ops/moe.py): auto | grouped | triton
+    # model.quantization: None, or "int8" (linear weights of a float checkpoint made int8 at load)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.linear_path not in LINEAR_PATHS:
             raise ValueError(f"linear path must be one of {LINEAR_PATHS}, got {self.linear_path!r}")
         if self.moe_kernel not in MOE_KERNELS:
             raise ValueError(f"MoE kernel must be one of {MOE_KERNELS}, got {self.moe_kernel!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
 
     @property
     def kernel_cache(self) -> Path:

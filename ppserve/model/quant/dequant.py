@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppserve.model.quant.codes import QuantCodes, attach, from_grouped, from_signed
 from ppserve.model.quant.config import Quantization, WeightQuant
 
 # The tensors each method stores per quantized linear layer, by suffix after the module's name.
@@ -31,12 +32,14 @@ MARKER = {"compressed-tensors": "weight_scale", "gptq": "qweight", "awq": "qweig
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def dequantize(quant: Quantization, module: str, parts: dict[str, Tensor]) -> Tensor:
-    """The float weight [out, in] of checkpoint module `module` from its stored `parts` (by suffix)."""
+def dequantize(quant: Quantization, module: str,
+               parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
+    """The float weight [out, in] of checkpoint module `module` from its stored `parts` (by suffix), and
+    its integer codes where the format has them (int4 and int8; not fp8, nor GPTQ's shuffled groups)."""
     scheme = quant.scheme_for(module)
     try:
         if quant.method == "compressed-tensors":
-            return _compressed_tensors(quant, module, parts)
+            return _compressed_tensors(quant, scheme, module, parts)
         if quant.method == "gptq":
             return _gptq(scheme, parts, quant.gptq_v1_zeros)
         return _awq(scheme, parts)
@@ -44,8 +47,10 @@ def dequantize(quant: Quantization, module: str, parts: dict[str, Tensor]) -> Te
         raise ValueError(f"{module}: the {quant.method} checkpoint lacks its {e.args[0]} tensor") from None
 
 
-def _compressed_tensors(quant: Quantization, module: str, parts: dict[str, Tensor]) -> Tensor:
+def _compressed_tensors(quant: Quantization, scheme: WeightQuant, module: str,
+                        parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
     from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     if "weight_g_idx" in parts:
         raise ValueError(f"{module}: compressed-tensors group activation ordering (weight_g_idx) is not "
@@ -59,7 +64,18 @@ def _compressed_tensors(quant: Quantization, module: str, parts: dict[str, Tenso
         raise ValueError(f"{module}: weight_scale is stored but the weight is {local['weight'].dtype}, "
                          f"not the {fmt} format's integer or fp8 type")
     weight: Tensor = compressor.decompress(local, ct_scheme)["weight"]
-    return weight
+    if scheme.kind != "int":
+        return weight, None
+    out, inp = weight.shape
+    if "weight_packed" in parts:
+        q = unpack_from_int32(parts["weight_packed"], scheme.bits, torch.Size([out, inp]))
+    else:
+        q = parts["weight"]
+    zero = parts.get("weight_zero_point")
+    scale = parts["weight_scale"]
+    if zero is not None and "weight_packed" in parts and scale.dim() == 2:
+        zero = unpack_from_int32(zero, scheme.bits, torch.Size(scale.shape), packed_dim=0)
+    return weight, from_signed(scheme.bits, q, scale, zero, inp)
 
 
 def _unpack_rows(packed: Tensor, bits: int) -> Tensor:
@@ -81,7 +97,7 @@ def _unpack_cols(packed: Tensor, bits: int, order: tuple[int, ...] | None = None
     return values.reshape(packed.shape[0], packed.shape[1] * per)
 
 
-def _gptq(scheme: WeightQuant, parts: dict[str, Tensor], v1_zeros: bool) -> Tensor:
+def _gptq(scheme: WeightQuant, parts: dict[str, Tensor], v1_zeros: bool) -> tuple[Tensor, QuantCodes | None]:
     bits = scheme.bits
     q = _unpack_rows(parts["qweight"], bits)  # [in, out]
     scales = parts["scales"]  # [groups, out]
@@ -96,10 +112,12 @@ def _gptq(scheme: WeightQuant, parts: dict[str, Tensor], v1_zeros: bool) -> Tens
         g_idx = torch.arange(in_features) // size
     _check_groups(g_idx, scales.shape[0], in_features, "GPTQ")
     w = (q - zeros[g_idx]).to(scales.dtype) * scales[g_idx]
-    return w.t().contiguous()
+    size = in_features // scales.shape[0]
+    in_order = bool((g_idx == torch.arange(in_features) // size).all())  # desc_act may shuffle the groups
+    return w.t().contiguous(), from_grouped(bits, q, scales, zeros, size) if in_order else None
 
 
-def _awq(scheme: WeightQuant, parts: dict[str, Tensor]) -> Tensor:
+def _awq(scheme: WeightQuant, parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
     q = _unpack_cols(parts["qweight"], 4, AWQ_ORDER)  # [in, out]
     scales = parts["scales"]  # [groups, out]
     zeros = _unpack_cols(parts["qzeros"], 4, AWQ_ORDER)[:, :q.shape[1]]
@@ -107,7 +125,7 @@ def _awq(scheme: WeightQuant, parts: dict[str, Tensor]) -> Tensor:
     g_idx = torch.arange(in_features) // (scheme.group_size or in_features)
     _check_groups(g_idx, scales.shape[0], in_features, "AWQ")
     w = (q - zeros[g_idx]).to(scales.dtype) * scales[g_idx]
-    return w.t().contiguous()
+    return w.t().contiguous(), from_grouped(4, q, scales, zeros, scheme.group_size or in_features)
 
 
 def _check_groups(g_idx: Tensor, groups: int, in_features: int, method: str) -> None:
@@ -117,23 +135,26 @@ def _check_groups(g_idx: Tensor, groups: int, in_features: int, method: str) -> 
 
 class QuantizedSource:
     """One quantized layer's stored tensors, read and dequantized the first time any window is asked for
-    (then kept until the loader drops it): a `CheckpointTensor` source, like a safetensors slice."""
+    (then kept until the loader drops it): a `CheckpointTensor` source, like a safetensors slice. Each
+    window carries the matching window of the integer codes, where there are codes (codes.attach)."""
 
-    def __init__(self, shape: tuple[int, ...], read: Callable[[], Tensor]) -> None:
+    def __init__(self, shape: tuple[int, ...], read: Callable[[], tuple[Tensor, QuantCodes | None]]) -> None:
         self._shape = list(shape)
         self._read = read
         self._full: Tensor | None = None
+        self._codes: QuantCodes | None = None
 
     def get_shape(self) -> list[int]:
         return self._shape
 
     def __getitem__(self, index: Any) -> Tensor:
         if self._full is None:
-            self._full = self._read()
+            self._full, self._codes = self._read()
             if list(self._full.shape) != self._shape:
                 raise ValueError(f"dequantized weight has shape {tuple(self._full.shape)}, the stored "
                                  f"tensors say {tuple(self._shape)}")
-        return self._full[index]
+        window = self._full[index]
+        return attach(window, None if self._codes is None else self._codes.window(index))
 
 
 def stored_shape(quant: Quantization, module: str, shapes: dict[str, list[int]],

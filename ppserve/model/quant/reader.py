@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from ppserve.model.checkpoint_tensor import CheckpointTensor
+from ppserve.model.quant.codes import QuantCodes
 from ppserve.model.quant.config import Quantization
 from ppserve.model.quant.dequant import MARKER, STORED, QuantizedSource, dequantize, stored_shape
 
@@ -50,7 +51,7 @@ def _dequantized(quant: Quantization, module: str, slices: dict[str, Any]) -> Ch
 
     shape = stored_shape(quant, module, shapes, read_one)
 
-    def read() -> Tensor:
+    def read() -> tuple[Tensor, QuantCodes | None]:
         try:
             return dequantize(quant, module, {s: read_one(s) for s in present})
         except (RuntimeError, IndexError) as e:  # the library's and torch's shape errors

@@ -1,0 +1,117 @@
+"""A linear layer kept as integer codes and multiplied by torch's packed weight-only kernels.
+
+`QuantizedLinear.build` takes the codes a layer collected while loading (its TP shard of a quantized
+checkpoint, ppserve/model/quant/codes.py, or codes made from a float weight by `int8_codes` for
+`model.quantization: int8`) and packs them for the kernel the device has:
+
+- int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu` on CPU, tinygemm
+  `_weight_int4pack_mm` on CUDA. Both dequantize as (q - 8) * scale + zero with the zero point in the float
+  domain, so an unsigned code q with integer zero z has float zero (8 - z) * scale.
+- int8 with one symmetric scale a row (W8A8's weights, GPTQ 8-bit without groups, on-the-fly int8):
+  `_weight_int8pack_mm` on CPU.
+
+Anything else returns None, and the layer keeps the dequantized float weight (fp8 on CPU, which torch
+can only multiply through a much slower `_scaled_mm`; group-wise or asymmetric int8): the choice and its
+measurements are in docs/decisions.md#quantized-weights-on-cpu. Activations stay in the model's dtype
+(bf16): the kernels are weight-only, which is also what transformers computes for these checkpoints.
+The kernels take any row count and read no value back to the host, so a decode step that uses them can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from ppserve.model.quant.codes import QuantCodes
+
+INT4_GROUPS = (32, 64, 128, 256)
+# tinygemm's CUDA layout tiles K by inner_k_tiles x 16 columns.
+CUDA_INNER_K_TILES = 8
+
+
+def join_rows(parts: Sequence[tuple[int, QuantCodes]], rows: int) -> QuantCodes | None:
+    """The codes of rows [0, rows) from windows (row offset, codes), or None unless they tile it exactly
+    with one bit width and group size."""
+    if not parts:
+        return None
+    ordered = sorted(parts, key=lambda p: p[0])
+    first = ordered[0][1]
+    at = 0
+    for offset, codes in ordered:
+        if offset != at or codes.bits != first.bits or codes.group_size != first.group_size:
+            return None
+        at += codes.q.shape[0]
+    if at != rows:
+        return None
+    return QuantCodes(first.bits, first.group_size, torch.cat([c.q for _, c in ordered]),
+                      torch.cat([c.scales for _, c in ordered]), torch.cat([c.zeros for _, c in ordered]))
+
+
+def int8_codes(weight: Tensor) -> QuantCodes:
+    """Symmetric int8 codes of a float weight [out, in], one scale a row (round to nearest)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scales).clamp(-127, 127).to(torch.int16) + 128
+    zeros = torch.full_like(scales, 128, dtype=torch.int16)
+    return QuantCodes(8, w.shape[1], q.to(torch.uint8), scales, zeros)
+
+
+class QuantizedLinear:
+    """y = x W^T with W held packed for an integer weight-only kernel ('int4' or 'int8')."""
+
+    def __init__(self, kind: str, packed: Tensor, scales: Tensor, group_size: int,
+                 out_features: int) -> None:
+        self.kind, self.packed, self.scales = kind, packed, scales
+        self.group_size, self.out_features = group_size, out_features
+
+    @staticmethod
+    def build(codes: QuantCodes, dtype: torch.dtype, device: torch.device,
+              float32_ok: bool = False) -> QuantizedLinear | None:
+        """Packed for this device's kernel, or None where no kernel takes these codes in `dtype`. A float32
+        model keeps a checkpoint's dequantized weight (plain F.linear, exact against transformers); only
+        int8 made from its own weights (`float32_ok`) runs the int8 kernel in float32."""
+        if dtype != torch.bfloat16 and not (float32_ok and dtype == torch.float32):
+            return None
+        out, inp = codes.q.shape
+        q = codes.q.to(device)
+        scales = codes.scales.to(device=device, dtype=torch.float32)
+        int4_shape = codes.group_size in INT4_GROUPS and inp % codes.group_size == 0 and out % 16 == 0
+        if codes.bits == 4 and dtype == torch.bfloat16 and int4_shape:
+            zeros = (8 - codes.zeros.to(device=device, dtype=torch.float32)) * scales
+            # [groups, out, 2]: each group's scale and float zero for every output row
+            scales_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype)
+            if device.type == "cpu":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            elif device.type == "cuda" and inp % (CUDA_INNER_K_TILES * 16) == 0 and out % 8 == 0:
+                pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # two codes a byte, the even one high
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs, CUDA_INNER_K_TILES)
+            else:
+                return None
+            return QuantizedLinear("int4", cast(Tensor, packed), scales_zeros, codes.group_size, out)
+        if codes.bits == 8 and codes.group_size == inp and codes.symmetric and device.type == "cpu":
+            signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
+            return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out)
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        """x [T, in] in bf16 -> [T, out]."""
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.kind == "int8":
+            y = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales))
+        elif x2.device.type == "cpu":
+            y = cast(Tensor, torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
+                                                                         self.scales))
+        else:
+            y = cast(Tensor, torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size,
+                                                                 self.scales))
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
