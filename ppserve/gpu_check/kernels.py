@@ -90,6 +90,47 @@ def _ops_cases(dtype: Any, device: str) -> dict[str, Any]:
     }
 
 
+def _quant_cases(device: str) -> dict[str, Any]:
+    """The quantized linears' kernels (model/ops/quant_gemm.py) against float64 on the weights their codes
+    encode (scales as the kernel stores them, in bf16): int4 in groups of 128 with zero points (CUDA:
+    tinygemm, and replayed from a CUDA graph, bit for bit); int8 on CPU."""
+    import torch
+
+    from ppserve.model.ops.quant_gemm import QuantizedLinear
+    from ppserve.model.quant.codes import QuantCodes
+
+    gen = torch.Generator().manual_seed(0)
+    out, inp, group = 256, 512, 128
+    q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(out, inp // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 16, (out, inp // group), generator=gen).to(torch.int16)
+    x = torch.randn(7, inp, generator=gen).to(torch.bfloat16)
+    s64 = scales.bfloat16().double()
+    z64 = ((8 - zeros.float()) * scales).bfloat16().double()
+    w = ((q.double() - 8).view(out, -1, group) * s64[..., None] + z64[..., None]).view(out, inp)
+    int4 = QuantizedLinear.build(QuantCodes(4, group, q, scales, zeros), torch.bfloat16, torch.device(device))
+    if int4 is None:
+        return {"int4": {"ok": False, "finite": False, "max_abs_err": float("inf"), "why": "no int4 kernel"}}
+    xd = x.to(device)
+    eager = int4.linear(xd, None)
+    cases: dict[str, Any] = {"int4": _compare(eager.cpu(), x.double() @ w.t(), torch.bfloat16)}
+    if device.startswith("cuda"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = int4.linear(xd, None)
+        graph.replay()
+        cases["int4_graph"] = {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}
+    else:
+        q8 = torch.randint(1, 256, (out, inp), generator=gen, dtype=torch.uint8)
+        s8 = torch.rand(out, 1, generator=gen) * 0.01 + 0.001
+        int8 = QuantizedLinear.build(QuantCodes(8, inp, q8, s8, torch.full_like(s8, 128, dtype=torch.int16)),
+                                     torch.bfloat16, torch.device(device))
+        assert int8 is not None
+        w8 = (q8.double() - 128) * s8.bfloat16().double()
+        cases["int8"] = _compare(int8.linear(xd, None).cpu(), x.double() @ w8.t(), torch.bfloat16)
+    return cases
+
+
 def _all_ok(tree: dict[str, Any]) -> bool:
     """Every comparison in a nested dict of them passed."""
     if "ok" in tree:
@@ -118,6 +159,7 @@ def run(ctx: Context) -> dict[str, Any]:
         cases[f"split_k_{name}"] = _paged_case([1, 1], [long_ctx, long_ctx // 3 + 5], 8, 2, d, 16, dtype,
                                                device, 2)
         cases[f"ops_{name}"] = _ops_cases(dtype, device)
+    cases["quant_bfloat16"] = _quant_cases(device)
     plan = split_k_plan(2, 2, -(-long_ctx // 16), sm_count(torch.device(device)))
     if plan is None or plan < MIN_PAGES_PER_SPLIT:
         raise AssertionError(f"the split-K case did not take the split path (plan {plan})")
