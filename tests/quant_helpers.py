@@ -5,6 +5,7 @@ reads those formats only through libraries not installed here."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from ppserve.model.quant.rtn import compressed_tensors_copy, copy_config, linear_names
 
-__all__ = ["awq_copy", "compressed_tensors_copy", "gptq_copy", "hf_dequantized"]
+__all__ = ["awq_copy", "compressed_tensors_copy", "dequantized_copy", "gptq_copy", "hf_dequantized"]
 
 
 def _quantize_groups(w: Tensor, bits: int, group: int, sym: bool, g_idx: Tensor,
@@ -118,3 +119,27 @@ def hf_dequantized(model_dir: Path) -> torch.nn.Module:
             model_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def dequantized_copy(qdir: Path, ref: Path) -> Path:
+    """The float checkpoint of the weights a compressed-tensors checkpoint encodes, decompressed by the
+    library itself, for transformers where it cannot read the quantized one (per-expert MoE layers)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig.model_validate(json.loads((qdir / "config.json").read_text())
+                                               ["quantization_config"])
+    scheme = next(iter(config.config_groups.values()))
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    state = load_file(qdir / "model.safetensors")
+    modules = {n[: -len(".weight_scale")] for n in state if n.endswith(".weight_scale")}
+    out = {n: t for n, t in state.items() if n.rpartition(".")[0] not in modules}
+    for m in modules:
+        local = {n.rpartition(".")[2]: t for n, t in state.items() if n.rpartition(".")[0] == m}
+        out[f"{m}.weight"] = compressor.decompress(local, scheme)["weight"].float().contiguous()
+    shutil.copytree(qdir, ref, dirs_exist_ok=True)
+    config_json = json.loads((ref / "config.json").read_text())
+    del config_json["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(config_json))
+    save_file(out, ref / "model.safetensors", metadata={"format": "pt"})
+    return ref

@@ -93,7 +93,7 @@ def _ops_cases(dtype: Any, device: str) -> dict[str, Any]:
 def _quant_cases(device: str) -> dict[str, Any]:
     """The quantized linears' kernels (model/ops/quant_gemm.py) against float64 on the weights their codes
     encode (scales as the kernel stores them, in bf16): int4 in groups of 128 with zero points (CUDA:
-    tinygemm, and replayed from a CUDA graph, bit for bit); int8 on CPU."""
+    tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); int8 on CPU."""
     import torch
 
     from ppserve.model.ops.quant_gemm import QuantizedLinear
@@ -120,6 +120,7 @@ def _quant_cases(device: str) -> dict[str, Any]:
             captured = int4.linear(xd, None)
         graph.replay()
         cases["int4_graph"] = {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}
+        cases.update(_fp8_case(x, torch.device(device)))
     else:
         q8 = torch.randint(1, 256, (out, inp), generator=gen, dtype=torch.uint8)
         s8 = torch.rand(out, 1, generator=gen) * 0.01 + 0.001
@@ -129,6 +130,35 @@ def _quant_cases(device: str) -> dict[str, Any]:
         w8 = (q8.double() - 128) * s8.bfloat16().double()
         cases["int8"] = _compare(int8.linear(xd, None).cpu(), x.double() @ w8.t(), torch.bfloat16)
     return cases
+
+
+def _fp8_case(x: Any, device: Any) -> dict[str, Any]:
+    """FP8 `_scaled_mm` (compute capability 8.9 and up): within FP8 activation rounding (6 % of the
+    largest output) of float64 on the FP8 weight, and its graph replay bit for bit."""
+    import torch
+
+    from ppserve.model.ops.quant_gemm import QuantizedLinear, fp8_gemm_available
+    from ppserve.model.quant.codes import from_fp8
+
+    if not fp8_gemm_available(device):
+        return {}
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(256, x.shape[1], generator=gen) * 0.1
+    scale = w.abs().amax(1, keepdim=True) / 448
+    codes = from_fp8((w / scale).to(torch.float8_e4m3fn), scale)
+    fp8 = None if codes is None else QuantizedLinear.fp8(codes, device)
+    if codes is None or fp8 is None:
+        return {"fp8": {"ok": False, "max_abs_err": float("inf"), "why": "no fp8 path for these shapes"}}
+    xd = x.to(device)
+    eager = fp8.linear(xd, None)
+    want = x.double() @ (codes.q.double() * scale.double()).t()
+    err = float((eager.cpu().double() - want).abs().max())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8.linear(xd, None)
+    graph.replay()
+    return {"fp8": {"ok": err <= 0.06 * float(want.abs().max()), "max_abs_err": err},
+            "fp8_graph": {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}}
 
 
 def _all_ok(tree: dict[str, Any]) -> bool:

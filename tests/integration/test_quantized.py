@@ -71,6 +71,27 @@ def test_awq_matches_its_dequantized_weights(float_dir: Path, tmp_path: Path) ->
     torch.testing.assert_close(_pp_logits(qdir, [0, 1, 3]), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_moe_experts_quantized_per_expert(tmp_path: Path) -> None:
+    """A Qwen3-MoE whose attention, dense MLP and every expert are W4A16 (the Hub's per-expert layout, as
+    llm-compressor writes it): transformers' logits on the weights they encode, at pp 1 and 2."""
+    from tests.model_helpers import make_tiny_qwen3_dir
+    from tests.quant_helpers import dequantized_copy
+
+    float_moe = make_tiny_qwen3_dir(tmp_path / "moe", num_layers=2, dense_layers=(1,))
+    qdir = compressed_tensors_copy(float_moe, tmp_path / "w4", "W4A16", "pack-quantized", 32)
+    assert any(".experts.3.down_proj.weight_packed" in n for n in _tensor_names(qdir))
+    expected = hf_logits(hf_model(dequantized_copy(qdir, tmp_path / "ref")), PROMPT)
+    for cuts in ([0, 2], [0, 1, 2]):
+        torch.testing.assert_close(_pp_logits(qdir, cuts), expected, rtol=1e-5, atol=1e-5)
+
+
+def _tensor_names(model_dir: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, dtype: str) -> None:
     """Two gloo ranks each load their shard of a W4A16 checkpoint (in bf16, their shard of the codes, on
@@ -257,3 +278,22 @@ def test_int8_of_a_quantized_checkpoint_is_refused(float_dir: Path, tmp_path: Pa
     qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16", "pack-quantized", 32)
     with pytest.raises(ValueError, match="already quantized"):
         LLM(str(qdir), quantization="int8", executor="inproc")
+
+
+def test_fp8_scaled_mm_path_matches_the_dequantized_weight() -> None:
+    """The CUDA FP8 path (`_scaled_mm`, per-token activation scales), run where torch also has it, on
+    CPU: within FP8 activation rounding of the dequantized weight's product."""
+    from ppserve.model.ops.quant_gemm import QuantizedLinear
+    from ppserve.model.quant.codes import from_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen) * 0.1
+    scale = w.abs().amax(1, keepdim=True) / 448
+    codes = from_fp8((w / scale).to(torch.float8_e4m3fn), scale)
+    assert codes is not None
+    fp8 = QuantizedLinear.fp8(codes, torch.device("cpu"))
+    assert fp8 is not None and fp8.nbytes < w.numel() * 2 * 0.55
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    want = x.double() @ (codes.q.double() * scale.double()).t()
+    got = fp8.linear(x, None).double()
+    assert float((got - want).abs().max()) <= 0.06 * float(want.abs().max())

@@ -1,21 +1,20 @@
-"""A linear layer kept as integer codes and multiplied by torch's packed weight-only kernels.
+"""A linear layer kept as integer (or FP8) codes and multiplied by torch's packed weight-only kernels.
 
-`QuantizedLinear.build` takes the codes a layer collected while loading (its TP shard of a quantized
-checkpoint, ppserve/model/quant/codes.py, or codes made from a float weight by `int8_codes` for
-`model.quantization: int8`) and packs them for the kernel the device has:
+`QuantizedLinear.build` packs the codes a layer collected while loading (its TP shard of a quantized
+checkpoint, ppserve/model/quant/codes.py; or `int8_codes` of a float weight, `model.quantization: int8`)
+for the kernel the device has:
 
-- int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu` on CPU, tinygemm
-  `_weight_int4pack_mm` on CUDA. Both dequantize as (q - 8) * scale + zero with the zero point in the float
-  domain, so an unsigned code q with integer zero z has float zero (8 - z) * scale.
-- int8 with one symmetric scale a row (W8A8's weights, GPTQ 8-bit without groups, on-the-fly int8):
-  `_weight_int8pack_mm` on CPU.
+- int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu`, CUDA tinygemm
+  `_weight_int4pack_mm`; both compute (q - 8) * scale + zero, so code q with zero z has float zero
+  (8 - z) * scale.
+- int8, one symmetric scale a row (W8A8's weights, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm`
+  on CPU.
+- FP8 e4m3, a scale per tensor or channel: `torch._scaled_mm` with rowwise scales on CUDA of compute
+  capability 8.9 and up, the activations quantized per token at each call (FP8-dynamic).
 
-Anything else returns None, and the layer keeps the dequantized float weight (fp8 on CPU, which torch
-can only multiply through a much slower `_scaled_mm`; group-wise or asymmetric int8): the choice and its
-measurements are in docs/decisions.md#quantized-weights-on-cpu. Activations stay in the model's dtype
-(bf16): the kernels are weight-only, which is also what transformers computes for these checkpoints.
-The kernels take any row count and read no value back to the host, so a decode step that uses them can
-be captured in a CUDA graph.
+Otherwise None: the layer keeps the dequantized weight (FP8 on CPU, grouped or asymmetric int8;
+docs/decisions.md#quantized-weights-on-cpu). The integer kernels are weight-only, as transformers computes
+these checkpoints. No kernel reads a value back to the host, so CUDA graphs capture them.
 """
 
 from __future__ import annotations
@@ -29,6 +28,13 @@ from torch import Tensor
 from ppserve.model.quant.codes import QuantCodes
 
 INT4_GROUPS = (32, 64, 128, 256)
+E4M3_MAX = 448.0
+
+
+def fp8_gemm_available(device: torch.device) -> bool:
+    """FP8 tensor-core GEMMs: CUDA devices of compute capability 8.9 (Ada) and up. On CPU `_scaled_mm`
+    runs far slower than bf16 (docs/decisions.md#quantized-weights-on-cpu), so FP8 is dequantized there."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 # tinygemm's CUDA layout tiles K by inner_k_tiles x 16 columns.
 CUDA_INNER_K_TILES = 8
 
@@ -42,13 +48,15 @@ def join_rows(parts: Sequence[tuple[int, QuantCodes]], rows: int) -> QuantCodes 
     first = ordered[0][1]
     at = 0
     for offset, codes in ordered:
-        if offset != at or codes.bits != first.bits or codes.group_size != first.group_size:
+        if (offset != at or codes.bits != first.bits or codes.group_size != first.group_size
+                or codes.kind != first.kind):
             return None
         at += codes.q.shape[0]
     if at != rows:
         return None
     return QuantCodes(first.bits, first.group_size, torch.cat([c.q for _, c in ordered]),
-                      torch.cat([c.scales for _, c in ordered]), torch.cat([c.zeros for _, c in ordered]))
+                      torch.cat([c.scales for _, c in ordered]), torch.cat([c.zeros for _, c in ordered]),
+                      first.kind)
 
 
 def int8_codes(weight: Tensor) -> QuantCodes:
@@ -77,6 +85,8 @@ class QuantizedLinear:
         if dtype != torch.bfloat16 and not (float32_ok and dtype == torch.float32):
             return None
         out, inp = codes.q.shape
+        if codes.kind == "float":
+            return QuantizedLinear.fp8(codes, device) if fp8_gemm_available(device) else None
         q = codes.q.to(device)
         scales = codes.scales.to(device=device, dtype=torch.float32)
         int4_shape = codes.group_size in INT4_GROUPS and inp % codes.group_size == 0 and out % 16 == 0
@@ -97,6 +107,16 @@ class QuantizedLinear:
             return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out)
         return None
 
+    @staticmethod
+    def fp8(codes: QuantCodes, device: torch.device) -> QuantizedLinear | None:
+        """FP8 weights for `_scaled_mm` with rowwise scales (activations quantized per token at each call);
+        None unless both sides are multiples of 16, as the kernel needs."""
+        out, inp = codes.q.shape
+        if out % 16 or inp % 16:
+            return None
+        weight = codes.q.to(device).contiguous()
+        return QuantizedLinear("fp8", weight, codes.scales.to(device).reshape(1, out).contiguous(), inp, out)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
@@ -104,7 +124,12 @@ class QuantizedLinear:
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """x [T, in] in bf16 -> [T, out]."""
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.kind == "int8":
+        if self.kind == "fp8":
+            # per-token scales: each row's largest magnitude maps to e4m3's largest value
+            x_scale = (x2.float().abs().amax(1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
+            x8 = (x2.float() / x_scale).to(torch.float8_e4m3fn)
+            y = torch._scaled_mm(x8, self.packed.t(), scale_a=x_scale, scale_b=self.scales, out_dtype=x.dtype)
+        elif self.kind == "int8":
             y = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales))
         elif x2.device.type == "cpu":
             y = cast(Tensor, torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,

@@ -22,13 +22,15 @@ CODE_PARTS = "quant_code_parts"  # the attribute a layer's weight collects (row 
 @dataclass(frozen=True)
 class QuantCodes:
     """q [rows, cols] uint8 codes; scales [rows, groups] float; zeros [rows, groups] int16 (unsigned
-    domain); `group_size` columns per group (cols itself for one group a row)."""
+    domain); `group_size` columns per group (cols itself for one group a row). FP8 weights (`kind`
+    'float') keep q as the stored float8_e4m3fn values, w = q * scale, one scale a row, zeros unused."""
 
     bits: int
     group_size: int
     q: Tensor
     scales: Tensor
     zeros: Tensor
+    kind: str = "int"
 
     @property
     def symmetric(self) -> bool:
@@ -52,8 +54,8 @@ class QuantCodes:
                 scales, zeros = scales[:, start // g:stop // g], zeros[:, start // g:stop // g]
             else:  # one group a row: the shard keeps the row's scale, its columns are its group
                 g = stop - start
-            return QuantCodes(self.bits, g, q, scales, zeros)
-        return QuantCodes(self.bits, self.group_size, q, scales, zeros)
+            return QuantCodes(self.bits, g, q, scales, zeros, self.kind)
+        return QuantCodes(self.bits, self.group_size, q, scales, zeros, self.kind)
 
 
 def attach(window: Tensor, codes: QuantCodes | None) -> Tensor:
@@ -77,6 +79,16 @@ def from_signed(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, in_fea
              else zero.reshape(scales.shape).to(torch.int16) + mid)
     group = in_features // scales.shape[1]
     return QuantCodes(bits, group, (q.to(torch.int16) + mid).to(torch.uint8), scales.contiguous(), zeros)
+
+
+def from_fp8(weight: Tensor, scale: Tensor) -> QuantCodes | None:
+    """compressed-tensors' FP8 weight (e4m3, a scale per tensor [1] or per channel [out, 1]) as codes, or
+    None for other float8 types or block scales."""
+    out = weight.shape[0]
+    if weight.dtype != torch.float8_e4m3fn or scale.numel() not in (1, out):
+        return None
+    scales = scale.reshape(-1, 1).expand(out, 1).float().contiguous()
+    return QuantCodes(8, weight.shape[1], weight, scales, torch.zeros(out, 1, dtype=torch.int16), "float")
 
 
 def from_grouped(bits: int, q_in_out: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> QuantCodes:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppserve.model.quant.codes import QuantCodes, attach, from_grouped, from_signed
+from ppserve.model.quant.codes import QuantCodes, attach, from_fp8, from_grouped, from_signed
 from ppserve.model.quant.config import Quantization, WeightQuant
 
 # The tensors each method stores per quantized linear layer, by suffix after the module's name.
@@ -65,7 +65,7 @@ def _compressed_tensors(quant: Quantization, scheme: WeightQuant, module: str,
                          f"not the {fmt} format's integer or fp8 type")
     weight: Tensor = compressor.decompress(local, ct_scheme)["weight"]
     if scheme.kind != "int":
-        return weight, None
+        return weight, from_fp8(parts["weight"], parts["weight_scale"]) if "weight" in parts else None
     out, inp = weight.shape
     if "weight_packed" in parts:
         q = unpack_from_int32(parts["weight_packed"], scheme.bits, torch.Size([out, inp]))
