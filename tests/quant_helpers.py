@@ -57,8 +57,9 @@ def _pack(values: Tensor, bits: int, dim: int, order: tuple[int, ...] | None = N
 
 def gptq_copy(src: Path, dst: Path, ref: Path, bits: int, group_size: int, sym: bool = True,
               desc_act: bool = False) -> tuple[Path, Path]:
-    """`src` in GPTQ's original layout (zero points stored minus one; `desc_act` with a shuffled g_idx) at
-    `dst`, and at `ref` the float checkpoint of the weights those codes encode."""
+    """`src` in GPTQ's original layout (zero points stored minus one; `desc_act` with a shuffled g_idx; a
+    zero bias for every layer, as AutoGPTQ writes) at `dst`, and at `ref` the float checkpoint of the
+    weights those codes encode."""
     state = load_file(src / "model.safetensors")
     reference = dict(state)
     gen = torch.Generator().manual_seed(0)
@@ -75,6 +76,7 @@ def gptq_copy(src: Path, dst: Path, ref: Path, bits: int, group_size: int, sym: 
         state[f"{name}.qzeros"] = _pack(zeros - 1, bits, 1)
         state[f"{name}.scales"] = scales
         state[f"{name}.g_idx"] = g_idx
+        state[f"{name}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)  # as AutoGPTQ exports them
     return _write_pair(src, dst, ref, state, reference,
                        {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
                         "desc_act": desc_act, "checkpoint_format": "gptq"})
