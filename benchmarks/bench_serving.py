@@ -89,6 +89,7 @@ def server_command(
     if args.ppserve_src:  # another checkout of ppserve (a before/after comparison), imported first
         env["PYTHONPATH"] = str(Path(args.ppserve_src).resolve())
     cmd = [sys.executable, "-m", "ppserve.cli", "serve", "--http-port", str(port), "--port", "0",
+           "--set", f"model.model={model_dir}", "--set", f"server.served_model_name={SERVED_NAME}",
            "--set", f"parallel.pipeline_parallel_size={pp}", "--set", f"model.dtype={args.dtype}"]
     for item in args.ppserve_set:
         cmd += ["--set", item]

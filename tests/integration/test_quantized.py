@@ -202,25 +202,29 @@ def _linear_kinds(model) -> set[str | None]:
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
 
 
-def _agrees(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 tolerance: within 5 % of the largest logit, the same top token at 80 % of positions or more."""
-    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+def _agrees(got: torch.Tensor, want: torch.Tensor, tolerance: float = 0.05) -> None:
+    """bf16 tolerance: within 5 % of the largest logit (`tolerance`), the same top token at 80 % of
+    positions or more."""
+    assert float((got - want).abs().max()) <= tolerance * float(want.abs().max())
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.8
 
 
-@pytest.mark.parametrize("preset,fmt,kind,bytes_ratio", [
-    ("W4A16", "pack-quantized", "int4", 0.35), ("W4A16_ASYM", "pack-quantized", "int4", 0.35),
-    ("W8A8", "int-quantized", "int8", 0.55)])
+@pytest.mark.parametrize("preset,fmt,kind,bytes_ratio,tolerance", [
+    ("W4A16", "pack-quantized", "int4", 0.35, 0.05), ("W4A16_ASYM", "pack-quantized", "int4", 0.35, 0.05),
+    ("W8A8", "int-quantized", "int8", 0.55, 0.08)])
 def test_bf16_serves_on_the_integer_kernels(float_dir: Path, tmp_path: Path, preset: str, fmt: str, kind: str,
-                                            bytes_ratio: float) -> None:
+                                            bytes_ratio: float, tolerance: float) -> None:
     """In bf16 every linear layer keeps the checkpoint's codes packed for torch's kernel (its float copy
-    released) and agrees with transformers' float32 reading of the checkpoint to bf16 tolerance."""
+    released) and agrees with transformers' float32 reading of the checkpoint to bf16 tolerance (W8A8 to
+    8 %: its prefill chunks quantize activations to int8, which transformers' reading does not)."""
     qdir = compressed_tensors_copy(float_dir, tmp_path / preset, preset, fmt, 32)
     model, plain = _bf16_stage(qdir), _bf16_stage(float_dir)
     assert _linear_kinds(model) == {kind}
+    w8a8 = {m.quant.int8_activations for m in model.modules() if getattr(m, "quant", None) is not None}
+    assert w8a8 == {preset == "W8A8"}
     ends = sum(p.numel() * 2 for n, p in plain.named_parameters() if "layers." not in n)
     assert model.weight_bytes() - ends <= bytes_ratio * (plain.weight_bytes() - ends)
-    _agrees(_bf16_logits(model), hf_logits(hf_dequantized(qdir), PROMPT))
+    _agrees(_bf16_logits(model), hf_logits(hf_dequantized(qdir), PROMPT), tolerance)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

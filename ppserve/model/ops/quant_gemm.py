@@ -7,8 +7,8 @@ for the kernel the device has:
 - int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu`, CUDA tinygemm
   `_weight_int4pack_mm`; both compute (q - 8) * scale + zero, so code q with zero z has float zero
   (8 - z) * scale.
-- int8, one symmetric scale a row (W8A8's weights, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm`
-  on CPU.
+- int8, one symmetric scale a row (W8A8, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm` on CPU;
+  a W8A8 checkpoint's layers above a few rows quantize activations per token and run `_int_mm`.
 - FP8 e4m3, a scale per tensor or channel: `torch._scaled_mm` with rowwise scales on CUDA of compute
   capability 8.9 and up, the activations quantized per token at each call (FP8-dynamic).
 
@@ -29,6 +29,9 @@ from ppserve.model.quant.codes import QuantCodes
 
 INT4_GROUPS = (32, 64, 128, 256)
 E4M3_MAX = 448.0
+# From this many rows a W8A8 checkpoint's layers quantize activations and run `_int_mm` (int8 x int8);
+# below, the weight-only int8 kernel is faster (docs/decisions.md#quantized-weights-on-cpu).
+W8A8_MIN_ROWS = 5
 
 
 def fp8_gemm_available(device: torch.device) -> bool:
@@ -49,14 +52,14 @@ def join_rows(parts: Sequence[tuple[int, QuantCodes]], rows: int) -> QuantCodes 
     at = 0
     for offset, codes in ordered:
         if (offset != at or codes.bits != first.bits or codes.group_size != first.group_size
-                or codes.kind != first.kind):
+                or codes.kind != first.kind or codes.int8_activations != first.int8_activations):
             return None
         at += codes.q.shape[0]
     if at != rows:
         return None
     return QuantCodes(first.bits, first.group_size, torch.cat([c.q for _, c in ordered]),
                       torch.cat([c.scales for _, c in ordered]), torch.cat([c.zeros for _, c in ordered]),
-                      first.kind)
+                      first.kind, first.int8_activations)
 
 
 def int8_codes(weight: Tensor) -> QuantCodes:
@@ -72,9 +75,11 @@ class QuantizedLinear:
     """y = x W^T with W held packed for an integer weight-only kernel ('int4' or 'int8')."""
 
     def __init__(self, kind: str, packed: Tensor, scales: Tensor, group_size: int,
-                 out_features: int) -> None:
+                 out_features: int, int8_activations: bool = False) -> None:
         self.kind, self.packed, self.scales = kind, packed, scales
         self.group_size, self.out_features = group_size, out_features
+        # W8A8 checkpoints: above W8A8_MIN_ROWS rows, int8 activations through `_int_mm`
+        self.int8_activations = int8_activations
 
     @staticmethod
     def build(codes: QuantCodes, dtype: torch.dtype, device: torch.device,
@@ -104,7 +109,8 @@ class QuantizedLinear:
             return QuantizedLinear("int4", cast(Tensor, packed), scales_zeros, codes.group_size, out)
         if codes.bits == 8 and codes.group_size == inp and codes.symmetric and device.type == "cpu":
             signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
-            return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out)
+            return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out,
+                                   codes.int8_activations and dtype == torch.bfloat16)
         return None
 
     @staticmethod
@@ -129,6 +135,12 @@ class QuantizedLinear:
             x_scale = (x2.float().abs().amax(1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
             x8 = (x2.float() / x_scale).to(torch.float8_e4m3fn)
             y = torch._scaled_mm(x8, self.packed.t(), scale_a=x_scale, scale_b=self.scales, out_dtype=x.dtype)
+        elif self.kind == "int8" and self.int8_activations and x2.shape[0] >= W8A8_MIN_ROWS:
+            xf = x2.float()
+            x_scale = (xf.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
+            x8 = torch.round(xf / x_scale).to(torch.int8)
+            acc = torch._int_mm(x8, self.packed.t())  # int32 sums
+            y = (acc.float() * x_scale * self.scales.float()).to(x.dtype)
         elif self.kind == "int8":
             y = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales))
         elif x2.device.type == "cpu":

@@ -31,6 +31,7 @@ class QuantCodes:
     scales: Tensor
     zeros: Tensor
     kind: str = "int"
+    int8_activations: bool = False  # the checkpoint's scheme multiplies int8 activations (W8A8)
 
     @property
     def symmetric(self) -> bool:
@@ -54,8 +55,8 @@ class QuantCodes:
                 scales, zeros = scales[:, start // g:stop // g], zeros[:, start // g:stop // g]
             else:  # one group a row: the shard keeps the row's scale, its columns are its group
                 g = stop - start
-            return QuantCodes(self.bits, g, q, scales, zeros, self.kind)
-        return QuantCodes(self.bits, self.group_size, q, scales, zeros, self.kind)
+            return QuantCodes(self.bits, g, q, scales, zeros, self.kind, self.int8_activations)
+        return QuantCodes(self.bits, self.group_size, q, scales, zeros, self.kind, self.int8_activations)
 
 
 def attach(window: Tensor, codes: QuantCodes | None) -> Tensor:
@@ -69,7 +70,8 @@ def codes_of(t: Any) -> QuantCodes | None:
     return codes
 
 
-def from_signed(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, in_features: int) -> QuantCodes:
+def from_signed(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, in_features: int,
+                int8_activations: bool = False) -> QuantCodes:
     """compressed-tensors' codes (signed, zero points signed too; scales per tensor [1], per channel
     [out, 1] or per group [out, groups]) in canonical form."""
     out = q.shape[0]
@@ -78,7 +80,8 @@ def from_signed(bits: int, q: Tensor, scale: Tensor, zero: Tensor | None, in_fea
     zeros = (torch.full(scales.shape, mid, dtype=torch.int16) if zero is None
              else zero.reshape(scales.shape).to(torch.int16) + mid)
     group = in_features // scales.shape[1]
-    return QuantCodes(bits, group, (q.to(torch.int16) + mid).to(torch.uint8), scales.contiguous(), zeros)
+    return QuantCodes(bits, group, (q.to(torch.int16) + mid).to(torch.uint8), scales.contiguous(), zeros,
+                      int8_activations=int8_activations)
 
 
 def from_fp8(weight: Tensor, scale: Tensor) -> QuantCodes | None:

@@ -19,12 +19,14 @@ COMPRESSED_TENSORS_FORMATS = ("pack-quantized", "int-quantized", "float-quantize
 @dataclass(frozen=True)
 class WeightQuant:
     """How one group of linear weights is stored: `kind` 'int' or 'float', `bits`, `group_size` (None: one
-    scale per output channel or per tensor), `symmetric` (False: a zero point per group)."""
+    scale per output channel or per tensor), `symmetric` (False: a zero point per group); and whether the
+    scheme computes with int8 activations."""
 
     kind: str
     bits: int
     group_size: int | None
     symmetric: bool
+    int8_activations: bool = False  # the scheme quantizes activations to int8 per token, dynamically (W8A8)
 
     def bytes_per_weight(self, scale_bytes: int = 2) -> float:
         """Stored bytes per weight, its share of the scales and zero points included."""
@@ -107,7 +109,11 @@ def _compressed_tensors(raw: dict[str, Any]) -> Quantization:
                              "supported (tensor, channel and group are)")
         group = args.group_size if strategy == "group" else None
         targets = tuple(scheme.targets)
-        groups.append((name, targets, WeightQuant(kind, args.num_bits, group, bool(args.symmetric))))
+        acts = scheme.input_activations
+        int8_acts = (acts is not None and str(getattr(acts.type, "value", acts.type)) == "int"
+                     and acts.num_bits == 8 and bool(acts.dynamic))
+        scheme_of = WeightQuant(kind, args.num_bits, group, bool(args.symmetric), int8_acts)
+        groups.append((name, targets, scheme_of))
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     return Quantization("compressed-tensors", str(fmt), tuple(groups), raw, library_config=config)

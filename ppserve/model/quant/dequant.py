@@ -75,7 +75,7 @@ def _compressed_tensors(quant: Quantization, scheme: WeightQuant, module: str,
     scale = parts["weight_scale"]
     if zero is not None and "weight_packed" in parts and scale.dim() == 2:
         zero = unpack_from_int32(zero, scheme.bits, torch.Size(scale.shape), packed_dim=0)
-    return weight, from_signed(scheme.bits, q, scale, zero, inp)
+    return weight, from_signed(scheme.bits, q, scale, zero, inp, scheme.int8_activations)
 
 
 def _unpack_rows(packed: Tensor, bits: int) -> Tensor:
