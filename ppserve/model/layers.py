@@ -12,6 +12,8 @@ otherwise.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, cast
@@ -28,6 +30,14 @@ from ppserve.model.ops.quant_gemm import QuantizedLinear, int8_codes, join_rows
 from ppserve.model.ops.settings import current
 from ppserve.model.parallel import TPContext
 from ppserve.model.quant.codes import CODE_PARTS, QuantCodes, codes_of
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_no_int8_kernel(device: str, dtype: str) -> None:
+    logger.warning("model.quantization=int8: torch has no int8 weight-only kernel on %s for %s; the linear "
+                   "layers keep their float weights", device, dtype)
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -65,6 +75,8 @@ def _quantized(weight: nn.Parameter) -> QuantizedLinear | None:
         packed = None if codes is None else QuantizedLinear.build(codes, weight.dtype, weight.device)
     elif current().quantization == "int8":
         packed = QuantizedLinear.build(int8_codes(weight), weight.dtype, weight.device, float32_ok=True)
+        if packed is None:
+            _warn_no_int8_kernel(str(weight.device), str(weight.dtype))
     else:
         return None
     if packed is not None:
