@@ -92,13 +92,19 @@ def _tensor_names(model_dir: Path) -> list[str]:
         return list(f.keys())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, dtype: str) -> None:
-    """Two gloo ranks each load their shard of a W4A16 checkpoint (in bf16, their shard of the codes, on
-    the int4 kernel): the same logits as one rank, to float32 rounding or bf16 tolerance."""
+@pytest.mark.parametrize("fmt,dtype", [("w4a16", "float32"), ("w4a16", "bfloat16"),
+                                       ("gptq-desc-act", "float32"), ("awq", "bfloat16")])
+def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, fmt: str, dtype: str) -> None:
+    """Two gloo ranks each load their shard of a quantized checkpoint (in bf16, their shard of the codes,
+    on the int4 kernel): the same logits as one rank, to float32 rounding or bf16 tolerance."""
     from ppserve.model.loader import load_stage_model
 
-    qdir = compressed_tensors_copy(float_dir, tmp_path / "w4", "W4A16_ASYM", "pack-quantized", 32)
+    if fmt == "w4a16":
+        qdir = compressed_tensors_copy(float_dir, tmp_path / "q", "W4A16_ASYM", "pack-quantized", 32)
+    elif fmt == "awq":
+        qdir, _ = awq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 32)
+    else:
+        qdir, _ = gptq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 4, 32, sym=True, desc_act=True)
     single = tp_scenario(load_stage_model(qdir, 0, 3, dtype=getattr(torch, dtype)))
     mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(qdir), TP_PROMPTS, str(tmp_path), dtype),
              nprocs=2, join=True)
