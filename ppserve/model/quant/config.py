@@ -61,7 +61,6 @@ class Quantization:
         return next(scheme for name, _, scheme in self.groups if name == group)
 
 
-
 def parse_quantization(hf_config: dict[str, Any]) -> Quantization | None:
     """The config.json's quantization, or None for a floating-point checkpoint (ValueError naming what is
     not supported)."""

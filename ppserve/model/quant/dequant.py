@@ -35,7 +35,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def dequantize(quant: Quantization, module: str,
                parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
     """The float weight [out, in] of checkpoint module `module` from its stored `parts` (by suffix), and
-    its integer codes where the format has them (int4 and int8; not fp8, nor GPTQ's shuffled groups)."""
+    its codes where the format has them for a kernel (int4, int8, fp8; not GPTQ's shuffled groups)."""
     scheme = quant.scheme_for(module)
     try:
         if quant.method == "compressed-tensors":
