@@ -5,6 +5,7 @@ Three variants of SmolLM2-135M-Instruct, each a whole one-stage model in bf16 as
 
 - `bf16`: the checkpoint as it is;
 - `int8`: `model.quantization: int8` (weight-only int8 made at load, torch's int8 kernel);
+- `w8a8`: a compressed-tensors W8A8 checkpoint (int8 weights a channel, int8 activations a token);
 - `w4a16`: a compressed-tensors W4A16 checkpoint (groups of 64, round to nearest, ppserve/model/quant/rtn.py)
   on torch's int4 kernel.
 
@@ -139,7 +140,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
         w4_dir = compressed_tensors_copy(model_dir, Path(tmp) / "w4a16", "W4A16", "pack-quantized", 64)
-        models = {"bf16": load(model_dir, None), "int8": load(model_dir, "int8"), "w4a16": load(w4_dir, None)}
+        w8_dir = compressed_tensors_copy(model_dir, Path(tmp) / "w8a8", "W8A8", "int-quantized")
+        models = {"bf16": load(model_dir, None), "int8": load(model_dir, "int8"), "w8a8": load(w8_dir, None),
+                  "w4a16": load(w4_dir, None)}
     kinds = {name: sorted({str(getattr(m, "quant", None) and m.quant.kind) for m in model.modules()
                            if hasattr(m, "quant")}) for name, model in models.items()}
     seqs = [int(s) for s in args.seqs.split(",")]
