@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -163,6 +164,12 @@ def test_invariants_and_trace_from_real_run(ray_session, tiny_llama_dir, tmp_pat
         params = [SamplingParams(max_tokens=rng.randint(1, 24), ignore_eos=True) for _ in prompts]
         outs = llm.generate(prompts, params)
         assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+        # The last steps' stage spans may still be on their way (a loaded machine): let them land, so the
+        # trace and the live figures below read the same spans.
+        deadline, seen = time.monotonic() + 5.0, -1
+        while seen != len(llm.spans()) and time.monotonic() < deadline:
+            seen = len(llm.spans())
+            time.sleep(0.3)
         trace_path = llm.save_trace(tmp_path / "trace.json")
         stats = llm.bubble_stats(window="all")
         spans = llm.spans()
