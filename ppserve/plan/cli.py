@@ -88,6 +88,11 @@ def add_parser(sub: Any) -> None:
     o.add_argument("--serve-model",
                    help="the HF directory winner.yaml names (default: --model's, if it is one)")
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--emit", action="append", choices=["rayservice"], default=[],
+                   help="also write rayservice.yaml beside winner.yaml: a KubeRay RayService serving the "
+                        "winner (launch/kuberay/README.md)")
+    o.add_argument("--image", help="the container image of --emit rayservice (default: ppserve:VERSION, "
+                                   "ppserve:VERSION-cpu on cpu hardware)")
     p.set_defaults(func=run)
 
 
@@ -152,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     settings["cost_model"] = (f"profile {args.profile} re-split" if args.profile
                               else f"roofline on {clu.hardware.name}")
     paths = write_report(Path(args.out), cands, rejected, settings, args.serve_model or hf_dir)
+    if "rayservice" in (getattr(args, "emit", None) or []) and "winner" in paths:
+        paths["rayservice"] = _emit_rayservice(args, cands, clu, args.serve_model or hf_dir)
     print(format_table(table_rows(cands), rejected, limit=15))
     if "png" not in paths:
         print("pareto.png not drawn: matplotlib is not installed (pip install matplotlib)")
@@ -172,3 +179,22 @@ def _profile_factory(args: argparse.Namespace, num_layers: int) -> Any:
         raise ValueError(f"--profile-layers {list(args.profile_layers)} sum to {sum(args.profile_layers)}, "
                          f"the model has {num_layers} layers")
     return ProfileResplit(Profile.load(args.profile), tuple(args.profile_layers), args.profile_tp)
+
+
+def _emit_rayservice(args: argparse.Namespace, cands: Any, clu: Any, serve_model: str | None) -> Path:
+    """rayservice.yaml for the winner: its replicas, pp x tp and layer split on --gpus x --nodes."""
+    from ppserve import __version__
+    from ppserve.deploy.kuberay import dump_manifest, rayservice_manifest
+    from ppserve.plan.report import winner_config
+
+    winner = next(c for c in cands if c.capacity > 0)  # the one winner.yaml holds
+    d = winner.deployment
+    cpu = args.hardware == "cpu" or clu.hardware.name.startswith("cpu")
+    image = getattr(args, "image", None) or f"ppserve:{__version__}{'-cpu' if cpu else ''}"
+    doc = rayservice_manifest("ppserve", image, winner_config(winner, serve_model), d.replicas, d.pp, d.tp,
+                              clu.gpus_per_node, clu.nodes, accelerator=None if cpu else "nvidia.com/gpu")
+    path = Path(args.out) / "rayservice.yaml"
+    path.write_text(f"# ppserve plan's winner as a KubeRay RayService: {d.label}, image {image}.\n"
+                    "# model.model must name a path inside the image or on a volume every pod mounts.\n"
+                    + dump_manifest(doc))
+    return path
