@@ -16,19 +16,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ppserve.config import EngineConfig
 from ppserve.engine.core import EngineCore, sleep_until
 from ppserve.engine.detokenizer import IncrementalDetokenizer
 from ppserve.engine.dispatch import StageFailure
-from ppserve.engine.messages import PromptInput, TokenDelta, Turn, turn_dict
+from ppserve.engine.messages import PromptInput, TokenDelta, Turn
 from ppserve.engine.output import OutputState
 from ppserve.engine.stats import EngineCounts, acceptance_fields
 from ppserve.metrics.spans import Span, WorkTracker
@@ -104,22 +102,12 @@ class LLMEngine:
                                            self.arch.sliding_window)
 
     def init_tokenizer(self) -> None:
-        from ppserve.structured.grammars import has_tokenizer
+        from ppserve.engine.prompter import Prompter, load_tokenizer, read_chat_template
 
-        self.tokenizer: PreTrainedTokenizerBase | None = None
-        if has_tokenizer(str(self.model_dir)):
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer: PreTrainedTokenizerBase | None = load_tokenizer(self.model_dir)
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
-        # model.chat_template, read once: a file that cannot be read fails the engine's start, not a request.
-        self.chat_template: str | None = None
-        path = self.config.model.chat_template
-        if path is not None:
-            try:
-                self.chat_template = Path(path).read_text()
-            except OSError as e:
-                raise ValueError(f"model.chat_template {path!r} cannot be read: {e}") from None
+        self.chat_template: str | None = read_chat_template(self.config.model.chat_template)
+        self.prompter = Prompter(self.tokenizer, self.chat_template, self.arch.vocab_size)
 
     @property
     def grammars(self) -> GrammarCache:
@@ -203,54 +191,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int] | PromptInput) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages rendered by the model's chat template."""
-        if isinstance(prompt, PromptInput):
-            if prompt.messages is not None:
-                tools = json.loads(prompt.tools) if prompt.tools is not None else None
-                prompt = self.render_chat(prompt.messages, tools=tools)
-            elif prompt.text is not None:
-                prompt = prompt.text
-            else:
-                assert prompt.token_ids is not None
-                prompt = list(prompt.token_ids)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass prompts as lists of token ids")
-            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=False)
-            return ids
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:5]}")
-        return ids
+        """Token ids of a prompt: text, token ids, or chat messages (engine/prompter.py)."""
+        return self.prompter.tokenize(prompt)
 
     def render_chat(self, messages: Sequence[Turn] | Sequence[Mapping[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for chat messages (generation prompt added), by the first of: the template
-        file `model.chat_template`; the model's own template, where the request has no tools or tool
-        turns or the template knows tools (its source mentions them: then it gets `tools=`); else
-        ppserve's Hermes-style one (structured/templates/hermes_tools.jinja), since a template that
-        knows no tools would drop them and fail on an assistant turn whose content is None."""
-        msgs = [dict(m) if isinstance(m, Mapping) else turn_dict(m) for m in messages]
-        if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer; send prompt_token_ids")
-        template = self.chat_template
-        own = getattr(self.tokenizer, "chat_template", None)
-        uses_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") or m.get("content") is None
-                                        for m in msgs)
-        if template is None and uses_tools and not (isinstance(own, str) and "tools" in own):
-            from ppserve.structured.tools import hermes_template
-
-            template = hermes_template()
-        if template is None and not own:
-            raise ValueError("messages: this model has no chat template; send prompt or prompt_token_ids "
-                             "(or set model.chat_template)")
-        kwargs: dict[str, Any] = {"tools": tools} if tools else {}
-        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                                  chat_template=template, **kwargs)
-        if not isinstance(text, str):  # tokenize=False renders text: anything else is the tokenizer's bug
-            raise TypeError(f"the chat template rendered a {type(text).__name__}, not text")
-        return text
+        """The prompt text for chat messages, by the chat template (engine/prompter.py)."""
+        return self.prompter.render_chat(messages, tools)
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the model's generation_config.json defaults, then `overrides`."""
