@@ -35,8 +35,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 def root_key(req: Request) -> bytes:
     """The key the first block chains from: the request's extra keys (today its cache_salt; LoRA ids
-    would join here), length-prefixed so that no two different extra keys encode alike."""
-    salt = (req.cache_salt or "").encode()
+    would join here)."""
+    return salted_root_key(req.cache_salt)
+
+
+def salted_root_key(cache_salt: str | None) -> bytes:
+    """`root_key` from the salt alone (the router hashes prompts it holds no Request for), length-prefixed
+    so that no two different extra keys encode alike."""
+    salt = (cache_salt or "").encode()
     return hashlib.sha256(_KEY_DOMAIN + struct.pack("<Q", len(salt)) + salt).digest()
 
 
