@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import signal
@@ -51,10 +52,7 @@ class RunningServer:
         return f"{self.host}:{self.port}"
 
     async def set_health(self, serving: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
+        await set_serving(self.health, serving)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let streams finish for up to grace_s (both front doors at once), then stop
@@ -175,7 +173,7 @@ def _auth_token(cfg: ServerConfig) -> str | None:
     return cfg.auth_token
 
 
-def _add_ppserve_service(server: grpc.aio.Server, servicer: PPServeServicer, max_message_bytes: int) -> None:
+def _add_ppserve_service(server: grpc.aio.Server, servicer: Any, max_message_bytes: int) -> None:
     """Like the generated add_PPServeServicer_to_server, but Generate parses with a deserializer that
     never raises, so malformed bytes (invalid UTF-8, oversized) get INVALID_ARGUMENT, not INTERNAL."""
     handlers = {
@@ -198,19 +196,12 @@ def _add_ppserve_service(server: grpc.aio.Server, servicer: PPServeServicer, max
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-async def start_server(
-    engine: AsyncEngine,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_message_bytes: int = 4 * 1024 * 1024,
-    server_config: ServerConfig | None = None,
-) -> RunningServer:
-    """Start the engine loop and a grpc.aio server on host:port (0 picks a free port).
-
-    `server_config` adds TLS, the bearer token, the per-connection stream limit and the OpenAI-compatible
-    HTTP API (server.http_port; without a server_config there is none).
-    """
-    cfg = server_config or ServerConfig(max_message_bytes=max_message_bytes, http_port=-1)
+def build_grpc_server(servicer: Any, host: str, port: int, cfg: ServerConfig
+                      ) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
+    """A grpc.aio server of the PPServe service (`servicer`: PPServeServicer or the replicas' relay),
+    health and reflection, bound to host:port (0 picks a free port) with cfg's TLS and bearer token;
+    not started. Returns the server, its health servicer and the bound port."""
+    max_message_bytes = cfg.max_message_bytes
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         # gRPC itself refuses only beyond twice the limit (RESOURCE_EXHAUSTED, before any handler runs);
@@ -225,7 +216,7 @@ async def start_server(
     # No maximum_concurrent_rpcs: admission control is the engine's bounded waiting queue, and a
     # grpc-level limit would also count health checks and stats calls.
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    _add_ppserve_service(server, PPServeServicer(engine), max_message_bytes)
+    _add_ppserve_service(server, servicer, max_message_bytes)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -240,11 +231,36 @@ async def start_server(
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    return server, health, bound
+
+
+async def set_serving(health: health_aio.HealthServicer, serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, status)
+
+
+async def start_server(
+    engine: AsyncEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_bytes: int = 4 * 1024 * 1024,
+    server_config: ServerConfig | None = None,
+) -> RunningServer:
+    """Start the engine loop and a grpc.aio server on host:port (0 picks a free port).
+
+    `server_config` adds TLS, the bearer token, the per-connection stream limit and the OpenAI-compatible
+    HTTP API (server.http_port; without a server_config there is none).
+    """
+    cfg = server_config or ServerConfig(max_message_bytes=max_message_bytes, http_port=-1)
+    server, health, bound = build_grpc_server(PPServeServicer(engine), host, port,
+                                              dataclasses.replace(cfg, max_message_bytes=max_message_bytes))
     http = None
     if cfg.http_port >= 0:
         metrics = ServerMetrics(served_model_name(engine.config))
         engine.add_observer(metrics)
-        http = await start_http(engine, cfg, cfg.http_host or host, token, metrics,
+        http = await start_http(engine, cfg, cfg.http_host or host, _auth_token(cfg), metrics,
                                 served_model_name(engine.config), cfg.grace_seconds)
     engine.start(asyncio.get_running_loop())
     await server.start()
