@@ -183,14 +183,15 @@ def _profile_factory(args: argparse.Namespace, num_layers: int) -> Any:
 
 def _emit_rayservice(args: argparse.Namespace, cands: Any, clu: Any, serve_model: str | None) -> Path:
     """rayservice.yaml for the winner: its replicas, pp x tp and layer split on --gpus x --nodes."""
-    from ppserve import __version__
+    from importlib.metadata import version
+
     from ppserve.deploy.kuberay import dump_manifest, rayservice_manifest
     from ppserve.plan.report import winner_config
 
     winner = next(c for c in cands if c.capacity > 0)  # the one winner.yaml holds
     d = winner.deployment
     cpu = args.hardware == "cpu" or clu.hardware.name.startswith("cpu")
-    image = getattr(args, "image", None) or f"ppserve:{__version__}{'-cpu' if cpu else ''}"
+    image = getattr(args, "image", None) or f"ppserve:{version('ppserve')}{'-cpu' if cpu else ''}"
     doc = rayservice_manifest("ppserve", image, winner_config(winner, serve_model), d.replicas, d.pp, d.tp,
                               clu.gpus_per_node, clu.nodes, accelerator=None if cpu else "nvidia.com/gpu")
     path = Path(args.out) / "rayservice.yaml"

@@ -30,6 +30,17 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template that replaces the model's (default: model.chat_template)")
+    r = p.add_argument_group("replicas (Ray Serve; docs/serving.md#replicas)")
+    r.add_argument("--replicas", type=_replica_count, default=1,
+                   help="pipelines behind the one endpoint: a count, or auto (Serve's autoscaler between "
+                        "--min-replicas and --max-replicas); 1 is a single server, without Serve")
+    r.add_argument("--min-replicas", type=int, default=1)
+    r.add_argument("--max-replicas", type=int, default=1)
+    r.add_argument("--target-ongoing-requests", type=float,
+                   help="requests per replica the autoscaler aims at (with --replicas auto)")
+    r.add_argument("--routing", default="prefix", choices=("prefix", "round-robin", "power-of-two"),
+                   help="how a request picks its replica: the one holding its prompt's prefix (unless it is "
+                        "much busier), in turn, or the less loaded of two")
     p.set_defaults(func=run_serve)
 
     g = sub.add_parser("generate", help="stream one completion from a running server")
@@ -57,6 +68,18 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_security_args(s)
     s.set_defaults(func=run_stats)
+
+
+def _replica_count(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or auto, got {text!r}")
+    return n
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -88,6 +111,15 @@ def run_serve(args: argparse.Namespace) -> int:
              "server.port": args.port, "server.http_port": args.http_port,
              "model.chat_template": args.chat_template or None}
     overrides = [*args.overrides, *(f"{key}={value}" for key, value in flags.items() if value is not None)]
+    if args.replicas != 1:
+        from ppserve.deploy.local import run_replicas
+
+        deploy: dict[str, Any] = {"config": args.config, "set": overrides, "replicas": args.replicas,
+                                  "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                                  "routing": args.routing}
+        if args.target_ongoing_requests is not None:
+            deploy["target_ongoing_requests"] = args.target_ongoing_requests
+        return run_replicas(deploy)
     config = load_config(args.config, overrides)
     return run_server(config, config.server.host, config.server.port)
 

@@ -16,18 +16,21 @@ LAYERS: list[set[str]] = [
     {"structured"},  # what a request's output must match (pure Python) and the grammar library behind it
     {"config", "request", "cache", "metrics"},  # the base: pure Python
     {"sched", "comm", "model"},  # the scheduler (pure), stage-to-stage transport, the model
-    {"worker"},  # one stage: model + transport + the scheduler's output types
+    {"worker", "route"},  # one stage: model + transport + the scheduler's output types; routing policies
     {"engine"},  # the step loop, executors, control planes, the asyncio bridge
     {"sim"},  # the simulator
     {"timeline"},
     {"server"},  # gRPC and HTTP front doors, the demo
+    {"deploy"},  # replicas on Ray Serve behind the front doors; KubeRay manifests
     {"bench", "plan"},  # measurement tools, the planner
     {"gpu_check"},  # the one-shot GPU check (its serving phase replays through the bench harness)
     {"cli", "tools"},  # the command line; developer tools (the configuration reference writer)
 ]
 LEVEL = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # The one allowed upward import: ppserve.LLM, resolved lazily (ppserve/__init__.py's __getattr__).
-ALLOWED = {("ppserve", "ppserve.engine.llm")}
+# And `ppserve serve --replicas N`, whose command line lives with the single server's, hands off to the
+# Serve application (resolved when that flag is given).
+ALLOWED = {("ppserve", "ppserve.engine.llm"), ("ppserve.server.cli", "ppserve.deploy.local")}
 
 
 def module_name(path: Path) -> str:
