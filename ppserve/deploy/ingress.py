@@ -312,15 +312,21 @@ class Ingress:
         body = await request.body()
         keys = await self.keys(http_prompt(request.url.path, body)) if request.method == "POST" else []
         headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"authorization"]
-        gen: Any = self.replicas.options(stream=True).http.remote(
-            request.method, request.url.path, request.url.query.encode(), headers, body,
-            routing={"keys": keys})
-        try:
-            await gen.__anext__()  # the replica's id
-            start = await gen.__anext__()
-        except Exception as e:
+        routing: dict[str, Any] = {"keys": keys}
+        for attempt in range(2):
+            gen: Any = self.replicas.options(stream=True).http.remote(
+                request.method, request.url.path, request.url.query.encode(), headers, body, routing=routing)
+            try:
+                replica = (await gen.__anext__())["replica"]
+                start = await gen.__anext__()
+            except Exception as e:
+                gen.cancel()
+                return _unavailable(f"no replica could answer: {type(e).__name__}: {e}")
+            if start["status"] != 503 or attempt == 1 or len(self.replica_ids()) < 2:
+                break
+            # Its pipeline is being rebuilt (or failed) and it has not started answering: once elsewhere.
             gen.cancel()
-            return _unavailable(f"no replica could answer: {type(e).__name__}: {e}")
+            routing = {"keys": keys, "avoid": replica}
         out_headers = {k.decode(): v.decode() for k, v in start["headers"] if k.lower() not in _DROP_HEADERS}
         if out_headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(_events(gen), status_code=start["status"], headers=out_headers)

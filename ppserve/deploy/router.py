@@ -2,7 +2,8 @@
 `RequestRouter` extension point (ray.serve.request_router, Ray 2.60).
 
 Each call to a replica carries a `routing` keyword: `{"keys": [...]}` (the prompt's prefix keys, for
-requests that generate) or `{"replica": id}` (a call meant for one replica: cancel, stats, metrics).
+requests that generate; with `"avoid": id` when that replica just refused the request) or
+`{"replica": id}` (a call meant for one replica: cancel, stats, metrics).
 The load a policy sees is this router's own count of requests it routed that have not completed; a
 replica whose routing stats say it is not serving (its pipeline is being rebuilt, or it failed) is
 passed over while another one serves. The router answers in ranks: the policy's choice first, then the
@@ -56,6 +57,9 @@ class PipelineRouter(FIFOMixin, RequestRouter):
             return [[by_id[pinned]]] if pinned in by_id else []
         serving = {i: r for i, r in by_id.items() if (r.routing_stats or {}).get("serving", True)}
         pool = serving or by_id
+        avoid = routing.get("avoid")
+        if avoid in pool and len(pool) > 1:
+            pool = {i: r for i, r in pool.items() if i != avoid}
         if not pool:
             return []
         loads = {i: float(self.ongoing.get(i, 0)) for i in pool}

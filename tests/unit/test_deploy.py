@@ -138,3 +138,12 @@ def test_router_round_robin_alternates() -> None:
     replicas = [_replica("a"), _replica("b")]
     keys = prefix_keys(list(range(64)), 16)
     assert [_route(router, replicas, {"keys": keys}, str(i)) for i in range(4)] == ["a", "b", "a", "b"]
+
+
+def test_router_avoids_the_replica_that_refused() -> None:
+    router = _router("prefix")
+    replicas = [_replica("a"), _replica("b")]
+    keys = prefix_keys(list(range(64)), 16)
+    first = _route(router, replicas, {"keys": keys}, "1")
+    assert _route(router, replicas, {"keys": keys, "avoid": first}, "2") != first
+    assert _route(router, replicas[:1], {"keys": keys, "avoid": "a"}, "3") == "a"  # no other one
