@@ -170,7 +170,7 @@ def timetable(i: int, lines: int) -> str:
 async def conversation(
     http: httpx.AsyncClient, i: int, args: argparse.Namespace, results: list[dict[str, Any]]
 ) -> None:
-    await asyncio.sleep(0.05 * i)  # staggered starts
+    await asyncio.sleep(args.stagger * i)  # staggered starts
     first = (
         f"Here is my timetable:\n{timetable(i, args.document_lines)}\n"
         f"I have a question about {TOPICS[i % len(TOPICS)]}."
@@ -218,6 +218,7 @@ async def drive(server: Server, args: argparse.Namespace, kill_after: float | No
         cache_counts(f"127.0.0.1:{server.grpc_port}") if kill_after is None else (hits0, queries0)
     )
     ok = [r["ttft_s"] for r in results if r["outcome"] == "ok"]
+    later = [r["ttft_s"] for r in results if r["outcome"] == "ok" and r["turn"] > 0]
     outcomes: dict[str, int] = {}
     for r in results:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
@@ -230,6 +231,8 @@ async def drive(server: Server, args: argparse.Namespace, kill_after: float | No
         "hit_rate": (hits1 - hits0) / max(1, queries1 - queries0) if kill_after is None else None,
         "ttft_p50_s": statistics.median(ok) if ok else None,
         "ttft_p90_s": q[8],
+        "later_turns_ttft_p50_s": statistics.median(later) if later else None,
+        "turns": [{k: v for k, v in r.items() if k != "text"} for r in results],
     }
 
 
@@ -237,6 +240,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--stagger", type=float, default=0.05, help="seconds between conversations' starts")
     p.add_argument(
         "--document-lines", type=int, default=40, help="lines of each conversation's own timetable"
     )
@@ -267,16 +271,18 @@ def main() -> None:
         finally:
             server.stop()
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k != "turns"}), flush=True)
     print(
-        "\n| variant | requests | outcomes | prefix hit rate | TTFT p50 | TTFT p90 |\n"
-        "|---|---|---|---|---|---|"
+        "\n| variant | requests | outcomes | prefix hit rate | TTFT p50 | TTFT p90 | later turns p50 |\n"
+        "|---|---|---|---|---|---|---|"
     )
     for r in rows:
         hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "-"
         p50 = f"{1000 * r['ttft_p50_s']:.0f} ms" if r["ttft_p50_s"] else "-"
         p90 = f"{1000 * r['ttft_p90_s']:.0f} ms" if r["ttft_p90_s"] == r["ttft_p90_s"] else "-"
-        print(f"| {r['variant']} | {r['requests']} | {r['outcomes']} | {hit} | {p50} | {p90} |")
+        later = r["later_turns_ttft_p50_s"]
+        p50_later = f"{1000 * later:.0f} ms" if later else "-"
+        print(f"| {r['variant']} | {r['requests']} | {r['outcomes']} | {hit} | {p50} | {p90} | {p50_later} |")
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print(f"\nwrote {out}")
 

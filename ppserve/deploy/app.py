@@ -50,6 +50,8 @@ def read_args(args: dict[str, Any] | None) -> dict[str, Any]:
     parse_overrides(list(overrides))
     cfg = load_config(extra=config, overrides=list(overrides))
     replicas = args.get("replicas", 1)
+    if isinstance(replicas, str) and replicas.isdigit():  # `serve run ... replicas=2` passes text
+        replicas = int(replicas)
     settings: dict[str, Any] = {"config": config, "set": list(overrides),
                                 "routing": args.get("routing", "prefix"),
                                 "grpc_port": int(args.get("grpc_port", cfg.server.port)),

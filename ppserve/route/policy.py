@@ -2,8 +2,11 @@
 
 - `RoundRobin`: replicas in turn, blind to prefixes (what a plain load balancer does).
 - `PowerOfTwo`: the less loaded of two replicas drawn at random (load-aware, prefix-blind).
-- `PrefixAffinity`: the replica that was last sent the request's longest known prefix, unless it is
-  loaded well beyond the least loaded one (then `PowerOfTwo`). The router remembers, per block key, the
+- `PrefixAffinity`: the replica that was last sent the request's longest known prefix, where that prefix
+  is a whole earlier prompt (the request continues it: a conversation's next turn) or at least half of
+  the request's keys, unless that replica is loaded well beyond the least loaded one; otherwise
+  `PowerOfTwo`. Without the first condition a prefix every request has (a system prompt) would pull all
+  new conversations onto the replica that saw it first. The router remembers, per block key, the
   replica it routed that block to: an approximation of each replica's cache that needs no call to the
   replicas, and one that a replica's own eviction can make stale (a miss then costs only a recompute).
   Conversations stick: a turn's prompt begins with the previous turn's, so its deepest known key is there.
@@ -83,12 +86,14 @@ class PrefixAffinity:
 
     name = "prefix"
 
-    def __init__(self, abs_slack: float = 8.0, rel_slack: float = 1.5, max_keys: int = 1 << 18,
-                 seed: int = 0) -> None:
-        if abs_slack < 0 or rel_slack < 1 or max_keys < 1:
-            raise ValueError(f"need abs_slack >= 0, rel_slack >= 1 and max_keys >= 1; got {abs_slack}, "
-                             f"{rel_slack}, {max_keys}")
+    def __init__(self, abs_slack: float = 8.0, rel_slack: float = 1.5, min_share: float = 0.5,
+                 max_keys: int = 1 << 18, seed: int = 0) -> None:
+        if abs_slack < 0 or rel_slack < 1 or not 0 <= min_share <= 1 or max_keys < 1:
+            raise ValueError(f"need abs_slack >= 0, rel_slack >= 1, 0 <= min_share <= 1 and max_keys >= 1; "
+                             f"got {abs_slack}, {rel_slack}, {min_share}, {max_keys}")
         self.abs_slack, self.rel_slack, self.max_keys = abs_slack, rel_slack, max_keys
+        self.min_share = min_share
+        self._ends: OrderedDict[bytes, None] = OrderedDict()  # keys that ended a routed request's keys
         self._owner: OrderedDict[bytes, str] = OrderedDict()  # block key -> replica; least recent first
         self._fallback = PowerOfTwo(seed)
         self.num_affine = 0  # choices that followed a known prefix
@@ -96,16 +101,21 @@ class PrefixAffinity:
 
     def owner(self, keys: Sequence[bytes], loads: Mapping[str, float]) -> str | None:
         """The live replica that was sent the deepest of `keys`, if any."""
-        for key in reversed(keys):
-            replica = self._owner.get(key)
+        return self.owner_depth(keys, loads)[0]
+
+    def owner_depth(self, keys: Sequence[bytes], loads: Mapping[str, float]) -> tuple[str | None, int]:
+        """`owner`, and how many of `keys` its prefix covers."""
+        for depth in range(len(keys), 0, -1):
+            replica = self._owner.get(keys[depth - 1])
             if replica is not None and replica in loads:
-                return replica
-        return None
+                return replica, depth
+        return None, 0
 
     def choose(self, keys: Sequence[bytes], loads: Mapping[str, float]) -> str:
         _live(loads)
-        replica = self.owner(keys, loads)
-        if replica is not None:
+        replica, depth = self.owner_depth(keys, loads)
+        continues = depth > 0 and keys[depth - 1] in self._ends
+        if replica is not None and (continues or depth >= self.min_share * len(keys)):
             least = min(loads.values())
             load = loads[replica]
             if load - least <= self.abs_slack or load <= self.rel_slack * least:
@@ -118,8 +128,13 @@ class PrefixAffinity:
         for key in keys:
             self._owner[key] = replica
             self._owner.move_to_end(key)
+        if keys:
+            self._ends[keys[-1]] = None
+            self._ends.move_to_end(keys[-1])
         while len(self._owner) > self.max_keys:
             self._owner.popitem(last=False)
+        while len(self._ends) > self.max_keys:
+            self._ends.popitem(last=False)
 
     def forget(self, replica: str) -> None:
         for key in [k for k, r in self._owner.items() if r == replica]:

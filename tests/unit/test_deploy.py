@@ -76,7 +76,7 @@ def test_stats_sum_counts_and_recompute_rates() -> None:
 def test_app_arguments_are_checked() -> None:
     from ppserve.deploy.app import read_args, replica_config
 
-    s = read_args({"replicas": 2, "routing": "round-robin", "set": ["scheduler.token_budget=64"]})
+    s = read_args({"replicas": "2", "routing": "round-robin", "set": ["scheduler.token_budget=64"]})
     assert s["replicas"] == 2 and s["routing"] == "round-robin"
     assert "parallel.executor=ray" in replica_config(s)[1]
     auto = read_args({"replicas": "auto", "min_replicas": 1, "max_replicas": 3})
@@ -147,3 +147,12 @@ def test_router_avoids_the_replica_that_refused() -> None:
     first = _route(router, replicas, {"keys": keys}, "1")
     assert _route(router, replicas, {"keys": keys, "avoid": first}, "2") != first
     assert _route(router, replicas[:1], {"keys": keys, "avoid": "a"}, "3") == "a"  # no other one
+
+
+def test_a_shared_system_prompt_does_not_pull_new_conversations_together() -> None:
+    router = _router("prefix")
+    replicas = [_replica("a"), _replica("b")]
+    system = list(range(32))  # two blocks every conversation starts with
+    first = _route(router, replicas, {"keys": prefix_keys(system + list(range(100, 260)), 16)}, "1")
+    other = _route(router, replicas, {"keys": prefix_keys(system + list(range(300, 460)), 16)}, "2")
+    assert other != first  # the less loaded one: a system prompt is no conversation's history
