@@ -202,6 +202,20 @@ async def kill_one(url: str, after_s: float, killed: list[str]) -> None:
     killed.append(victim)
 
 
+async def wait_replaced(
+    http: httpx.AsyncClient, count: int, killed: list[str], limit_s: float = 180
+) -> float | None:
+    """Seconds after the run until Serve again has `count` replicas serving, none of them a killed one."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        replicas = (await http.get("/health")).json()["replicas"]
+        live = [r for r, st in replicas.items() if st.get("serving") and r not in killed]
+        if len(live) >= count:
+            return time.perf_counter() - t0
+        await asyncio.sleep(1)
+    return None
+
+
 async def drive(server: Server, args: argparse.Namespace, kill_after: float | None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     killed: list[str] = []
@@ -214,6 +228,7 @@ async def drive(server: Server, args: argparse.Namespace, kill_after: float | No
             tasks.append(kill_one(server.url, kill_after, killed))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        replaced_s = await wait_replaced(http, 2, killed) if kill_after is not None else None
     hits1, queries1 = (
         cache_counts(f"127.0.0.1:{server.grpc_port}") if kill_after is None else (hits0, queries0)
     )
@@ -228,6 +243,7 @@ async def drive(server: Server, args: argparse.Namespace, kill_after: float | No
         "outcomes": outcomes,
         "wall_s": wall,
         "killed": killed,
+        "replaced_after_run_s": replaced_s,
         "hit_rate": (hits1 - hits0) / max(1, queries1 - queries0) if kill_after is None else None,
         "ttft_p50_s": statistics.median(ok) if ok else None,
         "ttft_p90_s": q[8],

@@ -34,7 +34,8 @@ SYSTEM = ("You are a careful assistant for a railway company. You answer questio
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with running_server(tmp_path_factory.mktemp("replicas"), "--replicas", "2", *set_args(
-            "parallel.pipeline_parallel_size=1", f"server.auth_token={TOKEN}")) as proc:
+            "parallel.pipeline_parallel_size=1", f"server.auth_token={TOKEN}",
+            "server.grace_seconds=20")) as proc:
         assert proc.http_url is not None, "".join(proc.lines)
         yield proc
 
@@ -172,6 +173,11 @@ def _replica_of(http: httpx.Client, request_id: str, health: dict[str, Any]) -> 
     raise AssertionError(f"cannot tell which replica runs {request_id}: {running}")
 
 
-def test_sigterm_drains_and_stops(server: ServerProcess) -> None:
+def test_sigterm_drains_and_stops(server: ServerProcess, client: Any) -> None:
+    stream = iter(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=48,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    next(stream)
     server.proc.send_signal(signal.SIGTERM)
+    reasons = [c.choices[0].finish_reason for c in stream if c.choices]
+    assert reasons[-1] == "length"  # the running request finished before its replica went
     assert server.proc.wait(90) == 0
