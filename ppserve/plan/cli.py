@@ -26,6 +26,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_parser(sub: Any) -> None:
+    from ppserve.route import POLICIES
+
     p = sub.add_parser("plan", help="search deployments (pp x tp, replicas, policy, budget) for capacity "
                                     "under an SLO")
     m = p.add_argument_group("model and cluster")
@@ -44,8 +46,8 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--profile-tp", type=int, default=1, help="tp where --profile was measured")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="splitwise_conv",
-                   help="sharegpt4-like | arxiv-summarization-like | a trace CSV or a name in "
-                        "../shared/traces")
+                   help="sharegpt4-like | arxiv-summarization-like | conversations (multi-turn chats over "
+                        "the conversation trace's lengths) | a trace CSV or a name in ../shared/traces")
     w.add_argument("--num-requests", type=int, default=2000,
                    help="requests the memory and SLO-budget estimates read: a distribution's draws (a probe "
                         "replays rate x duration of them, cycled) or a trace's first rows (a probe replays "
@@ -81,6 +83,9 @@ def add_parser(sub: Any) -> None:
     k.add_argument("--coarse-tol", type=float, default=0.25)
     k.add_argument("--fine-tol", type=float, default=0.05)
     k.add_argument("--jobs", type=int, help="parallel processes (default: every CPU)")
+    k.add_argument("--routing", choices=POLICIES, default="prefix",
+                   help="the router in front of the replicas, simulated with them where the workload shares "
+                        "prefixes (--workload conversations); elsewhere each replica gets rate / replicas")
     k.add_argument("--overhead-ms", type=float, default=0.5, help="engine turnaround per returned microbatch")
     k.add_argument("--dispatch-ms", type=float, default=0.5, help="control-plane latency to the stages")
     o = p.add_argument_group("output")
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from ppserve.metrics.capacity import SLO
     from ppserve.plan import inputs
     from ppserve.plan.report import format_table, table_rows, write_report
-    from ppserve.plan.search import PlanContext, search
+    from ppserve.plan.search import PlanContext, routing_note, search
     from ppserve.plan.slo_budget import with_slo_budgets
     from ppserve.plan.space import SearchSpace, WorkloadShape, enumerate_deployments
 
@@ -135,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                                                WorkloadShape.of([(r.prompt_len, r.output_len) for r in reqs]))
     ctx = PlanContext(model, clu, tuple(pool), slo, args.duration_s, seed=args.seed,
                       overhead_s=args.overhead_ms * 1e-3, dispatch_s=args.dispatch_ms * 1e-3,
-                      stop_early=not args.full_probes)
+                      stop_early=not args.full_probes, routing=args.routing,
+                      conversations=inputs.conversation_spec(args.workload))
     if args.profile:
         ctx = replace(ctx, cost_model=_profile_factory(args, model.num_layers))
     if not args.no_slo_budget:
@@ -153,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                                             "sched_delay_p50_s": slo.sched_delay_p50_s},
                 "coarse_tol": args.coarse_tol, "fine_tol": args.fine_tol, "refine": args.refine,
                 "jobs": args.jobs, "wall_s": round(wall, 1), "hardware": clu.hardware.name,
-                "full_probes": args.full_probes}
+                "full_probes": args.full_probes, "routing": routing_note(ctx)}
     settings["cost_model"] = (f"profile {args.profile} re-split" if args.profile
                               else f"roofline on {clu.hardware.name}")
     paths = write_report(Path(args.out), cands, rejected, settings, args.serve_model or hf_dir)

@@ -11,11 +11,12 @@ from typing import Any
 from ppserve.metrics.capacity import ProbeSize
 from ppserve.model.quant.config import stored_weight_bytes
 from ppserve.plan.space import Cluster
+from ppserve.sim.conversations import ConversationSpec, conversation_requests
 from ppserve.sim.cost_model import ModelSpec, load_hardware, load_model_spec
-from ppserve.sim.lengths import LENGTH_DISTRIBUTIONS
+from ppserve.sim.lengths import LENGTH_DISTRIBUTIONS, SPLITWISE_CONV_LIKE
 from ppserve.sim.workload import WorkloadRequest, clip_to_context, default_trace_path, read_trace
 
-__all__ = ["model_spec", "model_spec_from_hf", "cluster", "workload"]
+__all__ = ["model_spec", "model_spec_from_hf", "cluster", "workload", "conversation_spec", "CONVERSATIONS"]
 
 _GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 
@@ -89,9 +90,13 @@ def workload(name: str, num_requests: int, max_model_len: int, seed: int = 0, pr
     a probe that needs more: independent draws have no order to follow). A trace CSV (a path or a name in
     the shared traces): its first `num_requests` rows for the estimates (memory feasibility and the SLO's
     token budget), and its rows in order for the probes (`TRACE_PROBE_ROWS`, cycled only past the
-    trace's end)."""
+    trace's end). `CONVERSATIONS`: the conversation trace's rows as the turns of multi-turn chats
+    (`conversation_spec`): the pool is the rows, the estimates read the prompts the turns send."""
     if num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
+    spec = conversation_spec(name)
+    if spec is not None:
+        return _conversations(spec, num_requests, max_model_len, seed, prefill_scale, decode_scale)
     if name in LENGTH_DISTRIBUTIONS:
         dist = LENGTH_DISTRIBUTIONS[name]
         pool = dist.sample(num_requests, max_model_len, seed)
@@ -110,3 +115,39 @@ def workload(name: str, num_requests: int, max_model_len: int, seed: int = 0, pr
         desc += f", lengths scaled x{prefill_scale:g} (prompt) x{decode_scale:g} (output)"
     pool = clip_to_context(pool, max_model_len)
     return pool[:num_requests], pool, desc + ", Poisson arrivals"
+
+
+# Multi-turn chats over the conversation trace's lengths (sim/conversations.py): each turn re-sends the
+# history, so the replicas' prefix caches, and the router that fills them, decide much of the work.
+CONVERSATIONS = "conversations"
+
+
+def conversation_spec(name: str) -> ConversationSpec | None:
+    """How `name` groups its rows into conversations, None for a workload of independent requests."""
+    return ConversationSpec() if name == CONVERSATIONS else None
+
+
+def _conversations(spec: ConversationSpec, num_requests: int, max_model_len: int, seed: int,
+                   prefill_scale: float, decode_scale: float
+                   ) -> tuple[list[WorkloadRequest], list[WorkloadRequest], str]:
+    """The conversation trace's rows in order (each a turn's new message and answer), or where the
+    trace is absent (a checkout without ../shared) its log-normal stand-in, said in the description."""
+    try:
+        path = default_trace_path("splitwise_conv.csv")
+    except FileNotFoundError:
+        rows = SPLITWISE_CONV_LIKE.sample(max(num_requests, TRACE_PROBE_ROWS), max_model_len, seed)
+        rows = [replace(r, prompt_len=max(1, round(r.prompt_len * prefill_scale)),
+                        output_len=max(1, round(r.output_len * decode_scale))) for r in rows]
+        src = f"{SPLITWISE_CONV_LIKE.name} lengths (splitwise_conv.csv not found; its log-normal stand-in)"
+    else:
+        rows = read_trace(path, max(num_requests, TRACE_PROBE_ROWS), prefill_scale, decode_scale,
+                          need_arrivals=False)
+        src = "splitwise_conv.csv rows in order"
+    rows = clip_to_context(rows, max_model_len)
+    turns = conversation_requests(rows[:num_requests], spec, max_model_len)
+    desc = (f"multi-turn conversations over {src} (each row a turn's new message and answer; "
+            f"{spec.mean_turns:g} turns a conversation on average, {spec.think_s:g} s between an answer and "
+            "the next turn)")
+    if prefill_scale != 1.0 or decode_scale != 1.0:
+        desc += f", lengths scaled x{prefill_scale:g} (prompt) x{decode_scale:g} (output)"
+    return turns, rows, desc + ", Poisson arrivals"

@@ -43,6 +43,7 @@ def table_rows(cands: Sequence[Candidate]) -> list[dict[str, Any]]:
             "ttft_p90_ms": _ms(at.extra.get("ttft_p90_s")) if at else None,
             "sched_delay_p50_ms": _ms(at.sched_delay_p50_s) if at else None,
             "probes": len(c.result.probes),
+            "prefix_hit_rate": at.extra.get("prefix_hit_rate") if at else None,
             "why_not_higher": next((p.reason for p in c.result.probes if hi is not None and p.rate == hi),
                                    None),
         })
@@ -178,6 +179,7 @@ def write_report(out: Path, cands: Sequence[Candidate], rejected: Sequence[Rejec
 def _markdown(rows: Sequence[dict[str, Any]], rejected: Sequence[Rejection], settings: dict[str, Any]) -> str:
     lines = [f"# ppserve plan: {settings['model']} on {settings['cluster']}", "",
              f"Workload: {settings['workload']}. SLO: {settings['slo']}.", "",
+             *([f"Routing: {settings['routing']}.", ""] if settings.get("routing") else []),
              "| # | deployment | GPUs | capacity (req/s) | per GPU | bracket | refined | TBT p99 (ms) | "
              "TTFT p90 (ms) | Pareto |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,12 +1,13 @@
 """Capacity of each deployment under the SLO, on the simulator, pruned and in parallel processes.
 
-A probe simulates one replica at its share of the request rate (a Poisson stream split at random over
-the replicas is a Poisson stream of rate / replicas each) for `duration_s` seconds of arrivals: the
-first rate x duration requests of one fixed pool of lengths (a trace's rows in order, as `ppserve bench
-capacity` replays them; cycled if it is shorter), arrivals drawn from one seed. A probe's result depends
-on the deployment and the rate only: the same in any process, on any run. The duration, not a request
-count, is what makes an overloaded rate fail (`metrics.capacity.ProbeSize` says why; `ppserve bench
-capacity` sizes its probes the same way).
+A probe simulates `duration_s` seconds of arrivals: the first rate x duration requests of one fixed
+pool of lengths (a trace's rows in order, as `ppserve bench capacity` replays them; cycled if it is
+shorter), arrivals drawn from one seed. Where requests share prefixes (conversations, system prompts)
+it simulates every replica behind the router's policy (`PlanContext.routing`, sim/replicas.py): the
+policy decides how much each replica's prefix cache saves. Otherwise one replica at its share of the
+rate (see `probe`). A probe's result depends on the deployment and the rate only: the same in any
+process, on any run. The duration, not a request count, is what makes an overloaded rate fail
+(`metrics.capacity.ProbeSize` says why; `ppserve bench capacity` sizes its probes the same way).
 
 The search is `metrics.capacity.find_capacity`, pruned in rounds (see `search`): one deployment per
 pipeline shape coarsely (bracketed to `coarse_tol` over a shorter duration), the other settings of the
@@ -27,13 +28,15 @@ from ppserve.config import SchedulerConfig
 from ppserve.metrics.capacity import SLO, CapacityResult, Probe, ProbeSize, find_capacity, probe_from_summary
 from ppserve.plan.space import Cluster, Deployment
 from ppserve.sched.cost import BatchShape
+from ppserve.sim.conversations import ConversationArrivals, ConversationSpec
 from ppserve.sim.cost_model import CostModel, ModelSpec, RooflineCostModel
+from ppserve.sim.replicas import has_prefix_content, simulate_replicas
 from ppserve.sim.simulator import SimConfig, simulate
 from ppserve.sim.slo_watch import SloStop
 from ppserve.sim.workload import WorkloadRequest, with_poisson_arrivals
 
 __all__ = ["PlanContext", "Candidate", "probe", "probe_requests", "estimate_rate", "search", "capacities",
-           "CostModelFactory", "MIN_PROBE_REQUESTS"]
+           "CostModelFactory", "MIN_PROBE_REQUESTS", "is_routed", "routing_note"]
 
 # How a context prices a deployment's replica: the roofline of the model on the cluster's hardware by
 # default; a fitted profile re-split over the deployment's shape where one was given.
@@ -67,6 +70,11 @@ class PlanContext:
     # What one probe runs: `probe` (the simulator) unless a test stands in a system of known capacity.
     # A module-level function, so the context pickles into the worker processes.
     prober: Callable[[PlanContext, Deployment, float], Probe] | None = None
+    # The router's policy in front of the replicas (route.make_policy's names), simulated where the
+    # workload shares prefixes.
+    routing: str = "prefix"
+    # The pool's rows are the turns of multi-turn conversations (sim/conversations.py), None: requests.
+    conversations: ConversationSpec | None = None
 
     @property
     def probe_size(self) -> ProbeSize:
@@ -106,9 +114,33 @@ def probe_requests(ctx: PlanContext, per_replica: float) -> list[WorkloadRequest
                                  ctx.seed)
 
 
+def is_routed(ctx: PlanContext, d: Deployment) -> bool:
+    """Whether a probe of `d` simulates its replicas behind the router: conversations always (their
+    turns are chosen from the simulation's finish times), other workloads where they share prefixes and
+    `d` has more than one replica."""
+    return ctx.conversations is not None or (d.replicas > 1 and has_prefix_content(ctx.requests))
+
+
+def routing_note(ctx: PlanContext) -> str:
+    """What the plan's capacities assume of the router, for plan.json and plan.md."""
+    if ctx.conversations is not None or has_prefix_content(ctx.requests):
+        return (f"{ctx.routing}: every replica simulated behind the router (the workload shares "
+                "prefixes)")
+    return (f"{ctx.routing} not simulated: no request shares a prefix, so one replica at rate / replicas "
+            "stands for each (random routing: see plan/search.py's probe)")
+
+
 def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
-    """Simulate one replica of `d` at rate / replicas and judge it against the SLO (`rate`: the whole
-    deployment's requests/s)."""
+    """Simulate `d` at `rate` (the whole deployment's requests/s) and judge it against the SLO.
+
+    Without shared prefixes, one replica at rate / replicas: a Poisson stream split at random over the
+    replicas is exactly a Poisson stream of rate / replicas at each, independent, and the merged
+    percentiles of like replicas are one's, so this is random routing, simulated at 1 / replicas of the
+    cost. With nothing shared the caches do not depend on the policy, and round-robin and power-of-two
+    spread requests more evenly than a random split, so the figure is theirs or a little under. With
+    shared prefixes the policy decides what each cache holds: every replica is simulated behind it."""
+    if is_routed(ctx, d):
+        return _routed_probe(ctx, d, rate)
     per_replica = rate / d.replicas
     want = ctx.probe_size.wanted(per_replica)
     reqs = probe_requests(ctx, per_replica)
@@ -131,6 +163,38 @@ def probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
                      {**extra, "stopped_early": True, "num_admitted": res.num_finished})
     if res.rejected:  # the scheduler refused requests (too long for the KV cache): not a pass
         why = f"{len(res.rejected)} requests refused: {next(iter(res.rejected.values()))}"
+        return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, f"{p.reason}; {why}", extra)
+    return Probe(p.rate, p.ok, p.tbt_p99_s, p.sched_delay_p50_s, p.reason, extra)
+
+
+def _routed_probe(ctx: PlanContext, d: Deployment, rate: float) -> Probe:
+    """Every replica of `d` behind `ctx.routing` at `rate`, judged on the merged requests."""
+    want = ctx.probe_size.wanted(rate)
+    n = ctx.probe_size.requests_at(rate)
+    if ctx.conversations is not None:
+        arrivals: Any = ConversationArrivals(ctx.requests, n, rate, ctx.conversations,
+                                             ctx.model.max_model_len, ctx.seed)
+    else:
+        arrivals = probe_requests(ctx, rate)
+    sched = SchedulerConfig(policy=d.policy, token_budget=d.token_budget, max_num_seqs=d.max_num_seqs,
+                            max_waiting=max(4096, n))
+    stop = SloStop(ctx.slo.tbt_p99_s, ctx.slo.sched_delay_p50_s) if ctx.stop_early else None
+    cfg = SimConfig(sched, d.num_blocks, d.block_size, ctx.model.max_model_len, ctx.overhead_s,
+                    ctx.dispatch_s, stop_on_slo_fail=stop)
+    res = simulate_replicas(arrivals, [ctx.cost_model(ctx, d) for _ in range(d.replicas)], cfg,
+                            d.replicas, ctx.routing, seed=ctx.seed)
+    merged = res.merged()
+    lat = merged.latency()
+    p = probe_from_summary(rate, {"latency": lat, "throughput": merged.throughput()}, ctx.slo)
+    extra = {**p.extra, "tbt_p50_s": lat["tbt_s"]["p50"], "ttft_p50_s": lat["ttft_s"]["p50"],
+             "num_preemptions": merged.num_preemptions, "num_requests": n, "truncated": n < want,
+             "routing": res.policy, "prefix_hit_rate": merged.prefix_hit_rate,
+             "requests_per_replica": list(res.requests_per_replica().values())}
+    if res.stopped_early:
+        return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, res.stopped_early,
+                     {**extra, "stopped_early": True, "num_admitted": merged.num_finished})
+    if merged.rejected:
+        why = f"{len(merged.rejected)} requests refused: {next(iter(merged.rejected.values()))}"
         return Probe(rate, False, p.tbt_p99_s, p.sched_delay_p50_s, f"{p.reason}; {why}", extra)
     return Probe(p.rate, p.ok, p.tbt_p99_s, p.sched_delay_p50_s, p.reason, extra)
 

@@ -1,4 +1,5 @@
-"""Dataset-like request lengths: log-normal stand-ins for the two datasets Sarathi-Serve evaluates on.
+"""Dataset-like request lengths: log-normal stand-ins for the two datasets Sarathi-Serve evaluates on, and
+for the Azure conversation trace where a checkout lacks ../shared/traces.
 
 Prompt and output lengths are drawn independently from log-normals fitted to each dataset's published
 median and P90 (Sarathi-Serve, Agrawal et al., OSDI'24, Table 3). They have the dataset's centre and
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from ppserve.sim.workload import WorkloadRequest, clip_to_context
 
-__all__ = ["LengthDistribution", "SHAREGPT4_LIKE", "ARXIV_SUMMARIZATION_LIKE", "LENGTH_DISTRIBUTIONS"]
+__all__ = ["LengthDistribution", "SHAREGPT4_LIKE", "ARXIV_SUMMARIZATION_LIKE", "SPLITWISE_CONV_LIKE",
+           "LENGTH_DISTRIBUTIONS"]
 
 # z of the standard normal's 90th percentile: a log-normal with median m and P90 q has sigma ln(q/m) / z.
 _Z90 = 1.2815515655446004
@@ -56,4 +58,9 @@ SHAREGPT4_LIKE = LengthDistribution("sharegpt4-like", 1730, 5696, 415, 834, f"{_
 # median 208 / P90 371; long prompts, short answers.
 ARXIV_SUMMARIZATION_LIKE = LengthDistribution("arxiv-summarization-like", 7059, 12985, 208, 371,
                                               f"{_TABLE}, arxiv_summarization")
-LENGTH_DISTRIBUTIONS = {d.name: d for d in (SHAREGPT4_LIKE, ARXIV_SUMMARIZATION_LIKE)}
+# splitwise_conv.csv (../shared/traces; the Azure LLM inference trace 2023, conversation service, Azure
+# Public Dataset, CC-BY-4.0): prompt median 1020 / P90 2734 tokens, output median 129 / P90 424, read
+# from its 19,366 rows. The conversation workload falls back to it where the trace is absent.
+SPLITWISE_CONV_LIKE = LengthDistribution("splitwise-conv-like", 1020, 2734, 129, 424,
+                                         "Azure LLM inference trace 2023 (conversation), splitwise_conv.csv")
+LENGTH_DISTRIBUTIONS = {d.name: d for d in (SHAREGPT4_LIKE, ARXIV_SUMMARIZATION_LIKE, SPLITWISE_CONV_LIKE)}

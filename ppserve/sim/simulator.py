@@ -20,12 +20,13 @@ internally so hand-computed timelines (and the GPipe oracle) come out exactly. S
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ppserve.config import SchedulerConfig, SpeculativeConfig
 from ppserve.engine.core import EngineCore
@@ -46,9 +47,9 @@ from ppserve.sched.cost import BatchShape
 from ppserve.sim.cost_model import CostModel, PlacedCostModel, PricedCostModel
 from ppserve.sim.slo_watch import SloStop, SloWatch
 from ppserve.sim.speculation import AcceptanceModel, SimProposer
-from ppserve.sim.workload import WorkloadRequest
+from ppserve.sim.workload import WorkloadRequest, expand_runs
 
-__all__ = ["SimConfig", "SimResult", "simulate"]
+__all__ = ["SimConfig", "SimResult", "SimRun", "simulate"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,10 @@ _UNIQUE_TOKEN_BASE = 1_000_000  # request k's own prompt tokens are this + k: no
 def sim_prompt(k: int, w: WorkloadRequest) -> tuple[list[int], str | None]:
     """Request k's prompt tokens and cache salt. Its prefix identity is a salt namespace over SIM_TOKEN
     (what the simulated steps sample), so a multi-turn replay's next turn hits the previous turn's
-    answer blocks too; the rest of the prompt is request k's own."""
+    answer blocks too; the rest of the prompt is request k's own. A request that spells its prompt out
+    (`WorkloadRequest.content`) gets those tokens, unsalted."""
+    if w.content is not None:  # the workload spelled the prompt out: it shares what its tokens share
+        return expand_runs(w.content), None
     own = [_UNIQUE_TOKEN_BASE + k] * (w.prompt_len - w.prefix_len)
     if w.prefix_id is None or not w.prefix_len:
         return own, None
@@ -121,6 +125,14 @@ class SimResult:
     stopped_early: str | None = None
     # speculative decoding's counters (SpecCounters.as_dict) when the run speculated, else None
     speculation: dict[str, Any] | None = None
+    # the block manager's prefix-cache counters, in tokens (query_tokens, hit_tokens) and evictions
+    prefix_cache: dict[str, int] | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Hit tokens over query tokens (vLLM's definition), None where nothing was queried."""
+        pc = self.prefix_cache
+        return pc["hit_tokens"] / pc["query_tokens"] if pc and pc["query_tokens"] else None
 
     def bubble_report(self, window: Window = "active") -> BubbleReport:
         return bubble_report(self.spans, self.work_intervals, window)
@@ -257,6 +269,7 @@ class SimExecutor:
         self.on_submit = on_submit
         self.num_microbatches = 0
         self.just_collected = False  # a result came back and the engine has not turned around yet
+        self.collected_ns = 0  # when the last result came back
         # (microbatch, last stage end ns, compute seconds per stage)
         self.in_flight: deque[tuple[SchedulerOutput, int, list[float]]] = deque()
 
@@ -271,6 +284,7 @@ class SimExecutor:
     def collect(self) -> StepResult:
         out, done_ns, stage_s = self.in_flight.popleft()
         self.clock.now_ns = max(self.clock.now_ns, done_ns)
+        self.collected_ns = self.clock.now_ns
         self.just_collected = True
         accepted: dict[str, int] = {}
         if out.draft_token_ids:
@@ -291,106 +305,184 @@ def simulate(workload: Sequence[WorkloadRequest], cost: CostModel,
     and a simulated clock; its intake models the engine's turnaround (`schedule_overhead_s` after each
     result) and queues the requests that arrived before the engine looks."""
     cfg = config or SimConfig()
-    num_stages = cost.num_stages
-    clock = SimClock()
-    # The scheduler learns each stage's cost from the stage times, as in the engine, starting from
-    # what the cost model says it charges where it can say so (the roofline's linearization).
-    prior = cost.pipeline_cost() if isinstance(cost, PricedCostModel) else None
-    speculating = cfg.spec_acceptance is not None
-    sched = Scheduler(cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
-                      num_stages=num_stages, clock=clock.seconds, cost_prior=prior,
-                      enable_prefix_caching=cfg.enable_prefix_caching,
-                      speculative=SpeculativeConfig(num_speculative_tokens=cfg.num_speculative_tokens)
-                      if speculating else None,
-                      proposer=SimProposer(SIM_TOKEN) if speculating else None)
-    pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
-    check = sched.check_invariants if cfg.check_invariants else None
-    acceptance = (AcceptanceModel(cfg.spec_acceptance, cfg.spec_seed) if cfg.spec_acceptance is not None
-                  else None)
-    executor = SimExecutor(pipe, clock, cfg.max_microbatches, on_submit=check, acceptance=acceptance)
-    arrivals = sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)), key=lambda x: (x[0], x[1]))
-    next_arrival = 0
-    requests: dict[str, Request] = {}
-    token_times: dict[str, list[float]] = {}
-    rejected: dict[str, str] = {}
     watch = SloWatch(cfg.stop_on_slo_fail, [w.output_len for w in workload]) if cfg.stop_on_slo_fail else None
-    stopped_early: str | None = None
+    run = SimRun(cost, cfg, watch)
+    for arr_ns, k, w in sorted(((_ns(w.arrival_s), k, w) for k, w in enumerate(workload)),
+                               key=lambda x: (x[0], x[1])):
+        run.add(arr_ns, k, w)
+    return run.run()
 
-    def turn_around() -> None:
+
+class Feed(Protocol):
+    """Where a `SimRun` learns of arrivals that are not in its queue yet (sim/replicas.py's router)."""
+
+    def before_intake(self, now_ns: int) -> None:
+        """Return once every request arriving by `now_ns` that this run will get is in its queue."""
+
+    def wait_for_work(self, now_ns: int) -> bool:
+        """The run is idle with an empty queue: return True once a request is queued, False if none
+        will come."""
+
+
+class RunWatch(Protocol):
+    """What a run tells its SLO watch (sim/slo_watch.py's SloWatch, or a router's shared one)."""
+
+    def admitted(self, req: Request) -> None: ...
+
+    def tokens(self, request_id: str, now_s: float) -> None: ...
+
+    def step(self, now_s: float) -> str | None: ...
+
+
+class SimRun:
+    """One simulated engine: requests queued by `add` (in arrival order), `run` steps it to the end.
+
+    `simulate` queues the whole workload first. Given a `feed`, the run asks it before each intake for
+    what has arrived meanwhile and, idle, for more, so a router can decide at each arrival from the
+    replicas' state at that time (sim/replicas.py); the step loop is the same either way."""
+
+    def __init__(self, cost: CostModel, cfg: SimConfig, watch: RunWatch | None = None,
+                 feed: Feed | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cost
+        self.watch = watch
+        self.feed = feed
+        self.clock = clock = SimClock()
+        # The scheduler learns each stage's cost from the stage times, as in the engine, starting from
+        # what the cost model says it charges where it can say so (the roofline's linearization).
+        prior = cost.pipeline_cost() if isinstance(cost, PricedCostModel) else None
+        speculating = cfg.spec_acceptance is not None
+        self.sched = sched = Scheduler(
+            cfg.scheduler, cfg.num_blocks, cfg.block_size, cfg.max_model_len,
+            num_stages=cost.num_stages, clock=clock.seconds, cost_prior=prior,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            speculative=SpeculativeConfig(num_speculative_tokens=cfg.num_speculative_tokens)
+            if speculating else None,
+            proposer=SimProposer(SIM_TOKEN) if speculating else None)
+        self.pipe = _Pipeline(cost, cfg.record_send, _ns(cfg.dispatch_latency_s))
+        self.check = sched.check_invariants if cfg.check_invariants else None
+        acceptance = (AcceptanceModel(cfg.spec_acceptance, cfg.spec_seed) if cfg.spec_acceptance is not None
+                      else None)
+        self.executor = SimExecutor(self.pipe, clock, cfg.max_microbatches, on_submit=self.check,
+                                    acceptance=acceptance)
+        self.pending: deque[tuple[int, int, WorkloadRequest]] = deque()  # queued, not yet arrived
+        self.requests: dict[str, Request] = {}
+        self.token_times: dict[str, list[float]] = {}
+        self.rejected: dict[str, str] = {}
+        # When each request finished or was refused (ns), and those times sorted: what a router's load
+        # reads (sim/replicas.py).
+        self.finished_ns: dict[str, int] = {}
+        self.finish_times_ns: list[int] = []
+        self.open: set[str] = set()  # admitted, not finished
+        self.core = EngineCore(sched, self.executor, clock=clock.seconds, clock_ns=clock.ns,
+                               intake=self._intake, wait_until=self._wait_until,
+                               dispatch_s=cfg.dispatch_latency_s)
+
+    def add(self, arrival_ns: int, k: int, w: WorkloadRequest) -> None:
+        """Queue request k (its id is `r{k}`, its prompt `sim_prompt(k, w)`), arriving at `arrival_ns`."""
+        self.pending.append((arrival_ns, k, w))
+
+    def _turn_around(self) -> None:
         """The engine's turnaround after a result (`schedule_overhead_s`), once, before it looks again."""
-        if executor.just_collected:
-            clock.now_ns += _ns(cfg.schedule_overhead_s)
-            executor.just_collected = False
+        if self.executor.just_collected:
+            self.clock.now_ns += _ns(self.cfg.schedule_overhead_s)
+            self.executor.just_collected = False
 
-    def intake() -> None:
-        nonlocal next_arrival
-        turn_around()
-        while next_arrival < len(arrivals) and arrivals[next_arrival][0] <= clock.now_ns:
-            arr_ns, k, w = arrivals[next_arrival]
-            next_arrival += 1
+    def _intake(self) -> None:
+        self._turn_around()
+        clock, pending = self.clock, self.pending
+        if self.feed is not None:
+            self.feed.before_intake(clock.now_ns)
+        while pending and pending[0][0] <= clock.now_ns:
+            arr_ns, k, w = pending.popleft()
             rid = f"r{k}"
             tokens, salt = sim_prompt(k, w)
             req = Request(rid, tokens, SamplingParams(max_tokens=w.output_len, ignore_eos=True),
                           arrival_time=arr_ns * 1e-9, cache_salt=salt)
             try:
-                sched.add_request(req)
+                self.sched.add_request(req)
             except (ValueError, OverflowError) as e:
-                rejected[rid] = str(e)
+                self.rejected[rid] = str(e)
+                self._finished(rid, clock.now_ns)
                 continue
-            requests[rid] = req
-            token_times[rid] = []
-            if watch is not None:
-                watch.admitted(req)
-            core.work.update(True, arr_ns)
+            self.requests[rid] = req
+            self.token_times[rid] = []
+            self.open.add(rid)
+            if self.watch is not None:
+                self.watch.admitted(req)
+            self.core.work.update(True, arr_ns)
 
-    def wait_until(due_s: float) -> None:
+    def _wait_until(self, due_s: float) -> None:
         """The engine waits to form the token ring's extra microbatch (EngineCore.fill_due): its turnaround
         after the last result first, then until `due_s` or the oldest microbatch's return, whichever comes
         first."""
-        turn_around()
+        self._turn_around()
         due_ns = _ns(due_s)
-        if executor.in_flight:
-            due_ns = min(due_ns, executor.in_flight[0][1])  # woken by the result that comes back first
-        clock.now_ns = max(clock.now_ns, due_ns)
+        if self.executor.in_flight:
+            due_ns = min(due_ns, self.executor.in_flight[0][1])  # woken by the result that comes back first
+        self.clock.now_ns = max(self.clock.now_ns, due_ns)
 
-    core = EngineCore(sched, executor, clock=clock.seconds, clock_ns=clock.ns, intake=intake,
-                      wait_until=wait_until, dispatch_s=cfg.dispatch_latency_s)
-    while True:
-        stepped = core.step()
-        if stepped is not None:
-            now, updates = stepped
-            for u in updates:
-                token_times[u.request_id].extend([now] * len(u.new_token_ids))
-                if watch is not None and u.new_token_ids:
-                    watch.tokens(u.request_id, now)
-            if check is not None:
-                check()
-            if watch is not None and (stopped_early := watch.step(now)) is not None:
+    def settle(self) -> None:
+        """Note the requests the last collect finished whose updates the loop has not seen yet (a run
+        paused inside a step, at its intake)."""
+        for rid in [r for r in self.open if self.requests[r].is_finished]:
+            self._finished(rid, self.executor.collected_ns)
+
+    def _finished(self, rid: str, at_ns: int) -> None:
+        self.open.discard(rid)
+        self.finished_ns[rid] = at_ns
+        bisect.insort(self.finish_times_ns, at_ns)
+
+    def run(self) -> SimResult:
+        clock, sched, core, watch, check = self.clock, self.sched, self.core, self.watch, self.check
+        token_times = self.token_times
+        stopped_early: str | None = None
+        while True:
+            stepped = core.step()
+            if stepped is not None:
+                now, updates = stepped
+                for u in updates:
+                    token_times[u.request_id].extend([now] * len(u.new_token_ids))
+                    if watch is not None and u.new_token_ids:
+                        watch.tokens(u.request_id, now)
+                    if u.finished and u.request_id in self.open:
+                        self._finished(u.request_id, self.executor.collected_ns)
+                if check is not None:
+                    check()
+                if watch is not None and (stopped_early := watch.step(now)) is not None:
+                    break
+            elif sched.has_unfinished:
+                raise RuntimeError(
+                    f"simulation stuck at {clock.seconds():.6f} s: {len(sched.waiting)} waiting, "
+                    f"{len(sched.running)} running, nothing schedulable (KV cache too small?)"
+                )
+            elif self.pending:
+                clock.now_ns = max(clock.now_ns, self.pending[0][0])  # idle until the next request arrives
+            elif self.feed is not None and self.feed.wait_for_work(clock.now_ns):
+                clock.now_ns = max(clock.now_ns, self.pending[0][0])
+            else:
                 break
-        elif sched.has_unfinished:
-            raise RuntimeError(
-                f"simulation stuck at {clock.seconds():.6f} s: {len(sched.waiting)} waiting, "
-                f"{len(sched.running)} running, nothing schedulable (KV cache too small?)"
-            )
-        elif next_arrival < len(arrivals):
-            clock.now_ns = max(clock.now_ns, arrivals[next_arrival][0])  # idle until the next request arrives
-        else:
-            break
+        return self.result(stopped_early)
 
-    timings = {
-        rid: RequestTiming(req.arrival_time, req.first_scheduled_time, token_times[rid])
-        for rid, req in requests.items()
-    }
-    return SimResult(
-        spans=pipe.spans + core.engine_spans,
-        work_intervals=core.work.intervals(clock.now_ns),
-        timings=timings,
-        num_stages=num_stages,
-        num_microbatches=executor.num_microbatches,
-        num_preemptions=sched.num_preemptions,
-        end_s=clock.seconds(),
-        rejected=rejected,
-        budget_mode=sched.budget_mode,
-        stopped_early=stopped_early,
-        speculation=sched.spec.counters.as_dict() if sched.spec is not None else None,
-    )
+    def result(self, stopped_early: str | None = None) -> SimResult:
+        sched, clock = self.sched, self.clock
+        timings = {
+            rid: RequestTiming(req.arrival_time, req.first_scheduled_time, self.token_times[rid])
+            for rid, req in self.requests.items()
+        }
+        blocks = sched.blocks
+        return SimResult(
+            spans=self.pipe.spans + self.core.engine_spans,
+            work_intervals=self.core.work.intervals(clock.now_ns),
+            timings=timings,
+            num_stages=self.cost.num_stages,
+            num_microbatches=self.executor.num_microbatches,
+            num_preemptions=sched.num_preemptions,
+            end_s=clock.seconds(),
+            rejected=self.rejected,
+            budget_mode=sched.budget_mode,
+            stopped_early=stopped_early,
+            speculation=sched.spec.counters.as_dict() if sched.spec is not None else None,
+            prefix_cache={"query_tokens": blocks.num_query_tokens, "hit_tokens": blocks.num_hit_tokens,
+                          "evictions": blocks.num_evictions},
+        )

@@ -87,11 +87,17 @@ class SloWatch:
     def verdict(self, now_s: float) -> str | None:
         stop = self.stop
         if stop.tbt_p99_s is not None and self.gaps_needed is not None and self.gaps_over >= self.gaps_needed:
-            return (f"p99 TBT over {stop.tbt_p99_s:.4g} s for certain: {self.gaps_over} gaps over it, "
-                    f"{self.gaps_needed} settle it (stopped at {now_s:.4g} s simulated)")
-        limit = stop.sched_delay_p50_s
-        if limit is None or self.delays_needed is None:
+            return self.judge(self.gaps_over, 0, now_s)
+        if stop.sched_delay_p50_s is None or self.delays_needed is None:
             return None
+        return self.judge(self.gaps_over, self.delays_over_at(now_s), now_s)
+
+    def delays_over_at(self, now_s: float) -> int:
+        """Requests whose scheduling delay is over the SLO for good at `now_s` (this run's clock): those
+        scheduled late, and those still waiting past it."""
+        limit = self.stop.sched_delay_p50_s
+        if limit is None:
+            return 0
         waiting_over = 0
         for rid, req in list(self._unscheduled.items()):
             if req.first_scheduled_time is not None:
@@ -100,8 +106,18 @@ class SloWatch:
                     self.delays_over += 1
             elif now_s - req.arrival_time > limit:
                 waiting_over += 1
-        if self.delays_over + waiting_over >= self.delays_needed:
+        return self.delays_over + waiting_over
+
+    def judge(self, gaps_over: int, delays_over: int, now_s: float) -> str | None:
+        """Why counts this large fail the SLO for certain, or None. Several replicas' watches judge their
+        summed counts with one of them (sim/replicas.py): the thresholds are the whole workload's."""
+        stop = self.stop
+        if stop.tbt_p99_s is not None and self.gaps_needed is not None and gaps_over >= self.gaps_needed:
+            return (f"p99 TBT over {stop.tbt_p99_s:.4g} s for certain: {gaps_over} gaps over it, "
+                    f"{self.gaps_needed} settle it (stopped at {now_s:.4g} s simulated)")
+        limit = stop.sched_delay_p50_s
+        if limit is not None and self.delays_needed is not None and delays_over >= self.delays_needed:
             return (f"median scheduling delay over {limit:.4g} s for certain: "
-                    f"{self.delays_over + waiting_over} requests waited longer, {self.delays_needed} settle "
+                    f"{delays_over} requests waited longer, {self.delays_needed} settle "
                     f"it (stopped at {now_s:.4g} s simulated)")
         return None

@@ -2,7 +2,10 @@
 
 A request may also name a prefix identity (`prefix_id`, `prefix_len`): requests with the same id share
 their first `prefix_len` prompt tokens (a system prompt, a conversation's history), which the prefix
-cache computes once; without one, a request's prompt shares nothing with any other.
+cache computes once; without one, a request's prompt shares nothing with any other. Or it spells its
+prompt out (`content`, runs of one token id): requests then share exactly the blocks their tokens share,
+which nests (a system prompt shared by conversations, each sharing its history with its next turn;
+sim/conversations.py).
 
 Sources: request-length traces (CSV with arrived_at, num_prefill_tokens, num_decode_tokens, e.g. the
 Splitwise traces in ../shared/traces), synthetic lengths (uniform, zipf, log-uniform prompts, fixed
@@ -32,6 +35,8 @@ __all__ = [
     "zipf_lengths",
     "fixed_ratio",
     "clip_to_context",
+    "cut_runs",
+    "expand_runs",
     "log_uniform_prompts",
     "evenly_spaced",
     "bursty_arrivals",
@@ -49,10 +54,18 @@ class WorkloadRequest:
     output_len: int
     prefix_id: int | None = None  # requests with the same id share their first prefix_len prompt tokens
     prefix_len: int = 0
+    # The prompt as runs of (token id, count), None: its prefix identity says what it shares. Runs keep
+    # a long history cheap to hold and to send to the planner's processes.
+    content: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
             raise ValueError(f"a request needs prompt_len >= 1 and output_len >= 1, got {self}")
+        if self.content is not None and (self.prefix_id is not None
+                                         or any(n < 1 for _, n in self.content)
+                                         or sum(n for _, n in self.content) != self.prompt_len):
+            raise ValueError("content must be runs of >= 1 tokens summing to prompt_len, without a "
+                             f"prefix_id, got {self}")
         if not 0 <= self.prefix_len <= self.prompt_len or (self.prefix_len > 0 and self.prefix_id is None):
             raise ValueError(f"prefix_len must be in [0, prompt_len] and needs a prefix_id, got {self}")
         if not (self.arrival_s >= 0 and math.isfinite(self.arrival_s)):
@@ -174,7 +187,27 @@ def clip_to_context(reqs: Sequence[WorkloadRequest], max_model_len: int) -> list
     for r in reqs:
         prompt = min(r.prompt_len, max_model_len - 1)
         out.append(replace(r, prompt_len=prompt, output_len=max(1, min(r.output_len, max_model_len - prompt)),
-                           prefix_len=min(r.prefix_len, prompt)))
+                           prefix_len=min(r.prefix_len, prompt),
+                           content=None if r.content is None else cut_runs(r.content, prompt)))
+    return out
+
+
+def cut_runs(runs: Sequence[tuple[int, int]], n: int) -> tuple[tuple[int, int], ...]:
+    """The first `n` tokens of a run-length prompt."""
+    out: list[tuple[int, int]] = []
+    for token, count in runs:
+        if n <= 0:
+            break
+        out.append((token, min(count, n)))
+        n -= count
+    return tuple(out)
+
+
+def expand_runs(runs: Sequence[tuple[int, int]]) -> list[int]:
+    """A run-length prompt's token ids."""
+    out: list[int] = []
+    for token, count in runs:
+        out += [token] * count
     return out
 
 
