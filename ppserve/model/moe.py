@@ -11,7 +11,9 @@ Tensor parallelism: each TP rank holds a 1/tp slice of every expert's intermedia
 is replicated; the block ends in one all-reduce, as the dense MLP's down projection does. Checkpoints in
 both layouts load: per-expert tensors (`experts.{e}.gate_proj`, Mixtral's `experts.{e}.w1 / w3 / w2`)
 and transformers' fused ones (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]);
-`expert_weights` builds the weight map for either. Expert parallelism would replace the slice of every
+`expert_weights` builds the weight map for either. Experts a quantized checkpoint stores per expert keep
+their codes, like the linear layers, and in bf16 run torch's integer or FP8 kernels with their float
+copies released (`ExpertWeights.pack_codes`). Expert parallelism would replace the slice of every
 expert by whole experts per rank; see ppserve/ARCHITECTURE.md#models-and-weights.
 """
 
@@ -28,7 +30,9 @@ from ppserve.model.arch import MoeSpec
 from ppserve.model.checkpoint_tensor import CheckpointTensor, as_tensor
 from ppserve.model.ops import moe as moe_ops
 from ppserve.model.ops import native, settings
+from ppserve.model.ops.quant_gemm import QuantizedLinear, int8_codes, join_rows
 from ppserve.model.parallel import TPContext
+from ppserve.model.quant.codes import QuantCodes, codes_of
 from ppserve.model.stage_model import SelfCheckedShard, WeightMap
 
 # MoE config fields ppserve does not implement, each with the value that means "not used".
@@ -143,6 +147,33 @@ class ExpertWeights(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
         parts = 2 if kind == "gate_up" else 1
         self.loaded = [[False] * parts for _ in range(spec.num_experts)]  # what the checkpoint delivered
+        self.codes: dict[tuple[int, int], QuantCodes] = {}  # (expert, part): a quantized checkpoint's codes
+        self.quant: moe_ops.QuantizedExperts | None = None  # set by the block's prepack()
+
+    def pack_codes(self) -> moe_ops.QuantizedExperts | None:
+        """Every expert packed for torch's kernel (`QuantizedLinear.build`) from the codes a quantized
+        checkpoint gave at the last load (or, under `model.quantization: int8`, int8 codes of the float
+        weights, as the linear layers make them), or None where some expert lacks codes or a kernel in
+        this dtype on this device. The codes are dropped either way."""
+        codes, self.codes = self.codes, {}
+        w = self.weight
+        on_the_fly = not codes and settings.current().quantization == "int8"
+        if not on_the_fly and len(codes) != sum(len(row) for row in self.loaded):
+            return None
+        each = []
+        for e in range(len(self.loaded)):
+            if on_the_fly:
+                joined: QuantCodes | None = int8_codes(w[e])
+            elif self.kind == "gate_up":
+                joined = join_rows([(0, codes[e, 0]), (self.local, codes[e, 1])], 2 * self.local)
+            else:
+                joined = codes[e, 0]
+            packed = None if joined is None else QuantizedLinear.build(joined, w.dtype, w.device,
+                                                                        float32_ok=on_the_fly)
+            if packed is None:
+                return None
+            each.append(packed)
+        return moe_ops.QuantizedExperts(tuple(each))
 
     def weight_loader(self, param: nn.Parameter, full: Tensor | CheckpointTensor,
                       shard_id: object = None) -> None:
@@ -159,13 +190,16 @@ class ExpertWeights(nn.Module):
             return
         e = shard_id.expert
         if self.kind == "down":
-            _copy(param[e], full[:, a:b], f"expert {e} down projection")
-            self.loaded[e][0] = True
+            window = _copy(param[e], full[:, a:b], f"expert {e} down projection")
+            part = 0
         else:
             part = int(shard_id.part)
-            _copy(param[e, part * self.local:(part + 1) * self.local], full[a:b],
-                  f"expert {e} gate/up part {part}")
-            self.loaded[e][part] = True
+            window = _copy(param[e, part * self.local:(part + 1) * self.local], full[a:b],
+                           f"expert {e} gate/up part {part}")
+        self.loaded[e][part] = True
+        codes = codes_of(window)
+        if codes is not None:
+            self.codes[e, part] = codes
 
     def missing_weights(self) -> list[str]:
         names = {"gate_up": ("gate", "up"), "down": ("down",)}[self.kind]
@@ -173,12 +207,14 @@ class ExpertWeights(nn.Module):
                 if not ok]
 
 
-def _copy(dst: Tensor, src: Tensor | CheckpointTensor, what: str) -> None:
+def _copy(dst: Tensor, src: Tensor | CheckpointTensor, what: str) -> Tensor:
+    """Copy `src` into `dst` and return the window read (it may carry a quantized checkpoint's codes)."""
     src = as_tensor(src)
     if dst.shape != src.shape:
         raise ValueError(f"{what}: expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
     with torch.no_grad():
         dst.copy_(src)
+    return src
 
 
 class SparseMoeBlock(nn.Module):
@@ -197,31 +233,50 @@ class SparseMoeBlock(nn.Module):
         self.panels: moe_ops.PanelExperts | None = None
 
     def prepack(self) -> None:
-        """After every load: the experts' panel layout (bf16 on a CPU with AMX or AVX512-BF16), derived from
-        the loaded weights and held outside the state dict, as the linear layers' `PackedWeight` is."""
-        self.panels = moe_ops.pack_experts(*self._expert_weights())
+        """After every load: the experts on torch's quantized kernels where a quantized checkpoint's codes
+        take them (`ExpertWeights.pack_codes`), else their panel layout (bf16 on a CPU with AMX or
+        AVX512-BF16), derived from the loaded weights and held outside the state dict, as the linear
+        layers' `PackedWeight` is."""
+        gate_up, down = self._experts()
+        gate_up_q, down_q = gate_up.pack_codes(), down.pack_codes()
+        if gate_up.quant is None and gate_up_q is not None and down_q is not None:
+            for experts, quant in ((gate_up, gate_up_q), (down, down_q)):
+                experts.quant = quant  # the float copy released: a one-element stand-in keeps its shape
+                experts.weight.data = experts.weight.data.new_empty(1).expand(experts.weight.shape)
+        self.panels = None if self.quantized else moe_ops.pack_experts(gate_up.weight, down.weight)
 
-    def _expert_weights(self) -> tuple[Tensor, Tensor]:
+    def _experts(self) -> tuple[ExpertWeights, ExpertWeights]:
         """The experts' gate_up and down weights (`experts` is a plain nn.Module, which types its children
         Tensor | Module)."""
-        return cast(ExpertWeights, self.experts.gate_up).weight, cast(ExpertWeights, self.experts.down).weight
+        return cast(ExpertWeights, self.experts.gate_up), cast(ExpertWeights, self.experts.down)
+
+    @property
+    def quantized(self) -> tuple[moe_ops.QuantizedExperts, moe_ops.QuantizedExperts] | None:
+        """Both projections on the quantized kernels, or None: both or neither are packed, as one without
+        the other would keep most of the float memory anyway."""
+        gate_up, down = self._experts()
+        return None if gate_up.quant is None or down.quant is None else (gate_up.quant, down.quant)
 
     @property
     def capturable(self) -> bool:
         """Whether a CUDA graph can capture this block: the Triton kernel reads nothing back to the host,
-        the grouped path may (its per-expert loop reads the token counts of a step's experts)."""
-        return moe_ops.resolve_kernel(self.kernel, self.gate.weight.device) == "triton"
+        the grouped path may (its per-expert loop reads the token counts of a step's experts), and
+        quantized experts always run that loop (docs/decisions.md#quantized-experts)."""
+        kernel = moe_ops.resolve_kernel(self.kernel, self.gate.weight.device)
+        return kernel == "triton" and self.quantized is None
 
     @property
     def interpreted(self) -> bool:
         """Whether the experts run the Triton kernel under its interpreter (off CUDA: a correctness check)."""
         device = self.gate.weight.device
-        return device.type != "cuda" and moe_ops.resolve_kernel(self.kernel, device) == "triton"
+        kernel = moe_ops.resolve_kernel(self.kernel, device)
+        return device.type != "cuda" and kernel == "triton" and self.quantized is None
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.gate(x)
-        gate_up, down = self._expert_weights()
-        out = moe_ops.experts(x, ids, weights, gate_up, down, self.kernel, self.panels)
+        gate_up, down = self._experts()
+        out = moe_ops.experts(x, ids, weights, gate_up.weight, down.weight, self.kernel, self.panels,
+                              self.quantized)
         return self.tp.all_reduce(out)  # each rank summed its slice of every expert
 
 

@@ -22,6 +22,7 @@ from tests.model_helpers import (
     hf_model,
     load_stages,
     make_tiny_llama_dir,
+    make_tiny_qwen3_dir,
     tp_scenario,
     tp_worker,
 )
@@ -74,7 +75,6 @@ def test_awq_matches_its_dequantized_weights(float_dir: Path, tmp_path: Path) ->
 def test_moe_experts_quantized_per_expert(tmp_path: Path) -> None:
     """A Qwen3-MoE whose attention, dense MLP and every expert are W4A16 (the Hub's per-expert layout, as
     llm-compressor writes it): transformers' logits on the weights they encode, at pp 1 and 2."""
-    from tests.model_helpers import make_tiny_qwen3_dir
     from tests.quant_helpers import dequantized_copy
 
     float_moe = make_tiny_qwen3_dir(tmp_path / "moe", num_layers=2, dense_layers=(1,))
@@ -93,19 +93,27 @@ def _tensor_names(model_dir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("fmt,dtype", [("w4a16", "float32"), ("w4a16", "bfloat16"),
-                                       ("gptq-desc-act", "float32"), ("awq", "bfloat16")])
+                                       ("gptq-desc-act", "float32"), ("awq", "bfloat16"),
+                                       ("moe-w4a16", "bfloat16")])
 def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, fmt: str, dtype: str) -> None:
     """Two gloo ranks each load their shard of a quantized checkpoint (in bf16, their shard of the codes,
-    on the int4 kernel): the same logits as one rank, to float32 rounding or bf16 tolerance."""
+    on the int4 kernel; for an MoE, each expert's slice): the same logits as one rank, to float32
+    rounding or bf16 tolerance."""
     from ppserve.model.loader import load_stage_model
 
-    if fmt == "w4a16":
+    if fmt == "moe-w4a16":  # every layer sparse, each rank's expert slice 32 wide: one group of 32
+        moe = make_tiny_qwen3_dir(tmp_path / "moe", num_layers=2, dense_layers=(), expert_intermediate=64)
+        qdir = compressed_tensors_copy(moe, tmp_path / "q", "W4A16", "pack-quantized", 32)
+        assert all(b.quantized is not None for b in _moe_blocks(load_stage_model(qdir, 0, 2,
+                                                                                   dtype=torch.bfloat16)))
+    elif fmt == "w4a16":
         qdir = compressed_tensors_copy(float_dir, tmp_path / "q", "W4A16_ASYM", "pack-quantized", 32)
     elif fmt == "awq":
         qdir, _ = awq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 32)
     else:
         qdir, _ = gptq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 4, 32, sym=True, desc_act=True)
-    single = tp_scenario(load_stage_model(qdir, 0, 3, dtype=getattr(torch, dtype)))
+    layers = 2 if fmt.startswith("moe") else 3
+    single = tp_scenario(load_stage_model(qdir, 0, layers, dtype=getattr(torch, dtype)))
     mp.spawn(tp_worker, args=(2, str(tmp_path / "init"), str(qdir), TP_PROMPTS, str(tmp_path), dtype),
              nprocs=2, join=True)
     for got, want in zip(torch.load(tmp_path / "logits.pt"), single, strict=True):
@@ -233,6 +241,34 @@ def test_bf16_serves_on_the_integer_kernels(float_dir: Path, tmp_path: Path, pre
     _agrees(_bf16_logits(model), hf_logits(hf_dequantized(qdir), PROMPT), tolerance)
 
 
+def _moe_blocks(model) -> list:
+    from ppserve.model.moe import SparseMoeBlock
+
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def test_bf16_moe_experts_run_the_int4_kernel(tmp_path: Path) -> None:
+    """In bf16 a W4A16 MoE's experts run torch's int4 kernel one expert at a time, their float weights
+    released: the experts' bytes drop to under a third of bf16's, the logits agree with transformers' on
+    the weights the checkpoint encodes, and a one-token step (its own path) equals that token's row of a
+    many-token step to kernel rounding."""
+    from tests.quant_helpers import dequantized_copy
+
+    float_moe = make_tiny_qwen3_dir(tmp_path / "moe", num_layers=2, dense_layers=(1,))
+    qdir = compressed_tensors_copy(float_moe, tmp_path / "w4", "W4A16", "pack-quantized", 32)
+    model, plain = _bf16_stage(qdir), _bf16_stage(float_moe)
+    (block,), (plain_block,) = _moe_blocks(model), _moe_blocks(plain)
+    assert block.quantized is not None and plain_block.quantized is None
+    assert not block.capturable and block.panels is None
+    float_bytes = sum(p.numel() * 2 for p in plain_block.experts.parameters())
+    held = sum(p.untyped_storage().nbytes() for p in block.experts.parameters())
+    assert held + sum(q.nbytes for q in block.quantized) <= 0.33 * float_bytes
+    _agrees(_bf16_logits(model), hf_logits(hf_model(dequantized_copy(qdir, tmp_path / "ref")), PROMPT))
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(block(x[2:3]), block(x)[2:3], rtol=0.02, atol=0.02)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_bf16_gptq_and_awq_run_the_int4_kernel(float_dir: Path, tmp_path: Path, method: str) -> None:
     if method == "gptq":
@@ -280,6 +316,24 @@ def test_on_the_fly_int8_halves_the_linear_weights(float_dir: Path) -> None:
     ends = sum(p.numel() * 2 for n, p in plain.named_parameters() if "layers." not in n)
     assert model.weight_bytes() - ends <= 0.55 * (plain.weight_bytes() - ends)
     _agrees(_bf16_logits(model), hf_logits(hf_model(float_dir), PROMPT))
+
+
+def test_on_the_fly_int8_covers_the_experts(tmp_path: Path) -> None:
+    """`model.quantization: int8` on a float MoE: every expert on the int8 kernel too, and transformers'
+    float32 logits to int8-and-bf16 tolerance."""
+    from ppserve.model.ops import settings
+
+    float_moe = make_tiny_qwen3_dir(tmp_path / "moe", num_layers=2, dense_layers=(1,))
+    before = settings.current()
+    settings.configure(settings.KernelSettings(quantization="int8"))
+    try:
+        model = _bf16_stage(float_moe)
+    finally:
+        settings.configure(before)
+    (block,) = _moe_blocks(model)
+    assert block.quantized is not None
+    assert {q.kind for experts in block.quantized for q in experts.each} == {"int8"}
+    _agrees(_bf16_logits(model), hf_logits(hf_model(float_moe), PROMPT))
 
 
 def test_int8_of_a_quantized_checkpoint_is_refused(float_dir: Path, tmp_path: Path) -> None:

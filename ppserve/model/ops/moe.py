@@ -14,8 +14,10 @@ A microbatch's T * k (token, expert) pairs are grouped by expert; each expert ru
 - the fused Triton kernel (ppserve/model/triton_moe.py) over the pairs in blocks by expert
   (`ops/moe_align.py`): no host sync, so a fixed-size decode step captures into a CUDA graph.
 `experts` picks the Triton kernel on CUDA when triton imports (or when forced), the grouped path otherwise
-(why: docs/decisions.md#moe-expert-matmuls). Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's
-slice of I), w2 [E, H, I]; the caller all-reduces over TP ranks once.
+(why: docs/decisions.md#moe-expert-matmuls). Experts a quantized checkpoint stores as integer or FP8 codes
+that torch's kernels take (`QuantizedExperts`) always run the grouped path, each expert on its kernel.
+Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's slice of I), w2 [E, H, I]; the caller
+all-reduces over TP ranks once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import Tensor
 
 from ppserve.model import triton_moe
 from ppserve.model.ops import native, silu_mul
+from ppserve.model.ops.quant_gemm import QuantizedLinear
 from ppserve.model.ops.settings import MOE_KERNELS
 
 EXPERT_MATMULS = ("auto", "grouped_mm", "per_expert")
@@ -96,6 +99,23 @@ class PanelExperts:
     each: tuple[tuple[Tensor, Tensor], ...]
 
 
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """One projection of every expert (gate_up or down) held for torch's integer or FP8 kernel, one
+    `QuantizedLinear` an expert (ppserve/model/ops/quant_gemm.py)."""
+
+    each: tuple[QuantizedLinear, ...]
+
+    @property
+    def kind(self) -> str:
+        """The kernel the experts run ('int4', 'int8', 'fp8'): one scheme packs them all."""
+        return self.each[0].kind
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.each)
+
+
 def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
     """The experts prepacked for the panel GEMM, or None where it does not apply: not bf16 on CPU, no panel
     kernel here (no AMX or AVX512-BF16, or switched off by the settings), or sides the kernel cannot tile
@@ -113,14 +133,22 @@ def pack_experts(w13: Tensor, w2: Tensor) -> PanelExperts | None:
 
 
 def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-                    expert_matmuls: str = "auto", packed: PanelExperts | None = None) -> Tensor:
+                    expert_matmuls: str = "auto", packed: PanelExperts | None = None,
+                    quantized: tuple[QuantizedExperts, QuantizedExperts] | None = None) -> Tensor:
     """x [T, H]; topk_ids, topk_weights [T, k] -> [T, H], the weighted sum of each token's experts.
     `packed` (from `pack_experts`): with expert_matmuls "auto" and bf16 input, the matmuls run on the panel
-    GEMM."""
+    GEMM. `quantized` (gate_up, down): every expert's matmuls run on its kernel, w13 and w2 unread."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
+    if quantized is not None:
+        expert_matmuls = "per_expert"
     if t == 1 and expert_matmuls != "grouped_mm":
-        down = _one_token_experts(x, topk_ids, w13, w2, packed if expert_matmuls == "auto" else None)
+        if quantized is not None:
+            gate_up, down_q = quantized
+            down = torch.cat([down_q.each[e].linear(silu_mul(gate_up.each[e].linear(x, None)), None)
+                              for e in topk_ids[0].tolist()])  # the host read the per-expert loop makes too
+        else:
+            down = _one_token_experts(x, topk_ids, w13, w2, packed if expert_matmuls == "auto" else None)
         return _weighted_sum(down, topk_weights, t, k, x.dtype)
     # Pair p = token p // k, its (p % k)-th choice; sorted stably by expert, so each expert's rows are
     # one run, ending at ends[e] (int32, as grouped_mm takes its offsets). pos[p]: pair p's row.
@@ -129,7 +157,9 @@ def grouped_experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tens
         rows, ends, pos = routing.dispatch(x, topk_ids, num_experts)  # one call, not five ops
     else:
         rows, ends, pos = _dispatch(x, topk_ids, num_experts)
-    if packed is not None and expert_matmuls == "auto" and x.dtype == torch.bfloat16:
+    if quantized is not None:
+        down = _per_expert_matmuls(rows, ends, *quantized)
+    elif packed is not None and expert_matmuls == "auto" and x.dtype == torch.bfloat16:
         down = _panel_expert_matmuls(rows, ends, packed)
     elif uses_grouped_mm(t * k, num_experts, x, w13, w2, expert_matmuls):
         act = silu_mul(F.grouped_mm(rows, w13.transpose(1, 2), offs=ends))  # [P, 2I] -> [P, I]
@@ -183,15 +213,20 @@ def _one_token_experts(x: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
     return torch.cat([expert_out(e) for e in topk_ids[0].tolist()])
 
 
-def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """What the two grouped_mm calls compute, one expert at a time: rows [P, H] sorted by expert -> [P, H]."""
-    down = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype, device=rows.device)
+def _per_expert_matmuls(rows: Tensor, ends: Tensor, w13: Tensor | QuantizedExperts,
+                        w2: Tensor | QuantizedExperts) -> Tensor:
+    """What the two grouped_mm calls compute, one expert at a time: rows [P, H] sorted by expert -> [P, H].
+    The weights are float [E, N, K] or every expert's quantized kernel."""
+    def matmul(w: Tensor | QuantizedExperts, expert: int, a: Tensor) -> Tensor:
+        return w.each[expert].linear(a, None) if isinstance(w, QuantizedExperts) else F.linear(a, w[expert])
+
+    down = torch.empty(rows.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
     start = 0
     for expert, end in enumerate(ends.tolist()):  # the host sync: one small list
         if end == start:
             continue  # an expert no token chose costs nothing
-        act = silu_mul(F.linear(rows[start:end], w13[expert]))  # [n, 2I] -> [n, I]
-        down[start:end] = F.linear(act, w2[expert])
+        act = silu_mul(matmul(w13, expert, rows[start:end]))  # [n, 2I] -> [n, I]
+        down[start:end] = matmul(w2, expert, act)
         start = end
     return down
 
@@ -215,11 +250,13 @@ def resolve_kernel(kernel: str, device: torch.device) -> str:
 
 
 def experts(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w13: Tensor, w2: Tensor,
-            kernel: str = "auto", packed: PanelExperts | None = None) -> Tensor:
+            kernel: str = "auto", packed: PanelExperts | None = None,
+            quantized: tuple[QuantizedExperts, QuantizedExperts] | None = None) -> Tensor:
     """The experts' weighted output [T, H] by the path `kernel` names ('auto': Triton on CUDA, else grouped;
-    the grouped path on the panel GEMM where `packed` is given)."""
+    the grouped path on the panel GEMM where `packed` is given, on the quantized kernels where
+    `quantized` is, whatever `kernel` says: the Triton kernel takes float weights only)."""
     kernel = resolve_kernel(kernel, x.device)
-    if kernel == "grouped":
-        return grouped_experts(x, topk_ids, topk_weights, w13, w2, packed=packed)
+    if kernel == "grouped" or quantized is not None:
+        return grouped_experts(x, topk_ids, topk_weights, w13, w2, packed=packed, quantized=quantized)
     triton_moe.check_can_run(x.device)
     return triton_moe.fused_moe(x, topk_ids, topk_weights, w13, w2)
