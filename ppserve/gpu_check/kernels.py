@@ -90,10 +90,27 @@ def _ops_cases(dtype: Any, device: str) -> dict[str, Any]:
     }
 
 
+def _int4_codes(gen: Any, out: int, inp: int, group: int) -> tuple[Any, Any]:
+    """Random int4 codes with zero points, and the float64 weight they encode with the scales and zeros
+    rounded to bf16 as the kernel stores them."""
+    import torch
+
+    from ppserve.model.quant.codes import QuantCodes
+
+    q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(out, inp // group, generator=gen) * 0.02 + 0.005
+    zeros = torch.randint(0, 16, (out, inp // group), generator=gen).to(torch.int16)
+    s64 = scales.bfloat16().double()
+    z64 = ((8 - zeros.float()) * scales).bfloat16().double()
+    w = ((q.double() - 8).view(out, -1, group) * s64[..., None] + z64[..., None]).view(out, inp)
+    return QuantCodes(4, group, q, scales, zeros), w
+
+
 def _quant_cases(device: str) -> dict[str, Any]:
     """The quantized linears' kernels (model/ops/quant_gemm.py) against float64 on the weights their codes
     encode (scales as the kernel stores them, in bf16): int4 in groups of 128 with zero points (CUDA:
-    tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); int8 on CPU."""
+    tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); int4 experts
+    through the MoE's grouped path; int8 on CPU."""
     import torch
 
     from ppserve.model.ops.quant_gemm import QuantizedLinear
@@ -101,19 +118,15 @@ def _quant_cases(device: str) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(0)
     out, inp, group = 256, 512, 128
-    q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
-    scales = torch.rand(out, inp // group, generator=gen) * 0.02 + 0.005
-    zeros = torch.randint(0, 16, (out, inp // group), generator=gen).to(torch.int16)
+    codes, w = _int4_codes(gen, out, inp, group)
     x = torch.randn(7, inp, generator=gen).to(torch.bfloat16)
-    s64 = scales.bfloat16().double()
-    z64 = ((8 - zeros.float()) * scales).bfloat16().double()
-    w = ((q.double() - 8).view(out, -1, group) * s64[..., None] + z64[..., None]).view(out, inp)
-    int4 = QuantizedLinear.build(QuantCodes(4, group, q, scales, zeros), torch.bfloat16, torch.device(device))
+    int4 = QuantizedLinear.build(codes, torch.bfloat16, torch.device(device))
     if int4 is None:
         return {"int4": {"ok": False, "finite": False, "max_abs_err": float("inf"), "why": "no int4 kernel"}}
     xd = x.to(device)
     eager = int4.linear(xd, None)
-    cases: dict[str, Any] = {"int4": _compare(eager.cpu(), x.double() @ w.t(), torch.bfloat16)}
+    cases: dict[str, Any] = {"int4": _compare(eager.cpu(), x.double() @ w.t(), torch.bfloat16),
+                             "moe_int4": _moe_int4_case(gen, device)}
     if device.startswith("cuda"):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -130,6 +143,43 @@ def _quant_cases(device: str) -> dict[str, Any]:
         w8 = (q8.double() - 128) * s8.bfloat16().double()
         cases["int8"] = _compare(int8.linear(xd, None).cpu(), x.double() @ w8.t(), torch.bfloat16)
     return cases
+
+
+def _moe_int4_case(gen: Any, device: str) -> dict[str, Any]:
+    """Four int4 experts (hidden 256, intermediate 128, groups of 128) on the grouped path's per-expert
+    kernels, five tokens routed to two each, against float64 on the weights the codes encode."""
+    import torch
+
+    from ppserve.model.ops import moe as moe_ops
+    from ppserve.model.ops.quant_gemm import QuantizedLinear
+
+    hidden, inter, experts = 256, 128, 4
+    packed: tuple[list[Any], list[Any]] = ([], [])
+    floats: tuple[list[Any], list[Any]] = ([], [])
+    for e in range(2 * experts):
+        out, inp = (2 * inter, hidden) if e < experts else (hidden, inter)
+        codes, w = _int4_codes(gen, out, inp, 128)
+        kernel = QuantizedLinear.build(codes, torch.bfloat16, torch.device(device))
+        if kernel is None:
+            return {"ok": False, "max_abs_err": float("inf"), "why": "no int4 kernel for the experts"}
+        packed[e // experts].append(kernel)
+        floats[e // experts].append(w)
+    x = torch.randn(5, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1], [2, 0], [3, 1], [1, 2], [0, 3]])
+    weights = torch.softmax(torch.randn(5, 2, generator=gen), -1).to(torch.bfloat16)
+    quantized = (moe_ops.QuantizedExperts(tuple(packed[0])), moe_ops.QuantizedExperts(tuple(packed[1])))
+    stand_in = torch.empty(1, device=device, dtype=torch.bfloat16)  # the float weights, released
+    got = moe_ops.grouped_experts(x.to(device), ids.to(device), weights.to(device),
+                                  stand_in.expand(experts, 2 * inter, hidden),
+                                  stand_in.expand(experts, hidden, inter), quantized=quantized)
+    want = torch.zeros(5, hidden, dtype=torch.float64)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            gate_up = x[t].double() @ floats[0][e].t()
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            want[t] += float(weights[t, j]) * (act @ floats[1][e].t())
+    return _compare(got.cpu(), want, torch.bfloat16)
 
 
 def _fp8_case(x: Any, device: Any) -> dict[str, Any]:
