@@ -14,7 +14,11 @@ Quality: perplexity on a fixed text (ppserve/ARCHITECTURE.md's first tokens), an
 bf16 over 64 prompts (the fraction of 16-token continuations that match bf16's exactly, and of tokens up
 to the first difference).
 
-    python benchmarks/bench_quantized.py [--seqs 1,16,64] [--repeats 20] [--prompts 64]
+`--moe HIDDENxINTERxEXPERTS` runs the same variants on a random Qwen3-MoE of that shape instead (4 layers,
+8 experts a token, every layer sparse): the experts on torch's kernels; "linear" bytes then count the
+experts too. Random weights have no meaningful quality, so only bytes and step times are reported.
+
+    python benchmarks/bench_quantized.py [--seqs 1,16,64] [--repeats 20] [--prompts 64] [--moe 1024x384x64]
 
 Writes results/bench_quantized.json (or --out). Not a test.
 """
@@ -103,6 +107,22 @@ class Runner:
         return self.model.compute_logits(hidden)
 
 
+def random_moe(path: Path, shape: str) -> Path:
+    """A random Qwen3-MoE checkpoint of HIDDENxINTERxEXPERTS, every layer sparse, saved per expert."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hidden, inter, experts = (int(v) for v in shape.split("x"))
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=8192, hidden_size=hidden, num_hidden_layers=4, num_attention_heads=16,
+                            num_key_value_heads=4, head_dim=hidden // 16, intermediate_size=4 * hidden,
+                            moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=8,
+                            norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path, save_original_format=True)
+    return path
+
+
 def linear_bytes(model: StageModel) -> int:
     ends = sum(p.untyped_storage().nbytes() for n, p in model.named_parameters() if "layers." not in n)
     return model.weight_bytes() - ends
@@ -132,13 +152,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--text-tokens", type=int, default=512)
-    ap.add_argument("--out", default="results/bench_quantized.json")
+    ap.add_argument("--moe", default="", help="HIDDENxINTERxEXPERTS: a random Qwen3-MoE instead")
+    ap.add_argument("--out", default="")
     args = ap.parse_args()
+    args.out = args.out or f"results/bench_quantized{'_moe' if args.moe else ''}.json"
     from transformers import AutoTokenizer
 
-    model_dir = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
+        model_dir = random_moe(Path(tmp) / "moe", args.moe) if args.moe else resolve_model(None)
+        tok = None if args.moe else AutoTokenizer.from_pretrained(model_dir)
         w4_dir = compressed_tensors_copy(model_dir, Path(tmp) / "w4a16", "W4A16", "pack-quantized", 64)
         w8_dir = compressed_tensors_copy(model_dir, Path(tmp) / "w8a8", "W8A8", "int-quantized")
         models = {"bf16": load(model_dir, None), "int8": load(model_dir, "int8"), "w8a8": load(w8_dir, None),
@@ -151,11 +173,12 @@ def main() -> None:
                                        "weight_bytes": m.weight_bytes(), "step_ms": {}}
                                 for name, m in models.items()}
     text = (Path(__file__).resolve().parent.parent / "ppserve" / "ARCHITECTURE.md").read_text()
-    text_ids = tok(text)["input_ids"][: args.text_tokens]
+    text_ids = [] if tok is None else tok(text)["input_ids"][: args.text_tokens]
     rng = torch.Generator().manual_seed(0)
+    vocab = models["bf16"].arch.vocab_size
     with torch.inference_mode():
         for n in seqs:
-            context = torch.randint(3, 40000, (n, CONTEXT), generator=rng).tolist()
+            context = torch.randint(3, vocab, (n, CONTEXT), generator=rng).tolist()
             for r in runners.values():
                 r.reset(n)
                 for seq, ids in enumerate(context):
@@ -169,27 +192,30 @@ def main() -> None:
                     times[name].append((time.perf_counter() - start) * 1e3)
             for name in runners:
                 results[name]["step_ms"][n] = statistics.median(times[name])
-        for name, r in runners.items():
-            results[name]["perplexity"] = perplexity(r, text_ids)
-        words = text.split()
-        prompts = [tok(" ".join(words[i * 7: i * 7 + 12]))["input_ids"] for i in range(args.prompts)]
-        outs = {name: greedy(r, prompts) for name, r in runners.items()}
-    for name in runners:
-        same = [a == b for a, b in zip(outs[name], outs["bf16"], strict=True)]
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), NEW_TOKENS)
-                  for a, b in zip(outs[name], outs["bf16"], strict=True)]
-        results[name]["greedy_exact"] = sum(same) / len(same)
-        results[name]["greedy_prefix_tokens"] = sum(prefix) / (len(prefix) * NEW_TOKENS)
+        if tok is not None:  # quality: a real model's text
+            for name, r in runners.items():
+                results[name]["perplexity"] = perplexity(r, text_ids)
+            words = text.split()
+            prompts = [tok(" ".join(words[i * 7: i * 7 + 12]))["input_ids"] for i in range(args.prompts)]
+            outs = {name: greedy(r, prompts) for name, r in runners.items()}
+            for name in runners:
+                same = [a == b for a, b in zip(outs[name], outs["bf16"], strict=True)]
+                prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), NEW_TOKENS)
+                          for a, b in zip(outs[name], outs["bf16"], strict=True)]
+                results[name]["greedy_exact"] = sum(same) / len(same)
+                results[name]["greedy_prefix_tokens"] = sum(prefix) / (len(prefix) * NEW_TOKENS)
     base = results["bf16"]
+    quality = " | perplexity | greedy exact / prefix |" if tok is not None else " |"
     print("| variant | kernels | linear MiB | bytes vs bf16 | " +
-          " | ".join(f"step ms @{n} (speed)" for n in seqs) + " | perplexity | greedy exact / prefix |")
-    print("|---" * (6 + len(seqs)) + "|")
+          " | ".join(f"step ms @{n} (speed)" for n in seqs) + quality)
+    print("|---" * (4 + len(seqs) + (2 if tok is not None else 0)) + "|")
     for name, r in results.items():
         speeds = " | ".join(f"{r['step_ms'][n]:.2f} ({base['step_ms'][n] / r['step_ms'][n]:.2f}x)"
                             for n in seqs)
+        scores = (f" | {r['perplexity']:.3f} | {r['greedy_exact']:.2f} / {r['greedy_prefix_tokens']:.2f} |"
+                  if tok is not None else " |")
         print(f"| {name} | {','.join(r['linear_kernels'])} | {r['linear_bytes'] / 2**20:.1f} | "
-              f"{r['linear_bytes'] / base['linear_bytes']:.2f} | {speeds} | {r['perplexity']:.3f} | "
-              f"{r['greedy_exact']:.2f} / {r['greedy_prefix_tokens']:.2f} |")
+              f"{r['linear_bytes'] / base['linear_bytes']:.2f} | {speeds}{scores}")
     write_json(args.out, {"args": vars(args), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
                           "context": CONTEXT, "results": results})
     print(f"wrote {args.out}")
