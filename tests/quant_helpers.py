@@ -63,12 +63,16 @@ def gptq_copy(src: Path, dst: Path, ref: Path, bits: int, group_size: int, sym: 
     state = load_file(src / "model.safetensors")
     reference = dict(state)
     gen = torch.Generator().manual_seed(0)
+    orders: dict[str, torch.Tensor] = {}  # projections of one input share its order, as GPTQ derives it
     for name in linear_names(state):
         w = state.pop(f"{name}.weight")
         in_features = w.shape[1]
         g_idx = torch.arange(in_features, dtype=torch.int32) // group_size
         if desc_act:
-            g_idx = g_idx[torch.randperm(in_features, generator=gen)]
+            module, proj = name.rsplit(".", 1)
+            proj = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj)
+            order = orders.setdefault(f"{module}.{proj}", torch.randperm(in_features, generator=gen))
+            g_idx = g_idx[order]
         # GPTQ's original layout stores zero - 1, so a zero of 0 cannot be stored: keep them from 1 up.
         q, scales, zeros = _quantize_groups(w, bits, group_size, sym, g_idx, min_zero=1)
         reference[f"{name}.weight"] = ((q - zeros[g_idx].t()) * scales[g_idx].t()).float().contiguous()

@@ -94,7 +94,7 @@ def _tensor_names(model_dir: Path) -> list[str]:
 
 @pytest.mark.parametrize("fmt,dtype", [("w4a16", "float32"), ("w4a16", "bfloat16"),
                                        ("gptq-desc-act", "float32"), ("awq", "bfloat16"),
-                                       ("moe-w4a16", "bfloat16")])
+                                       ("gptq-desc-act", "bfloat16"), ("moe-w4a16", "bfloat16")])
 def test_tp2_shards_a_quantized_checkpoint(float_dir: Path, tmp_path: Path, fmt: str, dtype: str) -> None:
     """Two gloo ranks each load their shard of a quantized checkpoint (in bf16, their shard of the codes,
     on the int4 kernel; for an MoE, each expert's slice): the same logits as one rank, to float32
@@ -164,6 +164,11 @@ def _with_quant(float_dir: Path, dst: Path, quantization_config: dict) -> Path:
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
           "num_bits": 4, "type": "float", "group_size": 16, "strategy": "group"}}}},
      "format 'nvfp4-pack-quantized'"),
+    # group activation ordering (weight_g_idx): compressed-tensors itself no longer reads it
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+          "num_bits": 4, "type": "int", "group_size": 32, "strategy": "group", "actorder": "group"}}}},
+     "(?s)not valid.*actorder='group' has been removed"),
 ])
 def test_unsupported_quantization_fails_before_loading(float_dir: Path, tmp_path: Path,
                                                        quantization_config: dict, message: str) -> None:
@@ -269,14 +274,19 @@ def test_bf16_moe_experts_run_the_int4_kernel(tmp_path: Path) -> None:
         torch.testing.assert_close(block(x[2:3]), block(x)[2:3], rtol=0.02, atol=0.02)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "gptq-desc-act", "awq"])
 def test_bf16_gptq_and_awq_run_the_int4_kernel(float_dir: Path, tmp_path: Path, method: str) -> None:
-    if method == "gptq":
-        qdir, ref = gptq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 4, 32, sym=False)
+    """Every linear layer on the int4 kernel: GPTQ's shuffled groups (`desc_act`) too, their columns
+    sorted into runs at packing and the activations gathered to match."""
+    if method.startswith("gptq"):
+        qdir, ref = gptq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 4, 32, sym=False,
+                              desc_act=method == "gptq-desc-act")
     else:
         qdir, ref = awq_copy(float_dir, tmp_path / "q", tmp_path / "ref", 32)
     model = _bf16_stage(qdir)
     assert _linear_kinds(model) == {"int4"}
+    permuted = {m.quant.perm is not None for m in model.modules() if getattr(m, "quant", None) is not None}
+    assert permuted == {method == "gptq-desc-act"}
     _agrees(_bf16_logits(model), hf_logits(hf_model(ref), PROMPT))
 
 

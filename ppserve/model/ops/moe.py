@@ -14,10 +14,9 @@ A microbatch's T * k (token, expert) pairs are grouped by expert; each expert ru
 - the fused Triton kernel (ppserve/model/triton_moe.py) over the pairs in blocks by expert
   (`ops/moe_align.py`): no host sync, so a fixed-size decode step captures into a CUDA graph.
 `experts` picks the Triton kernel on CUDA when triton imports (or when forced), the grouped path otherwise
-(why: docs/decisions.md#moe-expert-matmuls). Experts a quantized checkpoint stores as integer or FP8 codes
-that torch's kernels take (`QuantizedExperts`) always run the grouped path, each expert on its kernel.
-Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's slice of I), w2 [E, H, I]; the caller
-all-reduces over TP ranks once.
+(why: docs/decisions.md#moe-expert-matmuls); quantized experts (`QuantizedExperts`) always the grouped
+path, each expert on its torch kernel. Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's slice
+of I), w2 [E, H, I]; the caller all-reduces over TP ranks once.
 """
 
 from __future__ import annotations

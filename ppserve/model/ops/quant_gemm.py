@@ -6,7 +6,8 @@ for the kernel the device has:
 
 - int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu`, CUDA tinygemm
   `_weight_int4pack_mm`; both compute (q - 8) * scale + zero, so code q with zero z has float zero
-  (8 - z) * scale.
+  (8 - z) * scale. Shuffled groups (GPTQ `desc_act`) are sorted into runs at packing, and each call
+  gathers the activations' columns into that order.
 - int8, one symmetric scale a row (W8A8, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm` on CPU;
   a W8A8 checkpoint's layers above a few rows quantize activations per token and run `_int_mm`.
 - FP8 e4m3, a scale per tensor or channel: `torch._scaled_mm` with rowwise scales on CUDA of compute
@@ -59,7 +60,29 @@ def join_rows(parts: Sequence[tuple[int, QuantCodes]], rows: int) -> QuantCodes 
         return None
     return QuantCodes(first.bits, first.group_size, torch.cat([c.q for _, c in ordered]),
                       torch.cat([c.scales for _, c in ordered]), torch.cat([c.zeros for _, c in ordered]),
-                      first.kind, first.int8_activations)
+                      first.kind, first.int8_activations, first.g_idx)
+
+
+def _same_groups(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two windows' columns fall in the same groups (projections of one input share GPTQ's
+    `desc_act` order, as it comes from that input's statistics)."""
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+
+def in_group_order(codes: QuantCodes) -> tuple[QuantCodes, Tensor] | None:
+    """Shuffled-group codes (`g_idx`) with their columns sorted into runs of one group each, and the column
+    order `perm` the activations must be gathered in; None unless every group present has the same
+    number of columns (a TP shard of shuffled groups may hold parts of some)."""
+    assert codes.g_idx is not None
+    perm = torch.argsort(codes.g_idx, stable=True)
+    groups, counts = torch.unique_consecutive(codes.g_idx[perm], return_counts=True)
+    size = int(counts[0])
+    if not bool((counts == size).all()):
+        return None
+    taken = groups.long()
+    ordered = QuantCodes(codes.bits, size, codes.q[:, perm].contiguous(), codes.scales[:, taken].contiguous(),
+                         codes.zeros[:, taken].contiguous(), codes.kind, codes.int8_activations)
+    return ordered, perm
 
 
 def int8_codes(weight: Tensor) -> QuantCodes:
@@ -80,6 +103,7 @@ class QuantizedLinear:
         self.group_size, self.out_features = group_size, out_features
         # W8A8 checkpoints: above W8A8_MIN_ROWS rows, int8 activations through `_int_mm`
         self.int8_activations = int8_activations
+        self.perm: Tensor | None = None  # shuffled groups: the column order the activations are gathered in
 
     @staticmethod
     def build(codes: QuantCodes, dtype: torch.dtype, device: torch.device,
@@ -89,6 +113,12 @@ class QuantizedLinear:
         int8 made from its own weights (`float32_ok`) runs the int8 kernel in float32."""
         if dtype != torch.bfloat16 and not (float32_ok and dtype == torch.float32):
             return None
+        if codes.g_idx is not None:
+            ordered = in_group_order(codes)
+            packed = None if ordered is None else QuantizedLinear.build(ordered[0], dtype, device, float32_ok)
+            if packed is not None and ordered is not None:
+                packed.perm = ordered[1].to(device)
+            return packed
         out, inp = codes.q.shape
         if codes.kind == "float":
             return QuantizedLinear.fp8(codes, device) if fp8_gemm_available(device) else None
@@ -125,11 +155,13 @@ class QuantizedLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
+        held = (self.packed, self.scales) if self.perm is None else (self.packed, self.scales, self.perm)
+        return sum(t.numel() * t.element_size() for t in held)
 
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """x [T, in] in bf16 -> [T, out]."""
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2.index_select(1, self.perm) if self.perm is not None else x2.contiguous()
         if self.kind == "fp8":
             # per-token scales: each row's largest magnitude maps to e4m3's largest value
             x_scale = (x2.float().abs().amax(1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)

@@ -2,14 +2,15 @@
 
 Every integer format ppserve reads (compressed-tensors int4/int8, GPTQ, AWQ) is brought to unsigned codes
 `q` [out, in] in [0, 2^bits), a scale and an unsigned zero point per (output row, group of `group_size`
-input columns), with w = (q - zero) * scale. The loader attaches the window of codes that matches each
+input columns), with w = (q - zero) * scale; where the groups are not consecutive runs of columns (GPTQ's
+`desc_act`), `g_idx` names each column's group. The loader attaches the window of codes that matches each
 dequantized window it hands a layer (`attach`), so a layer can keep the codes of exactly its TP shard
 and run an integer kernel on them (ppserve/model/ops/quant_gemm.py) instead of the float weight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ CODE_PARTS = "quant_code_parts"  # the attribute a layer's weight collects (row 
 class QuantCodes:
     """q [rows, cols] uint8 codes; scales [rows, groups] float; zeros [rows, groups] int16 (unsigned
     domain); `group_size` columns per group (cols itself for one group a row). FP8 weights (`kind`
-    'float') keep q as the stored float8_e4m3fn values, w = q * scale, one scale a row, zeros unused."""
+    'float') keep q as the stored float8_e4m3fn values, w = q * scale, one scale a row, zeros unused.
+    `g_idx` [cols]: each column's group where groups are not consecutive runs (scales and zeros then hold
+    a column per group, in group order; `group_size` is the columns per group)."""
 
     bits: int
     group_size: int
@@ -32,6 +35,7 @@ class QuantCodes:
     zeros: Tensor
     kind: str = "int"
     int8_activations: bool = False  # the checkpoint's scheme multiplies int8 activations (W8A8)
+    g_idx: Tensor | None = None
 
     @property
     def symmetric(self) -> bool:
@@ -39,10 +43,15 @@ class QuantCodes:
 
     def window(self, index: Any) -> QuantCodes:
         """The codes of weight window `index` (a row slice, or a row and a column slice). Columns must
-        start and end on group boundaries: a TP shard that splits a group has no scale of its own."""
+        start and end on group boundaries: a TP shard that splits a group has no scale of its own. With
+        `g_idx` any columns may be taken (every group's scales kept): the kernel decides whether they
+        regroup (`QuantizedLinear.build`)."""
         parts = index if isinstance(index, tuple) else (index,)
         rows = parts[0].indices(self.q.shape[0])
         q, scales, zeros = self.q[rows[0]:rows[1]], self.scales[rows[0]:rows[1]], self.zeros[rows[0]:rows[1]]
+        if len(parts) > 1 and self.g_idx is not None:
+            cols = parts[1]
+            return replace(self, q=q[:, cols], scales=scales, zeros=zeros, g_idx=self.g_idx[cols])
         if len(parts) > 1:
             start, stop, _ = parts[1].indices(self.q.shape[1])
             g = self.group_size
@@ -56,7 +65,7 @@ class QuantCodes:
             else:  # one group a row: the shard keeps the row's scale, its columns are its group
                 g = stop - start
             return QuantCodes(self.bits, g, q, scales, zeros, self.kind, self.int8_activations)
-        return QuantCodes(self.bits, self.group_size, q, scales, zeros, self.kind, self.int8_activations)
+        return replace(self, q=q, scales=scales, zeros=zeros)
 
 
 def attach(window: Tensor, codes: QuantCodes | None) -> Tensor:
@@ -94,7 +103,9 @@ def from_fp8(weight: Tensor, scale: Tensor) -> QuantCodes | None:
     return QuantCodes(8, weight.shape[1], weight, scales, torch.zeros(out, 1, dtype=torch.int16), "float")
 
 
-def from_grouped(bits: int, q_in_out: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> QuantCodes:
-    """GPTQ's and AWQ's codes (q [in, out] unsigned, scales and zeros [groups, out]) in canonical form."""
+def from_grouped(bits: int, q_in_out: Tensor, scales: Tensor, zeros: Tensor, group_size: int,
+                 g_idx: Tensor | None = None) -> QuantCodes:
+    """GPTQ's and AWQ's codes (q [in, out] unsigned, scales and zeros [groups, out]; `g_idx` where the
+    groups are shuffled) in canonical form."""
     return QuantCodes(bits, group_size, q_in_out.t().to(torch.uint8).contiguous(), scales.t().contiguous(),
-                      zeros.t().to(torch.int16).contiguous())
+                      zeros.t().to(torch.int16).contiguous(), g_idx=g_idx)

@@ -35,7 +35,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def dequantize(quant: Quantization, module: str,
                parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
     """The float weight [out, in] of checkpoint module `module` from its stored `parts` (by suffix), and
-    its codes where the format has them for a kernel (int4, int8, fp8; not GPTQ's shuffled groups)."""
+    its codes where the format has them for a kernel (int4, int8, fp8)."""
     scheme = quant.scheme_for(module)
     try:
         if quant.method == "compressed-tensors":
@@ -114,7 +114,7 @@ def _gptq(scheme: WeightQuant, parts: dict[str, Tensor], v1_zeros: bool) -> tupl
     w = (q - zeros[g_idx]).to(scales.dtype) * scales[g_idx]
     size = in_features // scales.shape[0]
     in_order = bool((g_idx == torch.arange(in_features) // size).all())  # desc_act may shuffle the groups
-    return w.t().contiguous(), from_grouped(bits, q, scales, zeros, size) if in_order else None
+    return w.t().contiguous(), from_grouped(bits, q, scales, zeros, size, None if in_order else g_idx)
 
 
 def _awq(scheme: WeightQuant, parts: dict[str, Tensor]) -> tuple[Tensor, QuantCodes | None]:
