@@ -109,8 +109,8 @@ def _int4_codes(gen: Any, out: int, inp: int, group: int) -> tuple[Any, Any]:
 def _quant_cases(device: str) -> dict[str, Any]:
     """The quantized linears' kernels (model/ops/quant_gemm.py) against float64 on the weights their codes
     encode (scales as the kernel stores them, in bf16): int4 in groups of 128 with zero points (CUDA:
-    tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); int4 experts
-    through the MoE's grouped path; int8 on CPU."""
+    tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); the same codes
+    with GPTQ's shuffled groups; int4 experts through the MoE's grouped path; int8 on CPU."""
     import torch
 
     from ppserve.model.ops.quant_gemm import QuantizedLinear
@@ -127,12 +127,19 @@ def _quant_cases(device: str) -> dict[str, Any]:
     eager = int4.linear(xd, None)
     cases: dict[str, Any] = {"int4": _compare(eager.cpu(), x.double() @ w.t(), torch.bfloat16),
                              "moe_int4": _moe_int4_case(gen, device)}
+    # GPTQ desc_act: the same codes with their columns shuffled, groups named by g_idx
+    shuffle = torch.randperm(inp, generator=gen)
+    unsorted = QuantCodes(4, group, codes.q[:, shuffle], codes.scales, codes.zeros,
+                          g_idx=(torch.arange(inp) // group)[shuffle])
+    desc_act = QuantizedLinear.build(unsorted, torch.bfloat16, torch.device(device))
+    shuffled = xd[:, shuffle.to(xd.device)]
+    cases["int4_desc_act"] = (
+        {"ok": False, "max_abs_err": float("inf"), "why": "not packed"} if desc_act is None
+        else _compare(desc_act.linear(shuffled, None).cpu(), x.double() @ w.t(), torch.bfloat16))
     if device.startswith("cuda"):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = int4.linear(xd, None)
-        graph.replay()
-        cases["int4_graph"] = {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}
+        cases["int4_graph"] = _replayed(lambda: int4.linear(xd, None))
+        if desc_act is not None:  # the activations' gather inside the graph too
+            cases["int4_desc_act_graph"] = _replayed(lambda: desc_act.linear(shuffled, None))
         cases.update(_fp8_case(x, torch.device(device)))
     else:
         q8 = torch.randint(1, 256, (out, inp), generator=gen, dtype=torch.uint8)
@@ -182,6 +189,18 @@ def _moe_int4_case(gen: Any, device: str) -> dict[str, Any]:
     return _compare(got.cpu(), want, torch.bfloat16)
 
 
+def _replayed(run: Any) -> dict[str, Any]:
+    """`run()` captured into a CUDA graph and replayed gives its eager output bit for bit."""
+    import torch
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    return {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}
+
+
 def _fp8_case(x: Any, device: Any) -> dict[str, Any]:
     """FP8 `_scaled_mm` (compute capability 8.9 and up): within FP8 activation rounding (6 % of the
     largest output) of float64 on the FP8 weight, and its graph replay bit for bit."""
@@ -203,12 +222,8 @@ def _fp8_case(x: Any, device: Any) -> dict[str, Any]:
     eager = fp8.linear(xd, None)
     want = x.double() @ (codes.q.double() * scale.double()).t()
     err = float((eager.cpu().double() - want).abs().max())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fp8.linear(xd, None)
-    graph.replay()
     return {"fp8": {"ok": err <= 0.06 * float(want.abs().max()), "max_abs_err": err},
-            "fp8_graph": {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}}
+            "fp8_graph": _replayed(lambda: fp8.linear(xd, None))}
 
 
 def _all_ok(tree: dict[str, Any]) -> bool:
