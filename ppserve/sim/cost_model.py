@@ -3,12 +3,12 @@
 Three interchangeable models share one small interface (`stage_time`, `transfer_time`, `num_stages`):
 - `RooflineCostModel`: analytic, from a model table and a hardware table (configs/models, configs/hardware).
   Per decoder layer: the hardware profile's fixed cost of running a layer (`layer_overhead_s`: launches
-  and host-side work, a floor under small steps), linear layers at max(FLOPs / achievable FLOP/s, weight
-  bytes / achievable bandwidth) with tensor parallelism dividing both; attention from each request's chunk
-  and context (a prefill chunk is FLOP-heavy, a decode reads its whole KV cache, at the decode kernel's own
-  achieved bandwidth `decode_attn_bw_eff`); two ring all-reduces per layer
-  over NVLink when tp > 1. The last stage adds the LM head for sampled tokens; the embedding is
-  ignored (a gather). Stage-to-stage transfer is the hidden state over the inter-node link.
+  and host-side work, a floor under small steps), linear layers at max(FLOPs / achievable FLOP/s (FP8's
+  or INT8's for a scheme multiplying 8-bit activations), weight bytes / achievable bandwidth) with tensor
+  parallelism dividing both; attention from each request's chunk and context (a prefill chunk is
+  FLOP-heavy, a decode reads its whole KV cache, at the decode kernel's own achieved bandwidth
+  `decode_attn_bw_eff`); two ring all-reduces per layer over NVLink when tp > 1. The last stage adds the
+  LM head for sampled tokens; the embedding is ignored (a gather). Stages pass the hidden state on.
   `pipeline_cost()` gives the same physics in the scheduler's vocabulary (a `StepCost` per stage,
   sched/cost.py), which the simulated scheduler starts from.
 - `ProfileCostModel`: a `StepCost` per stage, fitted by `fit_profile` from spans measured on the real
@@ -50,6 +50,7 @@ __all__ = [
     "load_model_spec",
     "kv_cache_blocks",
     "CONFIG_DIR",
+    "LINEAR_COMPUTES",
 ]
 
 # The tables are data, not code: shipped in the package as ppserve/configs (the checkout's top-level
@@ -111,6 +112,10 @@ class ConstantCostModel:
 
 # ---------------------------------------------------------------------------------------------
 # Tables
+
+# What a decoder layer's matmuls multiply in: '' the model dtype (bf16; weight-only schemes dequantize
+# to it), 'fp8' or 'int8' where the checkpoint's scheme quantizes activations too (FP8-dynamic, W8A8).
+LINEAR_COMPUTES = ("", "fp8", "int8")
 
 
 def _resolve(kind: str, name_or_path: str | os.PathLike[str]) -> Path:
@@ -176,6 +181,11 @@ class HardwareSpec:
     # neither FLOPs nor bytes price (a100-pcie.yaml fits it on Sarathi-Serve's measured batch growth; the
     # alternative reading of that growth is `decode_attn_bw_eff`, reproduce_sarathi_serve.py's `kv-read`).
     seq_overhead_s: float = 0.0
+    # Dense FLOP/s (OP/s) of the FP8 and INT8 tensor cores, for the matmuls of a model whose scheme
+    # multiplies 8-bit activations (ModelSpec.linear_compute). 0: the device has none, and such a
+    # kernel falls back to bf16 on dequantized weights, at peak_flops.
+    fp8_flops: float = 0.0
+    int8_ops: float = 0.0
 
     # Achieved fractions of a peak: a value above 1 or at 0 is a typo, not a faster machine.
     EFFICIENCIES = ("mfu_eff", "attn_eff", "bw_eff", "link_eff", "kv_mem_fraction", "decode_attn_bw_eff")
@@ -195,6 +205,15 @@ class HardwareSpec:
             if v is not None and not 0 < v <= 1:
                 raise ValueError(f"hardware {self.name}: {name} is a fraction of the peak and must be in "
                                  f"(0, 1], got {v!r}")
+
+    def matmul_flops(self, compute: str = "") -> float:
+        """Dense FLOP/s of a matmul multiplying in `compute` (LINEAR_COMPUTES): its tensor cores' peak, or
+        peak_flops where the device has none."""
+        if compute not in LINEAR_COMPUTES:
+            raise ValueError(f"hardware {self.name}: unknown matmul precision {compute!r}; known: "
+                             f"{LINEAR_COMPUTES}")
+        peak = self.fp8_flops if compute == "fp8" else self.int8_ops if compute == "int8" else 0.0
+        return peak or self.peak_flops
 
     @property
     def decode_attn_bw(self) -> float:
@@ -221,6 +240,9 @@ class ModelSpec:
     # INT4 in groups of 128 with their scales. Embeddings, norms, activations and the KV cache keep
     # dtype_bytes.
     linear_weight_bytes: float = 0.0
+    # The precision those matmuls multiply in (LINEAR_COMPUTES): 'fp8' or 'int8' run at the hardware's
+    # FP8/INT8 peak where it has one. Attention, embeddings and the LM head stay in dtype_bytes' precision.
+    linear_compute: str = ""
     tied_embeddings: bool = False
     # 0: hidden_size // num_heads. Set it where heads are not a split of the hidden size (Qwen3-32B:
     # hidden 5120, 64 heads of 128, so the query projection is 8192 wide).
@@ -239,6 +261,9 @@ class ModelSpec:
         if self.linear_weight_bytes < 0:
             raise ValueError(f"model {self.name}: linear_weight_bytes must be >= 0, got "
                              f"{self.linear_weight_bytes}")
+        if self.linear_compute not in LINEAR_COMPUTES:
+            raise ValueError(f"model {self.name}: linear_compute must be one of {LINEAR_COMPUTES} ('' the "
+                             f"model dtype), got {self.linear_compute!r}")
         if self.mlp not in ("swiglu", "gelu"):
             raise ValueError(f"model {self.name}: mlp must be swiglu or gelu, got {self.mlp!r}")
         if self.num_heads < 1 or self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -435,7 +460,8 @@ class RooflineCostModel:
         # Weights dominate the bytes; activations in and out of each matmul matter only for huge chunks.
         act = 4.0 * num_tokens * (m.hidden_size + m.intermediate_size / self.tp) * m.dtype_bytes
         nbytes = read * m.matmul_bytes + act
-        return _roofline(flops, nbytes, hw.peak_flops * hw.mfu_eff, hw.mem_bw * hw.bw_eff)
+        flops_s = hw.matmul_flops(m.linear_compute) * hw.mfu_eff  # the LM head keeps peak_flops
+        return _roofline(flops, nbytes, flops_s, hw.mem_bw * hw.bw_eff)
 
     def attention_time(self, chunks: Sequence[tuple[int, int]]) -> float:
         m, hw = self.model, self.hw

@@ -215,3 +215,51 @@ def test_efficiencies_load_from_the_hardware_yaml_and_must_be_fractions(tmp_path
     path.write_text(base + "decode_attn_bw_eff: fast\n")
     with pytest.raises(ValueError, match="decode_attn_bw_eff must be a number"):
         load_hardware(path)
+
+
+def test_fp8_and_int8_matmuls_run_at_the_8_bit_peak_where_the_hardware_has_one():
+    from dataclasses import replace
+
+    h100, a100 = load_hardware("h100"), load_hardware("a100")
+    assert (h100.fp8_flops, h100.int8_ops) == (1979e12, 1979e12)
+    assert (a100.fp8_flops, a100.int8_ops) == (0.0, 624e12)
+    assert load_hardware("a100-pcie").int8_ops == 624e12 and load_hardware("a40").int8_ops == 299.3e12
+    assert load_hardware("cpu").matmul_flops("int8") == load_hardware("cpu").peak_flops
+    fp8 = load_model_spec("llama3-70b-fp8")
+    fp8_in_bf16 = replace(fp8, linear_compute="")  # the same bytes, multiplied in bf16
+    bf16 = load_model_spec("llama3-70b")
+    assert fp8.linear_compute == "fp8"
+    on_h100 = [RooflineCostModel(m, h100, 1, 8) for m in (fp8, fp8_in_bf16, bf16)]
+    # A 4096-token prefill chunk: the matmuls are compute bound, at twice the rate.
+    t_fp8, t_same_bytes, t_bf16 = (c.linear_time(4096) for c in on_h100)
+    assert t_fp8 == pytest.approx(t_same_bytes * 989 / 1979) and t_same_bytes == pytest.approx(t_bf16)
+    # Only those matmuls: attention and the LM head keep the bf16 rates.
+    shape = BatchShape(((4096, 0),), 1, 4096, 0)  # one stage: its LM head samples the chunk's last token
+    saved = on_h100[1].stage_time(0, shape) - on_h100[0].stage_time(0, shape)
+    assert saved == pytest.approx(80 * (t_same_bytes - t_fp8))
+    assert on_h100[0].lm_head_time(1) == on_h100[1].lm_head_time(1)
+    # A decode step of one token is memory bound: only the bytes count.
+    decode = BatchShape.uniform(0, 1, 1024)
+    assert on_h100[0].stage_time(0, decode) == on_h100[1].stage_time(0, decode)
+    assert on_h100[0].linear_time(1) == on_h100[1].linear_time(1) < on_h100[2].linear_time(1)
+    # Ampere has no FP8 tensor cores: FP8 falls back to the bf16 peak; INT8 doubles it.
+    assert a100.matmul_flops("fp8") == a100.peak_flops and a100.matmul_flops("int8") == 624e12
+    int8 = replace(fp8, linear_compute="int8")
+    on_a100 = [RooflineCostModel(m, a100, 1, 8) for m in (fp8, fp8_in_bf16, int8)]
+    assert on_a100[0].linear_time(4096) == on_a100[1].linear_time(4096)
+    assert on_a100[2].linear_time(4096) == pytest.approx(on_a100[1].linear_time(4096) * 312 / 624)
+
+
+def test_an_unknown_matmul_precision_or_a_negative_8_bit_peak_is_refused(tmp_path):
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="linear_compute must be one of"):
+        spec(linear_compute="fp16")
+    with pytest.raises(ValueError, match="unknown matmul precision"):
+        load_hardware("h100").matmul_flops("int4")
+    with pytest.raises(ValueError, match="fp8_flops must be a finite number >= 0"):
+        replace(load_hardware("h100"), fp8_flops=-1.0)
+    path = tmp_path / "m.yaml"
+    path.write_text((CONFIG_DIR / "models" / "llama3-70b.yaml").read_text() + "linear_compute: fp4\n")
+    with pytest.raises(ValueError, match="linear_compute"):
+        load_model_spec(path)
