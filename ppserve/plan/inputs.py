@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ppserve.metrics.capacity import ProbeSize
-from ppserve.model.quant.config import stored_weight_bytes
+from ppserve.model.quant.config import linear_compute, stored_weight_bytes
 from ppserve.plan.space import Cluster
 from ppserve.sim.conversations import ConversationSpec, conversation_requests
 from ppserve.sim.cost_model import ModelSpec, load_hardware, load_model_spec
@@ -23,7 +23,8 @@ _GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 
 def model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
     """A ModelSpec from a Hugging Face config.json's fields (Llama, Mistral, Qwen, Falcon-style names); a
-    quantized checkpoint's linear weights count at their stored bytes."""
+    quantized checkpoint's linear weights count at their stored bytes, and multiply in FP8 or INT8 where
+    its scheme quantizes the activations too."""
     def get(*keys: str, default: Any = None) -> Any:
         for k in keys:
             if cfg.get(k) is not None:
@@ -48,6 +49,7 @@ def model_spec_from_hf(cfg: dict[str, Any], name: str) -> ModelSpec:
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         head_dim=int(cfg.get("head_dim") or 0),
         linear_weight_bytes=stored_weight_bytes(cfg) or 0.0,
+        linear_compute=linear_compute(cfg),
     )
 
 

@@ -1,10 +1,11 @@
-"""A quantization_config read for the planner: stored bytes per linear weight, and what they change."""
+"""A quantization_config read for the planner: stored bytes per linear weight, the precision the matmuls
+multiply in, and what they change."""
 
 from __future__ import annotations
 
 import pytest
 
-from ppserve.model.quant.config import WeightQuant, stored_weight_bytes
+from ppserve.model.quant.config import WeightQuant, linear_compute, stored_weight_bytes
 from ppserve.plan.inputs import model_spec_from_hf
 from ppserve.sim.cost_model import load_model_spec, stage_weight_bytes
 
@@ -14,6 +15,15 @@ FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
 W4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
           "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "symmetric": False}}}}
+# FP8-dynamic and INT8 W8A8 as llm-compressor writes them: the input activations quantized per token.
+FP8_DYNAMIC = {"quant_method": "compressed-tensors", "format": "float-quantized",
+               "config_groups": {"group_0": {**FP8["config_groups"]["group_0"], "input_activations": {
+                   "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}}}}
+W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}, "input_activations": {
+            "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}}}}
+GPTQ4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}
 
 
 @pytest.mark.parametrize("quant,expected", [
@@ -26,6 +36,29 @@ W4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
 ])
 def test_stored_bytes_per_weight(quant: dict, expected: float) -> None:
     assert stored_weight_bytes({"quantization_config": quant}) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("quant,expected", [
+    (FP8_DYNAMIC, "fp8"),
+    (W8A8, "int8"),
+    (W4, ""),  # W4A16: weight-only, the matmuls run in bf16 on dequantized weights
+    (GPTQ4, ""),
+    ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, ""),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, ""),
+    (FP8, ""),  # FP8 weights without quantized activations (weight-only FP8)
+    ({"quant_method": "compressed-tensors", "config_groups": {"FP8_DYNAMIC": ["Linear"]}}, "fp8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"W8A8": ["Linear"]}}, "int8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"W8A16": ["Linear"]}}, ""),
+    ({"quant_method": "compressed-tensors", "config_groups": {"W4A16": ["Linear"]}}, ""),
+])
+def test_the_matmuls_precision_follows_the_schemes_activations(quant: dict, expected: str) -> None:
+    assert linear_compute({"quantization_config": quant}) == expected
+
+
+def test_activation_schemes_store_the_bytes_of_their_weights() -> None:
+    assert stored_weight_bytes({"quantization_config": FP8_DYNAMIC}) == 1.0
+    assert stored_weight_bytes({"quantization_config": W8A8}) == 1.0
+    assert linear_compute({}) == ""
 
 
 def test_float_checkpoints_have_no_stored_bytes() -> None:
@@ -47,3 +80,9 @@ def test_planner_counts_the_quantized_bytes_of_a_config() -> None:
     table = fp8.vocab_size * fp8.hidden_size * 2
     assert stage_weight_bytes(fp8, 0, True, False, 1) == table == stage_weight_bytes(bf16, 0, True, False, 1)
     assert load_model_spec("llama3-70b-fp8").matmul_bytes == 1.0
+    # Only a scheme that quantizes activations too multiplies in FP8 / INT8.
+    assert (bf16.linear_compute, fp8.linear_compute) == ("", "")
+    assert model_spec_from_hf({**cfg, "quantization_config": FP8_DYNAMIC}, "fp8").linear_compute == "fp8"
+    assert model_spec_from_hf({**cfg, "quantization_config": W8A8}, "w8a8").linear_compute == "int8"
+    assert model_spec_from_hf({**cfg, "quantization_config": GPTQ4}, "gptq").linear_compute == ""
+    assert load_model_spec("llama3-70b-fp8").linear_compute == "fp8"

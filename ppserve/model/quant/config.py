@@ -20,13 +20,24 @@ COMPRESSED_TENSORS_FORMATS = ("pack-quantized", "int-quantized", "float-quantize
 class WeightQuant:
     """How one group of linear weights is stored: `kind` 'int' or 'float', `bits`, `group_size` (None: one
     scale per output channel or per tensor), `symmetric` (False: a zero point per group); and whether the
-    scheme computes with int8 activations."""
+    scheme computes with int8 or FP8 activations."""
 
     kind: str
     bits: int
     group_size: int | None
     symmetric: bool
     int8_activations: bool = False  # the scheme quantizes activations to int8 per token, dynamically (W8A8)
+    fp8_activations: bool = False  # the scheme quantizes activations to FP8, dynamic or static scales
+
+    @property
+    def compute(self) -> str:
+        """The precision its matmuls multiply in: 'fp8' or 'int8' where weights and activations are both
+        8-bit of that kind (FP8 W8A8, INT8 W8A8), '' (the model dtype) for a weight-only scheme."""
+        if self.bits != 8:
+            return ""
+        if self.kind == "float" and self.fp8_activations:
+            return "fp8"
+        return "int8" if self.kind == "int" and self.int8_activations else ""
 
     def bytes_per_weight(self, scale_bytes: int = 2) -> float:
         """Stored bytes per weight, its share of the scales and zero points included."""
@@ -109,13 +120,21 @@ def _compressed_tensors(raw: dict[str, Any]) -> Quantization:
         group = args.group_size if strategy == "group" else None
         targets = tuple(scheme.targets)
         acts = scheme.input_activations
-        int8_acts = (acts is not None and str(getattr(acts.type, "value", acts.type)) == "int"
-                     and acts.num_bits == 8 and bool(acts.dynamic))
-        scheme_of = WeightQuant(kind, args.num_bits, group, bool(args.symmetric), int8_acts)
+        act_kind = None if acts is None else str(getattr(acts.type, "value", acts.type))
+        int8_acts, fp8_acts = _activations(act_kind, getattr(acts, "num_bits", None),
+                                           acts is not None and bool(acts.dynamic))
+        scheme_of = WeightQuant(kind, args.num_bits, group, bool(args.symmetric), int8_acts, fp8_acts)
         groups.append((name, targets, scheme_of))
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     return Quantization("compressed-tensors", str(fmt), tuple(groups), raw, library_config=config)
+
+
+def _activations(kind: str | None, bits: int | None, dynamic: bool) -> tuple[bool, bool]:
+    """(int8_activations, fp8_activations) of a scheme whose input activations are quantized to `kind` at
+    `bits` (None: not quantized). Int8 counts only with dynamic scales: the W8A8 path computes them per
+    token at each call. FP8 counts with either: `_scaled_mm` scales activations per token anyway."""
+    return kind == "int" and bits == 8 and dynamic, kind == "float" and bits == 8
 
 
 def _group_size(raw: dict[str, Any], method: str) -> int | None:
@@ -148,27 +167,46 @@ def _awq(raw: dict[str, Any]) -> Quantization:
     return Quantization("awq", "gemm", (("awq", ("Linear",), scheme),), raw)
 
 
-def stored_weight_bytes(hf_config: dict[str, Any]) -> float | None:
-    """Bytes a quantized checkpoint stores per linear weight (scales included), read from the raw config
-    without importing torch or compressed-tensors, for the planner; None for a floating-point one. A
-    compressed-tensors group given as a preset name ('W4A16', 'FP8_DYNAMIC') is read by its name."""
+def _raw_scheme(hf_config: dict[str, Any]) -> WeightQuant | None:
+    """The first group's scheme, read from the raw config without importing torch or compressed-tensors
+    (for the planner); None for a floating-point checkpoint. A compressed-tensors group given as a preset
+    name ('W4A16', 'W8A8', 'FP8_DYNAMIC') is read by its name."""
     raw = hf_config.get("quantization_config")
     if not isinstance(raw, dict):
         return None
     method = str(raw.get("quant_method", "")).lower().replace("_", "-")
     if method in ("gptq", "awq"):
-        scheme = (_gptq if method == "gptq" else _awq)(raw).groups[0][2]
-        return scheme.bytes_per_weight()
+        return (_gptq if method == "gptq" else _awq)(raw).groups[0][2]
     if method != "compressed-tensors":
         return None
     for name, group in (raw.get("config_groups") or {}).items():
         if isinstance(group, dict) and isinstance(group.get("weights"), dict):
-            w = group["weights"]
+            w, a = group["weights"], group.get("input_activations")
             size = w.get("group_size") if w.get("strategy") == "group" else None
+            acts = (_activations(str(a.get("type", "int")), int(a.get("num_bits", 8)), bool(a.get("dynamic")))
+                    if isinstance(a, dict) else (False, False))
             return WeightQuant(str(w.get("type", "int")), int(w["num_bits"]), size,
-                               bool(w.get("symmetric", True))).bytes_per_weight()
-        preset = re.match(r"W(\d+)A|FP8|INT8", str(name).upper())
+                               bool(w.get("symmetric", True)), *acts)
+        upper = str(name).upper()
+        if upper.startswith("FP8"):  # every FP8 preset quantizes activations to FP8 too
+            return WeightQuant("float", 8, None, True, fp8_activations=True)
+        preset = re.match(r"W(\d+)A(\d*)|INT8", upper)  # INT8 is W8A8's other name
         if preset is not None:
-            bits = int(preset.group(1)) if preset.group(1) else 8
-            return WeightQuant("int", bits, 128 if bits < 8 else None, True).bytes_per_weight()
+            bits, act_bits = (int(preset.group(1)), preset.group(2)) if preset.group(1) else (8, "8")
+            return WeightQuant("int", bits, 128 if bits < 8 else None, True, int8_activations=act_bits == "8")
     return None
+
+
+def stored_weight_bytes(hf_config: dict[str, Any]) -> float | None:
+    """Bytes a quantized checkpoint stores per linear weight (scales included), for the planner; None for a
+    floating-point one."""
+    scheme = _raw_scheme(hf_config)
+    return None if scheme is None else scheme.bytes_per_weight()
+
+
+def linear_compute(hf_config: dict[str, Any]) -> str:
+    """The precision a checkpoint's linear layers multiply in, for the planner (ModelSpec.linear_compute):
+    'fp8' for FP8 weights with FP8 input activations, 'int8' for W8A8 int8, '' (the model dtype) for
+    weight-only schemes (W4A16, W8A16, GPTQ, AWQ) and floating-point checkpoints."""
+    scheme = _raw_scheme(hf_config)
+    return "" if scheme is None else scheme.compute
