@@ -110,7 +110,7 @@ def _quant_cases(device: str) -> dict[str, Any]:
     """The quantized linears' kernels (model/ops/quant_gemm.py) against float64 on the weights their codes
     encode (scales as the kernel stores them, in bf16): int4 in groups of 128 with zero points (CUDA:
     tinygemm, and replayed from a CUDA graph, bit for bit; FP8 where the device has it); the same codes
-    with GPTQ's shuffled groups; int4 experts through the MoE's grouped path; int8 on CPU."""
+    with GPTQ's shuffled groups; int4 experts through the MoE's grouped path; int8 (W8A8 on CUDA)."""
     import torch
 
     from ppserve.model.ops.quant_gemm import QuantizedLinear
@@ -141,6 +141,7 @@ def _quant_cases(device: str) -> dict[str, Any]:
         if desc_act is not None:  # the activations' gather inside the graph too
             cases["int4_desc_act_graph"] = _replayed(lambda: desc_act.linear(shuffled, None))
         cases.update(_fp8_case(x, torch.device(device)))
+        cases.update(_w8a8_case(x, torch.device(device)))
     else:
         q8 = torch.randint(1, 256, (out, inp), generator=gen, dtype=torch.uint8)
         s8 = torch.rand(out, 1, generator=gen) * 0.01 + 0.001
@@ -199,6 +200,36 @@ def _replayed(run: Any) -> dict[str, Any]:
         captured = run()
     graph.replay()
     return {"ok": bool(torch.equal(captured, eager)), "max_abs_err": 0.0}
+
+
+def _w8a8_case(x: Any, device: Any) -> dict[str, Any]:
+    """INT8 W8A8 on CUDA (`_int_mm`, activations quantized per token, fewer than 17 rows padded): within
+    int8 activation rounding (3 % of the largest output) of float64 on the int8 weight, at 7 rows and
+    at 40, and its graph replay bit for bit."""
+    import torch
+
+    from ppserve.model.ops.quant_gemm import QuantizedLinear
+    from ppserve.model.quant.codes import QuantCodes
+
+    gen = torch.Generator().manual_seed(2)
+    out, inp = 256, x.shape[1]
+    q8 = torch.randint(1, 256, (out, inp), generator=gen, dtype=torch.uint8)
+    s8 = torch.rand(out, 1, generator=gen) * 0.01 + 0.001
+    codes = QuantCodes(8, inp, q8, s8, torch.full_like(s8, 128, dtype=torch.int16), int8_activations=True)
+    w8a8 = QuantizedLinear.build(codes, torch.bfloat16, device)
+    if w8a8 is None:
+        return {"w8a8": {"ok": False, "max_abs_err": float("inf"), "why": "no int8 path for these shapes"}}
+    w = (q8.double() - 128) * s8.bfloat16().double()
+    cases: dict[str, Any] = {}
+    for rows in (x.shape[0], 40):
+        xs = torch.randn(rows, inp, generator=gen).to(torch.bfloat16)
+        got = w8a8.linear(xs.to(device), None).cpu().double()
+        want = xs.double() @ w.t()
+        err = float((got - want).abs().max())
+        cases[f"w8a8_{rows}"] = {"ok": err <= 0.03 * float(want.abs().max()), "max_abs_err": err}
+    xd = x.to(device)
+    cases["w8a8_graph"] = _replayed(lambda: w8a8.linear(xd, None))
+    return cases
 
 
 def _fp8_case(x: Any, device: Any) -> dict[str, Any]:

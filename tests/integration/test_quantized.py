@@ -371,3 +371,17 @@ def test_fp8_scaled_mm_path_matches_the_dequantized_weight() -> None:
     want = x.double() @ (codes.q.double() * scale.double()).t()
     got = fp8.linear(x, None).double()
     assert float((got - want).abs().max()) <= 0.06 * float(want.abs().max())
+
+
+def test_int_mm_pads_few_rows_to_a_fixed_shape() -> None:
+    """The W8A8 CUDA path pads fewer than CUDA_INT_MM_MIN_ROWS rows with zeros (cuBLAS's int8 GEMM takes
+    more than 16): the rows it returns are the unpadded product's, exactly, at every row count."""
+    from ppserve.model.ops.quant_gemm import CUDA_INT_MM_MIN_ROWS, int_mm
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
+    for rows in (1, 5, 17, CUDA_INT_MM_MIN_ROWS, 40):
+        x = torch.randint(-127, 128, (rows, 64), generator=gen, dtype=torch.int8)
+        got = int_mm(x, w, CUDA_INT_MM_MIN_ROWS)
+        assert got.shape == (rows, 48)
+        assert torch.equal(got, x.int() @ w.int().t())

@@ -11,12 +11,11 @@ A microbatch's T * k (token, expert) pairs are grouped by expert; each expert ru
   takes its k experts straight from its ids. In bf16 on CPUs with AMX or AVX512-BF16 the panel GEMM comes
   first (`PanelExperts`: weights prepacked once, SiLU-and-mul in the epilogue, every expert in one call);
   its sums may run in another order, so it agrees with the other two rather than equalling them.
-- the fused Triton kernel (ppserve/model/triton_moe.py) over the pairs in blocks by expert
-  (`ops/moe_align.py`): no host sync, so a fixed-size decode step captures into a CUDA graph.
+- the fused Triton kernel (model/triton_moe.py) over the pairs in blocks by expert (`ops/moe_align.py`):
+  no host sync, so a fixed-size decode step captures into a CUDA graph.
 `experts` picks the Triton kernel on CUDA when triton imports (or when forced), the grouped path otherwise
-(why: docs/decisions.md#moe-expert-matmuls); quantized experts (`QuantizedExperts`) always the grouped
-path, each expert on its torch kernel. Weights: w13 [E, 2 I, H] (gate then up rows, this TP rank's slice
-of I), w2 [E, H, I]; the caller all-reduces over TP ranks once.
+(docs/decisions.md#moe-expert-matmuls); quantized experts (`QuantizedExperts`) always the grouped path.
+Weights: w13 [E, 2I, H] (gate then up rows, this rank's slice of I), w2 [E, H, I]; one all-reduce after.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """A linear layer kept as integer (or FP8) codes and multiplied by torch's packed weight-only kernels.
 
-`QuantizedLinear.build` packs the codes a layer collected while loading (its TP shard of a quantized
-checkpoint, ppserve/model/quant/codes.py; or `int8_codes` of a float weight, `model.quantization: int8`)
-for the kernel the device has:
+`QuantizedLinear.build` packs a layer's codes (its TP shard of a quantized checkpoint's, quant/codes.py;
+`int8_codes` of a float weight under `model.quantization: int8`) for the kernel the device has:
 
 - int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu`, CUDA tinygemm
   `_weight_int4pack_mm`; both compute (q - 8) * scale + zero, so code q with zero z has float zero
   (8 - z) * scale. Shuffled groups (GPTQ `desc_act`) are sorted into runs at packing, and each call
   gathers the activations' columns into that order.
 - int8, one symmetric scale a row (W8A8, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm` on CPU;
-  a W8A8 checkpoint's layers above a few rows quantize activations per token and run `_int_mm`.
+  a W8A8 checkpoint's layers above a few rows quantize activations per token and run `_int_mm`, which
+  on CUDA serves W8A8 at every row count (int8 tensor cores; no weight-only int8 kernel there).
 - FP8 e4m3, a scale per tensor or channel: `torch._scaled_mm` with rowwise scales on CUDA of compute
   capability 8.9 and up, the activations quantized per token at each call (FP8-dynamic).
 
-Otherwise None: the layer keeps the dequantized weight (FP8 on CPU, grouped or asymmetric int8;
-docs/decisions.md#quantized-weights-on-cpu). The integer kernels are weight-only, as transformers computes
-these checkpoints. No kernel reads a value back to the host, so CUDA graphs capture them.
+Otherwise None: the layer keeps the dequantized weight (FP8 on CPU, grouped or asymmetric int8, weight-only
+int8 on CUDA; docs/decisions.md#quantized-weights-on-cpu). No kernel reads a value back to the host, so
+CUDA graphs capture them.
 """
 
 from __future__ import annotations
@@ -41,6 +41,17 @@ def fp8_gemm_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 # tinygemm's CUDA layout tiles K by inner_k_tiles x 16 columns.
 CUDA_INNER_K_TILES = 8
+# cuBLAS's int8 GEMM behind `_int_mm` takes more than 16 rows: fewer are padded with zero rows to this.
+CUDA_INT_MM_MIN_ROWS = 32
+
+
+def int_mm(x8: Tensor, w8: Tensor, min_rows: int = 1) -> Tensor:
+    """int8 x [T, in] times int8 w [out, in] transposed -> int32 [T, out] by `_int_mm`, x padded with zero
+    rows up to `min_rows` (a fixed shape for each row count, so a CUDA graph captures it)."""
+    rows = x8.shape[0]
+    if rows < min_rows:
+        x8 = torch.cat([x8, x8.new_zeros(min_rows - rows, x8.shape[1])])
+    return torch._int_mm(x8, w8.t())[:rows]
 
 
 def join_rows(parts: Sequence[tuple[int, QuantCodes]], rows: int) -> QuantCodes | None:
@@ -137,10 +148,15 @@ class QuantizedLinear:
             else:
                 return None
             return QuantizedLinear("int4", cast(Tensor, packed), scales_zeros, codes.group_size, out)
-        if codes.bits == 8 and codes.group_size == inp and codes.symmetric and device.type == "cpu":
-            signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
+        if codes.bits != 8 or codes.group_size != inp or not codes.symmetric:
+            return None
+        signed = (q.to(torch.int16) - 128).to(torch.int8).contiguous()
+        if device.type == "cpu":
             return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out,
                                    codes.int8_activations and dtype == torch.bfloat16)
+        if device.type == "cuda" and codes.int8_activations and inp % 8 == 0 and out % 8 == 0:
+            # W8A8 on int8 tensor cores; CUDA has no weight-only int8 kernel, so every row count takes it
+            return QuantizedLinear("int8", signed, scales[:, 0].to(dtype).contiguous(), inp, out, True)
         return None
 
     @staticmethod
@@ -167,11 +183,12 @@ class QuantizedLinear:
             x_scale = (x2.float().abs().amax(1, keepdim=True) / E4M3_MAX).clamp_min(1e-12)
             x8 = (x2.float() / x_scale).to(torch.float8_e4m3fn)
             y = torch._scaled_mm(x8, self.packed.t(), scale_a=x_scale, scale_b=self.scales, out_dtype=x.dtype)
-        elif self.kind == "int8" and self.int8_activations and x2.shape[0] >= W8A8_MIN_ROWS:
+        elif self.kind == "int8" and self.int8_activations and (x2.shape[0] >= W8A8_MIN_ROWS
+                                                                  or x2.device.type == "cuda"):
             xf = x2.float()
             x_scale = (xf.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
             x8 = torch.round(xf / x_scale).to(torch.int8)
-            acc = torch._int_mm(x8, self.packed.t())  # int32 sums
+            acc = int_mm(x8, self.packed, CUDA_INT_MM_MIN_ROWS if x2.device.type == "cuda" else 1)
             y = (acc.float() * x_scale * self.scales.float()).to(x.dtype)
         elif self.kind == "int8":
             y = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales))
