@@ -45,7 +45,7 @@ def test_stored_bytes_per_weight(quant: dict, expected: float) -> None:
     (GPTQ4, ""),
     ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, ""),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, ""),
-    (FP8, ""),  # FP8 weights without quantized activations (weight-only FP8)
+    (FP8, "fp8"),  # FP8 weights without quantized activations: `_scaled_mm` quantizes them per token
     ({"quant_method": "compressed-tensors", "config_groups": {"FP8_DYNAMIC": ["Linear"]}}, "fp8"),
     ({"quant_method": "compressed-tensors", "config_groups": {"W8A8": ["Linear"]}}, "int8"),
     ({"quant_method": "compressed-tensors", "config_groups": {"W8A16": ["Linear"]}}, ""),
@@ -80,8 +80,8 @@ def test_planner_counts_the_quantized_bytes_of_a_config() -> None:
     table = fp8.vocab_size * fp8.hidden_size * 2
     assert stage_weight_bytes(fp8, 0, True, False, 1) == table == stage_weight_bytes(bf16, 0, True, False, 1)
     assert load_model_spec("llama3-70b-fp8").matmul_bytes == 1.0
-    # Only a scheme that quantizes activations too multiplies in FP8 / INT8.
-    assert (bf16.linear_compute, fp8.linear_compute) == ("", "")
+    # FP8 weights multiply in FP8 (the activations quantized per token at each call).
+    assert (bf16.linear_compute, fp8.linear_compute) == ("", "fp8")
     assert model_spec_from_hf({**cfg, "quantization_config": FP8_DYNAMIC}, "fp8").linear_compute == "fp8"
     assert model_spec_from_hf({**cfg, "quantization_config": W8A8}, "w8a8").linear_compute == "int8"
     assert model_spec_from_hf({**cfg, "quantization_config": GPTQ4}, "gptq").linear_compute == ""

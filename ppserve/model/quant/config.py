@@ -31,13 +31,14 @@ class WeightQuant:
 
     @property
     def compute(self) -> str:
-        """The precision its matmuls multiply in: 'fp8' or 'int8' where weights and activations are both
-        8-bit of that kind (FP8 W8A8, INT8 W8A8), '' (the model dtype) for a weight-only scheme."""
+        """The precision ppserve's GPU path multiplies its matmuls in: 'fp8' for FP8 weights (`_scaled_mm`
+        quantizes the activations per token whatever the scheme says of them), 'int8' for INT8 W8A8
+        (`_int_mm`), '' (the model dtype) for weight-only integer schemes."""
         if self.bits != 8:
             return ""
-        if self.kind == "float" and self.fp8_activations:
+        if self.kind == "float":
             return "fp8"
-        return "int8" if self.kind == "int" and self.int8_activations else ""
+        return "int8" if self.int8_activations else ""
 
     def bytes_per_weight(self, scale_bytes: int = 2) -> float:
         """Stored bytes per weight, its share of the scales and zero points included."""
