@@ -7,11 +7,13 @@ at decode row counts, four ways, interleaved:
 - `int8`: torch's `_weight_int8pack_mm` (per-channel symmetric scales);
 - `int4`: torch's `_weight_int4pack_mm_for_cpu` on `_convert_weight_to_int4pack_for_cpu`'s layout
   (group-wise scales and float zero points, group 64);
+- `int4_dequant`: the same packed weight dequantized to bf16 at each call and multiplied
+  (ppserve/model/ops/int4_dequant.py, what an int4 layer runs from INT4_DEQUANT_MIN_ROWS rows);
 - `fp8`: `torch._scaled_mm` on float8_e4m3fn weights and per-token activations, where it runs on CPU.
 
 torchao's weight-only int8 layer is timed as a fifth way where torchao imports (it is not a dependency).
 
-    python benchmarks/bench_quant_kernels.py [--rows 1,4,16,64] [--repeats 30]
+    python benchmarks/bench_quant_kernels.py [--rows 1,4,16,64,128,256,512] [--repeats 30]
 
 Prints microseconds per pass and each way's ratio to bf16, and the largest error of each way's output
 against float32 on the dequantized weight. Writes results/bench_quant_kernels.json (or --out). Not a test.
@@ -28,11 +30,13 @@ from collections.abc import Callable
 import torch
 
 from ppserve.bench.report import write_json
+from ppserve.model.ops import int4_dequant
 from ppserve.model.ops.gemm import PackedWeight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 GROUP = 64
+ERRS = ("int8", "int4", "int4_dequant", "fp8")  # the ways whose error against float32 is printed
 
 
 def _quantized(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -63,10 +67,12 @@ def _quantized(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tens
         "bf16": lambda x: packed.linear(x, bf16, None),
         "int8": lambda x: torch.ops.aten._weight_int8pack_mm(x, q8, s8.bfloat16()),
         "int4": lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, int4, GROUP, scales_zeros),
+        "int4_dequant": lambda x: int4_dequant.dequantized_matmul(x, int4, scales_zeros, GROUP, out_f),
         "fp8": fp8_mm,
         "ref_bf16": lambda x: x.float() @ w.t(),
         "ref_int8": lambda x: x.float() @ (q8.float() * s8[:, None]).t(),
         "ref_int4": lambda x: x.float() @ w4.t(),
+        "ref_int4_dequant": lambda x: x.float() @ w4.t(),
         "ref_fp8": lambda x: x.float() @ (fp8.float() * fp8_scale.t()).t(),
     }
 
@@ -85,17 +91,17 @@ def _torchao_int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--rows", default="1,4,16,64,128,256,512")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="results/bench_quant_kernels.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     ways = {name: _quantized(torch.randn(shape) * 0.05) for name, shape in SHAPES.items()}
     ao = {name: _torchao_int8(torch.randn(shape) * 0.05) for name, shape in SHAPES.items()}
-    kinds = ["bf16", "int8", "int4", "fp8"] + (["torchao_int8"] if all(ao.values()) else [])
+    kinds = ["bf16", "int8", "int4", "int4_dequant", "fp8"] + (["torchao_int8"] if all(ao.values()) else [])
     results = []
     print("| rows | " + " | ".join(f"{k} us" for k in kinds) + " | " +
-          " | ".join(f"{k}/bf16 speed" for k in kinds[1:]) + " | max rel err int8 / int4 / fp8 |")
+          " | ".join(f"{k}/bf16 speed" for k in kinds[1:]) + " | max rel err " + " / ".join(ERRS) + " |")
     with torch.no_grad():
         for rows in (int(r) for r in args.rows.split(",")):
             xs = {name: torch.randn(rows, shape[1]).bfloat16() for name, shape in SHAPES.items()}
@@ -116,7 +122,7 @@ def main() -> None:
                     times[k].append((time.perf_counter() - start) * 1e6)
             us = {k: statistics.median(v) for k, v in times.items()}
             errs = {}
-            for k in ("int8", "int4", "fp8"):
+            for k in ERRS:
                 worst = 0.0
                 for name in SHAPES:
                     ref = ways[name][f"ref_{k}"](xs[name])
@@ -126,7 +132,7 @@ def main() -> None:
             results.append({"rows": rows, "us": us, "max_rel_err": errs})
             print(f"| {rows} | " + " | ".join(f"{us[k]:.0f}" for k in kinds) + " | " +
                   " | ".join(f"{us['bf16'] / us[k]:.2f}x" for k in kinds[1:]) + " | " +
-                  " / ".join(f"{errs[k]:.1e}" for k in ("int8", "int4", "fp8")) + " |", flush=True)
+                  " / ".join(f"{errs[k]:.1e}" for k in ERRS) + " |", flush=True)
     write_json(args.out, {"args": vars(args), "shapes": SHAPES, "group": GROUP,
                           "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
                           "results": results})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -385,3 +386,32 @@ def test_int_mm_pads_few_rows_to_a_fixed_shape() -> None:
         got = int_mm(x, w, CUDA_INT_MM_MIN_ROWS)
         assert got.shape == (rows, 48)
         assert torch.equal(got, x.int() @ w.int().t())
+
+
+def test_many_rows_multiply_the_int4_weight_dequantized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From INT4_DEQUANT_MIN_ROWS rows a CPU int4 layer multiplies its weight dequantized from the kernel's
+    own packing, a block of output rows at a time (here three blocks): within bf16 rounding of float64 on
+    the weight the codes encode, as the kernel is below those rows. This torch packs as it is read."""
+    from ppserve.gpu_check.kernels import _int4_codes
+    from ppserve.model.ops import int4_dequant
+    from ppserve.model.ops.quant_gemm import INT4_DEQUANT_MIN_ROWS, QuantizedLinear
+
+    assert int4_dequant.layout_known(), "torch's CPU int4 packing changed: int4_dequant cannot read it"
+    monkeypatch.setattr(int4_dequant, "BLOCK_ROWS", 128)
+    calls: list[int] = []
+    original = int4_dequant.dequantized_matmul
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return original(*args)
+
+    monkeypatch.setattr(int4_dequant, "dequantized_matmul", counted)
+    gen = torch.Generator().manual_seed(0)
+    codes, w = _int4_codes(gen, 320, 256, 64)
+    layer = QuantizedLinear.build(codes, torch.bfloat16, torch.device("cpu"))
+    assert layer is not None and layer.dequantizes
+    for rows in (INT4_DEQUANT_MIN_ROWS - 1, INT4_DEQUANT_MIN_ROWS, 300):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        got, want = layer.linear(x, None).double(), x.double() @ w.t()
+        assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), rows
+    assert calls == [INT4_DEQUANT_MIN_ROWS, 300]

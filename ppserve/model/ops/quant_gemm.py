@@ -3,10 +3,10 @@
 `QuantizedLinear.build` packs a layer's codes (its TP shard of a quantized checkpoint's, quant/codes.py;
 `int8_codes` of a float weight under `model.quantization: int8`) for the kernel the device has:
 
-- int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu`, CUDA tinygemm
-  `_weight_int4pack_mm`; both compute (q - 8) * scale + zero, so code q with zero z has float zero
-  (8 - z) * scale. Shuffled groups (GPTQ `desc_act`) are sorted into runs at packing, and each call
-  gathers the activations' columns into that order.
+- int4 in groups of 32-256 (W4A16, GPTQ, AWQ): `_weight_int4pack_mm_for_cpu` (from INT4_DEQUANT_MIN_ROWS
+  rows a bf16 GEMM on the weight dequantized from that packing, ops/int4_dequant.py), CUDA tinygemm
+  `_weight_int4pack_mm`; both compute (q - 8) * scale + zero (code q, zero z: float zero (8 - z) * scale).
+  GPTQ `desc_act`'s shuffled groups are sorted into runs at packing, the activations gathered to match.
 - int8, one symmetric scale a row (W8A8, GPTQ 8-bit, on-the-fly int8): `_weight_int8pack_mm` on CPU;
   a W8A8 checkpoint's layers above a few rows quantize activations per token and run `_int_mm`, which
   on CUDA serves W8A8 at every row count (int8 tensor cores; no weight-only int8 kernel there).
@@ -26,6 +26,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from ppserve.model.ops import int4_dequant
 from ppserve.model.quant.codes import QuantCodes
 
 INT4_GROUPS = (32, 64, 128, 256)
@@ -33,6 +34,9 @@ E4M3_MAX = 448.0
 # From this many rows a W8A8 checkpoint's layers quantize activations and run `_int_mm` (int8 x int8);
 # below, the weight-only int8 kernel is faster (docs/decisions.md#quantized-weights-on-cpu).
 W8A8_MIN_ROWS = 5
+# From this many rows a CPU int4 layer multiplies its weight dequantized to bf16 (int4_dequant.py): the
+# kernel's time grows with the rows, the dequantization's does not (decisions.md#quantized-weights-on-cpu).
+INT4_DEQUANT_MIN_ROWS = 128
 
 
 def fp8_gemm_available(device: torch.device) -> bool:
@@ -115,6 +119,9 @@ class QuantizedLinear:
         # W8A8 checkpoints: above W8A8_MIN_ROWS rows, int8 activations through `_int_mm`
         self.int8_activations = int8_activations
         self.perm: Tensor | None = None  # shuffled groups: the column order the activations are gathered in
+        # CPU int4 whose packing int4_dequant reads: many rows multiply the dequantized weight
+        self.dequantizes = (kind == "int4" and packed.device.type == "cpu" and out_features % 64 == 0
+                            and int4_dequant.layout_known())
 
     @staticmethod
     def build(codes: QuantCodes, dtype: torch.dtype, device: torch.device,
@@ -192,6 +199,9 @@ class QuantizedLinear:
             y = (acc.float() * x_scale * self.scales.float()).to(x.dtype)
         elif self.kind == "int8":
             y = cast(Tensor, torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales))
+        elif x2.device.type == "cpu" and x2.shape[0] >= INT4_DEQUANT_MIN_ROWS and self.dequantizes:
+            y = int4_dequant.dequantized_matmul(x2, self.packed, self.scales, self.group_size,
+                                                self.out_features)
         elif x2.device.type == "cpu":
             y = cast(Tensor, torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size,
                                                                          self.scales))
