@@ -13,7 +13,10 @@ at decode row counts, four ways, interleaved:
 
 torchao's weight-only int8 layer is timed as a fifth way where torchao imports (it is not a dependency).
 
-    python benchmarks/bench_quant_kernels.py [--rows 1,4,16,64,128,256,512] [--repeats 30]
+    python benchmarks/bench_quant_kernels.py [--rows 1,4,16,64,128,256,512] [--repeats 30] [--layers-only]
+
+`--layers-only` leaves out the LM head, which a quantized checkpoint keeps in bf16: the pass a decoder
+layer's quantized weights make.
 
 Prints microseconds per pass and each way's ratio to bf16, and the largest error of each way's output
 against float32 on the dequantized weight. Writes results/bench_quant_kernels.json (or --out). Not a test.
@@ -93,9 +96,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,4,16,64,128,256,512")
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--layers-only", action="store_true", help="leave out the LM head")
     ap.add_argument("--out", default="results/bench_quant_kernels.json")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.layers_only:
+        del SHAPES["lm_head"]
     ways = {name: _quantized(torch.randn(shape) * 0.05) for name, shape in SHAPES.items()}
     ao = {name: _torchao_int8(torch.randn(shape) * 0.05) for name, shape in SHAPES.items()}
     kinds = ["bf16", "int8", "int4", "int4_dequant", "fp8"] + (["torchao_int8"] if all(ao.values()) else [])

@@ -50,11 +50,11 @@ def dequantized_matmul(x: Tensor, packed: Tensor, scales_zeros: Tensor, group_si
     for first in range(0, out // 64, step):
         last = min(out // 64, first + step)
         cols = slice(64 * first, 64 * last)
-        w = unpacked_t(packed, out, inp, first, last).view(inp // group_size, group_size, -1)
-        scale = scales_zeros[:, cols, 0].unsqueeze(1)  # [groups, 1, rows]
-        zero = (scales_zeros[:, cols, 1].unsqueeze(1).float() - 8 * scale.float()).to(w.dtype)
-        w.mul_(scale).add_(zero)
+        q = unpacked_t(packed, out, inp, first, last).view(inp // group_size, group_size, -1)
+        scale = scales_zeros[:, cols, 0].contiguous()  # [groups, rows]: contiguous broadcasts fastest
+        zero = (scales_zeros[:, cols, 1].float() - 8 * scale.float()).to(q.dtype)
+        w = torch.addcmul(zero.unsqueeze(1), q, scale.unsqueeze(1)).view(inp, -1)  # one pass over the codes
         if first == 0 and last == out // 64:
-            return torch.matmul(x, w.view(inp, -1))
-        y[:, cols] = torch.matmul(x, w.view(inp, -1))
+            return torch.matmul(x, w)
+        y[:, cols] = torch.matmul(x, w)
     return y
