@@ -159,6 +159,7 @@ def tp_worker(rank: int, size: int, init_file: str, model_dir: str, prompts: lis
         results = tp_scenario(stage)
         if rank == 0:
             torch.save(results, Path(out_dir) / "logits.pt")
+        dist.barrier()  # neither rank tears gloo down while the other is still in a collective
     finally:
         dist.destroy_process_group()
 
